@@ -1,0 +1,23 @@
+"""memsafe: run ordinary JAX programs under a memory limit, and see where their memory goes."""
+
+from memsafe.errors import Blocker, MemoryLimitError, UnsupportedPrimitiveError
+from memsafe.jit import MemsafeFunction, jit
+from memsafe.limits import format_bytes, parse_limit
+from memsafe.plan import Plan, RuleRecord, SplitRecord
+from memsafe.xla import Footprint
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Blocker",
+    "Footprint",
+    "MemoryLimitError",
+    "MemsafeFunction",
+    "Plan",
+    "RuleRecord",
+    "SplitRecord",
+    "UnsupportedPrimitiveError",
+    "format_bytes",
+    "jit",
+    "parse_limit",
+]

@@ -1,0 +1,137 @@
+"""The one module that touches JAX internals.
+
+Everything memsafe needs from JAX beyond its public API (jaxpr classes, primitive objects, source
+locations of equations, binding a primitive from a jaxpr equation) is imported or wrapped here, so a
+JAX upgrade touches this file alone. Other modules import these names from ``memsafe._jax``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.extend.core as _jex_core
+import numpy as np
+from jax import core as _public_core
+
+# Jaxpr classes (jax.extend.core is the sanctioned home for these).
+ClosedJaxpr = _jex_core.ClosedJaxpr
+Jaxpr = _jex_core.Jaxpr
+JaxprEqn = _jex_core.JaxprEqn
+Literal = _jex_core.Literal
+Var = _jex_core.Var
+DropVar = _jex_core.DropVar
+Primitive = _jex_core.Primitive
+ShapedArray = _public_core.ShapedArray
+eval_jaxpr = _public_core.eval_jaxpr
+jaxpr_as_fun = _jex_core.jaxpr_as_fun
+
+Atom = Var | Literal
+
+#: Primitives that only wrap a sub-jaxpr and can be inlined for a forward (primal) program.
+#: custom_jvp/custom_vjp carry differentiation rules: memsafe differentiates the *original* function
+#: (see jit.py), so inlining their primal bodies is exact for the forward program.
+CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"})
+CUSTOM_DIFF_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def inner_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """The sub-jaxpr of a call-like equation (jit, remat, custom_jvp/vjp), as a ClosedJaxpr."""
+    name = eqn.primitive.name
+    if name in CALL_PRIMITIVES or name in CUSTOM_DIFF_PRIMITIVES:
+        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+            sub = eqn.params.get(key)
+            if sub is None:
+                continue
+            if isinstance(sub, ClosedJaxpr):
+                return sub
+            if isinstance(sub, Jaxpr):
+                return ClosedJaxpr(sub, ())
+    return None
+
+
+def _bind_params(eqn: JaxprEqn) -> tuple[Sequence[Any], dict[str, Any]]:
+    got = eqn.primitive.get_bind_params(eqn.params)
+    if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):
+        return got  # jax < 0.10: (subfuns, params)
+    return (), got
+
+
+@contextlib.contextmanager
+def eqn_context(eqn: JaxprEqn) -> Iterator[None]:
+    """Trace code under ``eqn``'s source location, so rewritten code keeps the user's lines."""
+    from jax._src import source_info_util
+
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    with (
+        source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
+        eqn.ctx.manager,
+    ):
+        yield
+
+
+def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
+    """Apply ``eqn``'s primitive to ``invals`` exactly as ``jax.core.eval_jaxpr`` does."""
+    subfuns, params = _bind_params(eqn)
+    with eqn_context(eqn):
+        out = eqn.primitive.bind(*subfuns, *invals, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def source_line(eqn: JaxprEqn) -> str:
+    """The user's source location of an equation, ``file:line (function)``, or ``""``."""
+    try:
+        from jax._src import source_info_util
+
+        return source_info_util.summarize(eqn.source_info)
+    except Exception:  # pragma: no cover - depends on JAX internals
+        return ""
+
+
+def user_frame(eqn: JaxprEqn) -> str:
+    """Like :func:`source_line` but without the column, as HLO metadata reports it."""
+    return source_line(eqn)
+
+
+def aval_of(atom: Any) -> ShapedArray:
+    """The abstract value of a Var, Literal or concrete array."""
+    if isinstance(atom, Var | Literal):
+        return atom.aval
+    return _public_core.get_aval(atom)
+
+
+def nbytes_of_aval(aval: Any) -> int:
+    """Bytes of a ShapedArray (0 for tokens and other non-array values)."""
+    shape = getattr(aval, "shape", None)
+    dtype = getattr(aval, "dtype", None)
+    if shape is None or dtype is None:
+        return 0
+    try:
+        itemsize = np.dtype(dtype).itemsize
+    except TypeError:  # extended dtypes such as PRNG keys
+        itemsize = getattr(dtype, "itemsize", 4)
+    return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+
+
+def is_literal(atom: Any) -> bool:
+    return isinstance(atom, Literal)
+
+
+def literal_value(atom: Literal) -> Any:
+    return atom.val
+
+
+def make_closed_jaxpr(fun: Callable[..., Any], avals: Sequence[Any]) -> tuple[ClosedJaxpr, Any]:
+    """Trace ``fun`` at ``avals`` (ShapeDtypeStructs or arrays); returns the jaxpr and out tree."""
+    closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
+    return closed, jax.tree_util.tree_structure(out_shape)
+
+
+def new_closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
+    return ClosedJaxpr(jaxpr, list(consts))
+
+
+def is_tracer(x: Any) -> bool:
+    return isinstance(x, _public_core.Tracer)

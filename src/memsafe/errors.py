@@ -1,0 +1,73 @@
+"""Errors memsafe raises, each naming what went wrong and where."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memsafe.limits import format_bytes
+
+
+@dataclass(frozen=True)
+class Blocker:
+    """A value too large for the limit and the operation that stopped splitting it."""
+
+    value: str
+    shape: tuple[int, ...]
+    dtype: str
+    bytes: int
+    operation: str
+    reason: str
+    where: str = ""
+
+    def describe(self) -> str:
+        loc = f" at {self.where}" if self.where else ""
+        return (
+            f"  {self.value}: {self.dtype}{list(self.shape)} = {format_bytes(self.bytes)}; "
+            f"{self.operation}{loc}: {self.reason}"
+        )
+
+
+class MemoryLimitError(MemoryError):
+    """No rewrite could bring the program's footprint under the memory limit.
+
+    ``limit``, ``footprint`` (best achieved, bytes or None), ``blockers`` (list of
+    :class:`Blocker`) and ``minimum`` (smallest limit known to work, or None) are attributes.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        limit: int,
+        footprint: int | None = None,
+        blockers: list[Blocker] | None = None,
+        minimum: int | None = None,
+    ) -> None:
+        self.limit = limit
+        self.footprint = footprint
+        self.blockers = list(blockers or [])
+        self.minimum = minimum
+        lines = [message, f"  memory limit: {format_bytes(limit)} ({limit} bytes)"]
+        if footprint is not None:
+            lines.append(f"  best footprint reached: {format_bytes(footprint)} ({footprint} bytes)")
+        if self.blockers:
+            lines.append("  values that could not be split:")
+            lines.extend(b.describe() for b in self.blockers)
+        if minimum is not None:
+            lines.append(
+                f"  smallest limit known to work: {format_bytes(minimum)} ({minimum} bytes)"
+            )
+        super().__init__("\n".join(lines))
+
+
+@dataclass
+class UnsupportedPrimitiveError(NotImplementedError):
+    """A primitive memsafe cannot split through, in a program that does not fit unsplit."""
+
+    primitive: str
+    where: str = ""
+    details: list[str] = field(default_factory=list)
+
+    def __str__(self) -> str:
+        loc = f" at {self.where}" if self.where else ""
+        return f"memsafe cannot split through primitive '{self.primitive}'{loc}"

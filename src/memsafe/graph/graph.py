@@ -1,0 +1,113 @@
+"""Graph: a read-only view of a jaxpr with shapes, bytes, producers, consumers and liveness."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Any
+
+from memsafe._jax import ClosedJaxpr, JaxprEqn, Literal, Var, nbytes_of_aval, source_line
+
+
+@dataclass(frozen=True)
+class ValueInfo:
+    """One jaxpr variable: its shape, dtype, bytes, producer and consumers (equation indices)."""
+
+    var: Var
+    shape: tuple[int, ...]
+    dtype: Any
+    bytes: int
+    producer: int | None  # None for program inputs and constants
+    consumers: tuple[int, ...]
+    is_input: bool
+    is_const: bool
+    is_output: bool
+    last_use: int  # index of the last consuming equation; len(eqns) if an output
+
+
+@dataclass
+class Graph:
+    """The program as a dataflow graph over one ClosedJaxpr (top level; sub-jaxprs are opaque)."""
+
+    closed: ClosedJaxpr
+    _values: dict[Var, ValueInfo] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        jaxpr = self.closed.jaxpr
+        producers: dict[Var, int] = {}
+        consumers: dict[Var, list[int]] = {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            for v in eqn.invars:
+                if isinstance(v, Var):
+                    consumers.setdefault(v, []).append(i)
+            for v in eqn.outvars:
+                producers[v] = i
+        outputs = {v for v in jaxpr.outvars if isinstance(v, Var)}
+        inputs = set(jaxpr.invars)
+        consts = set(jaxpr.constvars)
+        n = len(jaxpr.eqns)
+        values: dict[Var, ValueInfo] = {}
+        for v in [*jaxpr.constvars, *jaxpr.invars, *producers]:
+            uses = tuple(consumers.get(v, ()))
+            last = n if v in outputs else (max(uses) if uses else producers.get(v, -1))
+            values[v] = ValueInfo(
+                var=v,
+                shape=tuple(v.aval.shape),
+                dtype=v.aval.dtype,
+                bytes=nbytes_of_aval(v.aval),
+                producer=producers.get(v),
+                consumers=uses,
+                is_input=v in inputs,
+                is_const=v in consts,
+                is_output=v in outputs,
+                last_use=last,
+            )
+        self._values = values
+
+    @property
+    def eqns(self) -> list[JaxprEqn]:
+        return list(self.closed.jaxpr.eqns)
+
+    @property
+    def inputs(self) -> list[Var]:
+        return list(self.closed.jaxpr.invars)
+
+    @property
+    def outputs(self) -> list[Any]:
+        return list(self.closed.jaxpr.outvars)
+
+    def info(self, var: Var) -> ValueInfo:
+        return self._values[var]
+
+    def values(self) -> list[ValueInfo]:
+        return list(self._values.values())
+
+    def producer(self, var: Any) -> JaxprEqn | None:
+        if isinstance(var, Literal):
+            return None
+        idx = self._values[var].producer
+        return None if idx is None else self.closed.jaxpr.eqns[idx]
+
+    def consumers(self, var: Var) -> list[JaxprEqn]:
+        return [self.closed.jaxpr.eqns[i] for i in self._values[var].consumers]
+
+    def where(self, index: int) -> str:
+        """User source line of equation ``index``."""
+        return source_line(self.closed.jaxpr.eqns[index])
+
+    @cached_property
+    def input_bytes(self) -> int:
+        return sum(self._values[v].bytes for v in self.closed.jaxpr.invars)
+
+    @cached_property
+    def output_bytes(self) -> int:
+        return sum(nbytes_of_aval(v.aval) for v in self.closed.jaxpr.outvars)
+
+    @cached_property
+    def const_bytes(self) -> int:
+        return sum(int(getattr(c, "nbytes", 0) or 0) for c in self.closed.consts)
+
+    def largest(self, k: int = 10) -> list[ValueInfo]:
+        """The k largest intermediate values (not inputs or constants)."""
+        inter = [vi for vi in self._values.values() if vi.producer is not None]
+        return sorted(inter, key=lambda vi: vi.bytes, reverse=True)[:k]

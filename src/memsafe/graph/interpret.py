@@ -1,0 +1,82 @@
+"""Re-tracing interpreter: evaluate a jaxpr equation by equation, letting a pass replace some
+equations with plain JAX code, and trace the result back into a new jaxpr.
+
+This is the mechanism every rewriting pass uses (JAX's "custom interpreter" pattern): a pass never
+edits jaxpr objects by hand; it says what to compute instead, and JAX builds the new program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from memsafe._jax import (
+    ClosedJaxpr,
+    JaxprEqn,
+    Literal,
+    bind_eqn,
+    inner_jaxpr,
+    make_closed_jaxpr,
+)
+
+#: An override receives (equation index, equation, input values) and returns the output values,
+#: or None to evaluate the equation unchanged.
+Override = Callable[[int, JaxprEqn, list[Any]], Sequence[Any] | None]
+
+
+def evaluate(
+    closed: ClosedJaxpr,
+    args: Sequence[Any],
+    override: Override | None = None,
+    env: dict[Any, Any] | None = None,
+) -> list[Any]:
+    """Evaluate ``closed`` on ``args`` (concrete or traced), applying ``override`` per equation.
+
+    ``env`` may pre-bind variables (used by splitting to substitute chunk values); it is updated
+    in place so callers can read intermediate values back.
+    """
+    jaxpr = closed.jaxpr
+    env = {} if env is None else env
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    for var, val in zip(jaxpr.constvars, closed.consts):
+        env.setdefault(var, val)
+    for var, val in zip(jaxpr.invars, args):
+        env.setdefault(var, val)
+    for index, eqn in enumerate(jaxpr.eqns):
+        if all(out in env for out in eqn.outvars):
+            continue  # pre-bound by the caller
+        invals = [read(a) for a in eqn.invars]
+        outs = override(index, eqn, invals) if override is not None else None
+        if outs is None:
+            outs = bind_eqn(eqn, invals)
+        for var, val in zip(eqn.outvars, outs):
+            env[var] = val
+    return [read(a) for a in jaxpr.outvars]
+
+
+def retrace(closed: ClosedJaxpr, override: Override | None = None) -> ClosedJaxpr:
+    """A new ClosedJaxpr computing ``closed`` with ``override`` applied, at the same input avals."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    new, _ = make_closed_jaxpr(lambda *xs: evaluate(closed, xs, override), avals)
+    return new
+
+
+def _inline_override(index: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any] | None:
+    sub = inner_jaxpr(eqn)
+    if sub is None:
+        return None
+    return evaluate(sub, invals, _inline_override)
+
+
+def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Inline nested jit, remat and custom_jvp/custom_vjp calls into one flat jaxpr.
+
+    Only the primal computation is kept: differentiate the original function, not this jaxpr.
+    Control flow (scan, while, cond) stays as it is.
+    """
+    return retrace(closed, _inline_override)

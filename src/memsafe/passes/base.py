@@ -1,0 +1,42 @@
+"""What every pass sees: the program, the limit, and the plan it records into."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from memsafe._jax import ClosedJaxpr
+from memsafe.errors import Blocker
+from memsafe.plan import Plan, Record
+
+
+@dataclass
+class PassContext:
+    """Shared state of one run of the pipeline.
+
+    ``memory_limit`` is the whole-program limit in bytes; ``fixed_bytes`` what arguments, outputs
+    and constants take regardless of rewriting; ``chunk_scale`` (<= 1) is lowered by the driver when
+    a verified compile still exceeds the limit, so size-choosing passes pick smaller pieces.
+    """
+
+    memory_limit: int
+    fixed_bytes: int
+    plan: Plan
+    chunk_scale: float = 1.0
+    blockers: list[Blocker] = field(default_factory=list)
+
+    @property
+    def temp_budget(self) -> int:
+        """Bytes left for temporaries once arguments, outputs and constants are placed."""
+        return max(0, int((self.memory_limit - self.fixed_bytes) * self.chunk_scale))
+
+    def record(self, rec: Record) -> None:
+        self.plan.records.append(rec)
+
+    def block(self, blocker: Blocker) -> None:
+        if blocker not in self.blockers:
+            self.blockers.append(blocker)
+
+
+#: A pass rewrites a program; it may record into ``ctx.plan`` and report blockers.
+Pass = Callable[[ClosedJaxpr, PassContext], ClosedJaxpr]
