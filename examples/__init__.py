@@ -1,0 +1,1 @@
+"""Programs users write, as they write them: the workloads memsafe is judged on."""
