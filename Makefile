@@ -3,6 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+LINT := $(wildcard src tests benchmarks examples)
 
 .PHONY: demo test test-slow lint format bench bench-quick clean venv
 
@@ -18,19 +19,19 @@ demo: $(STAMP)
 	$(BIN)/python -m memsafe.demo
 
 test: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
-	$(BIN)/ruff format --check src tests benchmarks examples
+	$(BIN)/ruff check $(LINT)
+	$(BIN)/ruff format --check $(LINT)
 	$(BIN)/python -m pytest -n 2 -q
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests benchmarks examples
+	$(BIN)/ruff check $(LINT)
 
 format: $(STAMP)
-	$(BIN)/ruff format src tests benchmarks examples
-	$(BIN)/ruff check --fix src tests benchmarks examples
+	$(BIN)/ruff format $(LINT)
+	$(BIN)/ruff check --fix $(LINT)
 
 bench-quick: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"
