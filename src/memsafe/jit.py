@@ -36,6 +36,16 @@ class Program:
     out_tree: Any
     plan: Plan
     closed: _jax.ClosedJaxpr  # the program that runs (original when it fits unchanged)
+    compiled: Any = None  # the verified executable, called directly to avoid a second compile
+
+    def run(self, flat: Sequence[Any]) -> Any:
+        """Run on concrete arrays: the verified executable, or jit's path for odd argument types."""
+        if self.compiled is not None:
+            try:
+                return self.compiled(*flat)
+            except (TypeError, ValueError):
+                pass  # e.g. Python scalars or arrays on another device: let jit convert them
+        return self.jitted(*flat)
 
 
 def _is_static_leaf(x: Any) -> bool:
@@ -77,13 +87,14 @@ def build_program(
     plan = Plan(memory_limit=memory_limit)
     hidden = hidden_constant_bytes(closed.consts)
     original = memsafe_jit(flat_fun, donate_argnums=donate)
-    before = Footprint.from_compiled(original.lower(*avals).compile(), hidden)
+    original_compiled = original.lower(*avals).compile()
+    before = Footprint.from_compiled(original_compiled, hidden)
     plan.before = before
     if before.total <= memory_limit:
         plan.fits_unchanged = True
         plan.after = before
         plan.attempts.append(Attempt(1.0, before, True, "original program"))
-        return Program(original, flat_fun, tuple(avals), out_tree, plan, closed)
+        return Program(original, flat_fun, tuple(avals), out_tree, plan, closed, original_compiled)
 
     fixed = before.arguments + before.outputs - before.aliases
     if fixed > memory_limit:
@@ -115,7 +126,8 @@ def build_program(
         hidden_now = hidden_constant_bytes(program.consts)
         emitted = _emit(program)
         jitted = memsafe_jit(emitted, donate_argnums=donate)
-        after = Footprint.from_compiled(jitted.lower(*avals).compile(), hidden_now)
+        compiled = jitted.lower(*avals).compile()
+        after = Footprint.from_compiled(compiled, hidden_now)
         fits = after.total <= memory_limit
         plan.attempts.append(Attempt(scale, after, fits))
         if best is None or after.total < best.total:
@@ -123,7 +135,7 @@ def build_program(
         if fits:
             plan.records = attempt_plan.records
             plan.after = after
-            return Program(jitted, emitted, tuple(avals), out_tree, plan, program)
+            return Program(jitted, emitted, tuple(avals), out_tree, plan, program, compiled)
         if not attempt_plan.splits:
             break  # nothing size-dependent was done: smaller chunks cannot help
         # Shrink in proportion to the excess, at least halving.
@@ -242,7 +254,7 @@ class MemsafeFunction:
         if any(_jax.is_tracer(x) for x in flat):
             outs = self._differentiable(program, rebuild, key)(*flat)
         else:
-            outs = program.jitted(*flat)
+            outs = program.run(flat)
         return jax.tree_util.tree_unflatten(program.out_tree, list(outs))
 
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
