@@ -53,13 +53,15 @@ def _is_static_leaf(x: Any) -> bool:
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
+    """The abstract value jax.jit would see, keeping Python scalars weakly typed."""
     if isinstance(x, jax.ShapeDtypeStruct):
         return x
-    arr = x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
-    dtype = arr.dtype
     if isinstance(x, float | int | complex | bool) and not isinstance(x, np.generic):
-        dtype = jax.numpy.asarray(x).dtype  # weak python scalars follow JAX's default dtypes
-    return jax.ShapeDtypeStruct(tuple(arr.shape), dtype)
+        return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
+    arr = x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
+    return jax.ShapeDtypeStruct(
+        tuple(arr.shape), arr.dtype, weak_type=getattr(x, "weak_type", False)
+    )
 
 
 def _emit(closed: _jax.ClosedJaxpr) -> Callable[..., list[Any]]:
