@@ -135,3 +135,8 @@ def new_closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
 
 def is_tracer(x: Any) -> bool:
     return isinstance(x, _public_core.Tracer)
+
+
+def bind_eqn_with(eqn: JaxprEqn, invals: Sequence[Any], **params: Any) -> list[Any]:
+    """Like :func:`bind_eqn` with some of ``eqn``'s params replaced (re-binding at a new shape)."""
+    return bind_eqn(eqn.replace(params={**eqn.params, **params}), invals)
