@@ -140,3 +140,17 @@ def is_tracer(x: Any) -> bool:
 def bind_eqn_with(eqn: JaxprEqn, invals: Sequence[Any], **params: Any) -> list[Any]:
     """Like :func:`bind_eqn` with some of ``eqn``'s params replaced (re-binding at a new shape)."""
     return bind_eqn(eqn.replace(params={**eqn.params, **params}), invals)
+
+
+def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """Drop equations whose results are unused (rewrites leave the replaced region dead).
+
+    Inputs and constants are kept, so the signature does not change; effectful equations stay.
+    """
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr = closed.jaxpr
+    new, _ = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=True)
+    if len(new.invars) != len(jaxpr.invars) or len(new.constvars) != len(jaxpr.constvars):
+        return closed  # pragma: no cover - signature changed; keep the program as it is
+    return ClosedJaxpr(new, list(closed.consts))
