@@ -1,0 +1,135 @@
+"""The splitting pass: run regions around too-large values in sequential chunks.
+
+For each intermediate larger than a share of the temporary budget (largest first), every axis is
+tried: the region that axis allows is grown (memsafe.split.region), its chunk chosen from the
+budget (memsafe.split.size), and the option with the fewest loop iterations is emitted
+(memsafe.split.emit). Values no axis can split are reported as blockers naming the operation that
+stopped each axis.
+"""
+
+from __future__ import annotations
+
+from memsafe._jax import ClosedJaxpr, Var, source_line
+from memsafe.errors import Blocker
+from memsafe.graph import Graph
+from memsafe.passes.base import PassContext
+from memsafe.plan import SplitRecord
+from memsafe.split.emit import emit
+from memsafe.split.region import Region, SplitFailure, grow
+from memsafe.split.size import ChunkPlan, choose_chunk
+
+#: A value is split when it exceeds this share of the temporary budget.
+SHARE = 4
+#: Values up to budget / SMALL may stay whole outside a region.
+SMALL = 8
+#: Most regions one run of the pass emits.
+MAX_REGIONS = 16
+
+
+def _describe(graph: Graph, var: Var) -> str:
+    info = graph.info(var)
+    eqn = graph.eqns[info.producer] if info.producer is not None else None
+    what = f"{info.dtype}{list(info.shape)}"
+    if eqn is None:
+        return what
+    where = source_line(eqn)
+    return f"{what} ({eqn.primitive.name}{' at ' + where if where else ''})"
+
+
+def _key(graph: Graph, var: Var) -> tuple:
+    info = graph.info(var)
+    eqn = graph.eqns[info.producer]
+    return (eqn.primitive.name, info.shape, str(info.dtype), source_line(eqn))
+
+
+def candidates(graph: Graph, budget: int) -> list[Var]:
+    """Intermediates over ``budget / SHARE`` bytes, largest first."""
+    out = [
+        vi
+        for vi in graph.values()
+        if vi.producer is not None and not vi.is_output and vi.bytes > budget // SHARE
+    ]
+    out.sort(key=lambda vi: (-vi.bytes, vi.producer))
+    return [vi.var for vi in out]
+
+
+def best_split(
+    graph: Graph, var: Var, budget: int
+) -> tuple[Region, ChunkPlan] | list[tuple[int, SplitFailure]]:
+    """The cheapest way to split ``var`` (fewest loop iterations), or why each axis failed."""
+    options: list[tuple[Region, ChunkPlan]] = []
+    failures: list[tuple[int, SplitFailure]] = []
+    for axis, n in enumerate(graph.info(var).shape):
+        if n < 2:
+            continue
+        try:
+            region = grow(graph, var, axis, max(1, budget // SMALL), max(1, budget // 2))
+        except SplitFailure as failure:
+            failures.append((axis, failure))
+            continue
+        chunk = choose_chunk(graph, region, budget)
+        if chunk is None:
+            failures.append(
+                (axis, SplitFailure("even one element per chunk exceeds the memory budget"))
+            )
+            continue
+        if chunk.loops < 2:
+            failures.append((axis, SplitFailure("splitting along this axis saves nothing")))
+            continue
+        options.append((region, chunk))
+    if not options:
+        return failures
+    return min(options, key=lambda o: (o[1].iterations, -o[1].chunk, o[0].seed_axis))
+
+
+def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
+    """Split every too-large intermediate that some axis allows; block the rest."""
+    failed: set[tuple] = set()
+    for _ in range(MAX_REGIONS):
+        graph = Graph(closed)
+        budget = ctx.temp_budget
+        chosen = None
+        for var in candidates(graph, budget):
+            if _key(graph, var) in failed:
+                continue
+            got = best_split(graph, var, budget)
+            if isinstance(got, tuple):
+                chosen = (var, *got)
+                break
+            failed.add(_key(graph, var))
+            info = graph.info(var)
+            for axis, failure in got:
+                ctx.block(
+                    Blocker(
+                        value=_describe(graph, var),
+                        shape=info.shape,
+                        dtype=str(info.dtype),
+                        bytes=info.bytes,
+                        operation=failure.operation,
+                        reason=f"axis {axis}: {failure.reason}",
+                        where=failure.where,
+                    )
+                )
+        if chosen is None:
+            return closed
+        var, region, chunk = chosen
+        new = emit(closed, region, chunk.chunk)
+        eqns = graph.eqns
+        sinks = sorted({m.kind for m in region.sinks.values()})
+        if any(graph.info(v).is_output for v in region.surviving):
+            sinks.append("output")
+        ctx.record(
+            SplitRecord(
+                value=_describe(graph, var),
+                bytes=graph.info(var).bytes,
+                axis=region.seed_axis,
+                size=region.size,
+                chunk=chunk.chunk,
+                loops=chunk.iterations,
+                ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
+                sinks=tuple(sinks),
+                where=source_line(eqns[graph.info(var).producer]),
+            )
+        )
+        closed = new
+    return closed

@@ -1,0 +1,372 @@
+"""How a chunked axis maps through each primitive, and how to re-bind it at chunk shape.
+
+A rule is keyed by primitive name. Given one operand or result of an equation that carries the
+split axis at position ``axis``, it answers with a :class:`Mapping` (where the axis sits in every
+operand and result; ``None`` for one that does not carry it and is used whole), a :class:`Sink`
+(the equation consumes the axis: its results are combined across chunks, see ``sinks.py``), or
+raises :class:`NoRule` naming why the axis cannot pass.
+
+Re-binding (:func:`rebind`) evaluates the equation on chunk-shaped operands: most primitives have
+no shape in their params; those that do (broadcast_in_dim, reshape, iota, slice, dynamic_slice,
+...) get the chunk size written in, and iota along the axis is offset by the chunk's start.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jax import lax
+
+from memsafe._jax import JaxprEqn, Literal, bind_eqn, bind_eqn_with
+
+Axis = int | None
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """The split axis in each operand and result of an equation (None: does not carry it)."""
+
+    ins: tuple[Axis, ...]
+    outs: tuple[Axis, ...]
+
+
+@dataclass(frozen=True)
+class Sink:
+    """The equation consumes the axis; ``kind`` says how its results combine across chunks."""
+
+    kind: str
+    ins: tuple[Axis, ...]
+
+
+class NoRule(Exception):
+    """The split axis cannot pass through this equation (the message says why)."""
+
+
+#: Side of the equation the known axis is on: ("in", operand index) or ("out", result index).
+Side = tuple[str, int]
+Rule = Callable[[JaxprEqn, Side, int], Mapping | Sink]
+
+RULES: dict[str, Rule] = {}
+#: Primitives whose params hold shapes and need rewriting at chunk shape.
+REBINDERS: dict[str, Callable[[JaxprEqn, list[Any], Mapping, Any, int], list[Any]]] = {}
+
+
+def _shape(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def register(*names: str) -> Callable[[Rule], Rule]:
+    def deco(rule: Rule) -> Rule:
+        for n in names:
+            RULES[n] = rule
+        return rule
+
+    return deco
+
+
+def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+    """Where the split axis goes through ``eqn``, given it sits at ``axis`` of ``side``."""
+    rule = RULES.get(eqn.primitive.name)
+    if rule is None:
+        raise NoRule(f"no splitting rule for primitive '{eqn.primitive.name}'")
+    return rule(eqn, side, axis)
+
+
+def _size_at(eqn: JaxprEqn, side: Side, axis: int) -> int:
+    atoms = eqn.invars if side[0] == "in" else eqn.outvars
+    return _shape(atoms[side[1]])[axis]
+
+
+# -- elementwise -----------------------------------------------------------------------------
+
+ELEMENTWISE = (  # noqa: SIM905 (a word list reads better than 70 quoted names)
+    "add add_any sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp "
+    "exp2 log log1p expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh "
+    "atanh sqrt rsqrt cbrt abs square select_n clamp eq ne lt le gt ge and or not xor "
+    "convert_element_type erf erfc erf_inv lgamma digamma igamma igammac nextafter real imag "
+    "conj complex shift_left shift_right_logical shift_right_arithmetic population_count "
+    "stop_gradient copy copy_p reduce_precision"
+).split()
+
+
+@register(*ELEMENTWISE)
+def _elementwise(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    out_shape = _shape(eqn.outvars[0])
+    size = _size_at(eqn, side, axis)
+    rank = len(out_shape)
+
+    def carries(atom: Any) -> Axis:
+        shape = _shape(atom)
+        if len(shape) == rank and shape[axis] == size and size > 1:
+            return axis
+        if (len(shape) == rank and shape[axis] in (1, size)) or len(shape) == 0:
+            return None
+        raise NoRule(f"{eqn.primitive.name}: operand shape {shape} does not align with the axis")
+
+    return Mapping(ins=tuple(carries(a) for a in eqn.invars), outs=tuple(axis for _ in eqn.outvars))
+
+
+# -- shape and layout ------------------------------------------------------------------------
+
+
+@register("broadcast_in_dim")
+def _broadcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    if len(eqn.invars) != 1:
+        raise NoRule("broadcast_in_dim with dynamic shapes")
+    dims = eqn.params["broadcast_dimensions"]
+    in_shape = _shape(eqn.invars[0])
+    if side[0] == "in":
+        return Mapping(ins=(axis,), outs=(dims[axis],))
+    size = eqn.params["shape"][axis]
+    for j, d in enumerate(dims):
+        if d == axis and in_shape[j] == size:
+            return Mapping(ins=(j,), outs=(axis,))
+    return Mapping(ins=(None,), outs=(axis,))  # the axis is created here: regenerate per chunk
+
+
+def _rebind_broadcast(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    shape = list(eqn.params["shape"])
+    shape[m.outs[0]] = size
+    return bind_eqn_with(eqn, invals, shape=tuple(shape))
+
+
+REBINDERS["broadcast_in_dim"] = _rebind_broadcast
+
+
+@register("reshape")
+def _reshape(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1:
+        raise NoRule("reshape with a dimension permutation or dynamic shape")
+    in_shape, out_shape = _shape(eqn.invars[0]), _shape(eqn.outvars[0])
+    src, dst = (in_shape, out_shape) if side[0] == "in" else (out_shape, in_shape)
+    before = _prod(src[:axis])
+    size = src[axis]
+    for k in range(len(dst)):
+        if _prod(dst[:k]) == before and dst[k] == size:
+            return Mapping(ins=(axis,), outs=(k,)) if side[0] == "in" else Mapping((k,), (axis,))
+    raise NoRule(f"reshape {in_shape} -> {out_shape} merges or splits the axis")
+
+
+def _rebind_reshape(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    sizes = list(eqn.params["new_sizes"])
+    sizes[m.outs[0]] = size
+    return bind_eqn_with(eqn, invals, new_sizes=tuple(sizes))
+
+
+REBINDERS["reshape"] = _rebind_reshape
+
+
+def _prod(xs: Sequence[int]) -> int:
+    out = 1
+    for x in xs:
+        out *= int(x)
+    return out
+
+
+@register("squeeze")
+def _squeeze(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    dims = sorted(d % len(_shape(eqn.invars[0])) for d in eqn.params["dimensions"])
+    kept = [d for d in range(len(_shape(eqn.invars[0]))) if d not in dims]
+    if side[0] == "in":
+        return Mapping(ins=(axis,), outs=(kept.index(axis),))
+    return Mapping(ins=(kept[axis],), outs=(axis,))
+
+
+@register("expand_dims")
+def _expand_dims(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    rank = len(_shape(eqn.outvars[0]))
+    dims = sorted(d % rank for d in eqn.params["dimensions"])
+    kept = [d for d in range(rank) if d not in dims]
+    if side[0] == "in":
+        return Mapping(ins=(axis,), outs=(kept[axis],))
+    return Mapping(ins=(kept.index(axis),), outs=(axis,))
+
+
+@register("transpose")
+def _transpose(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    perm = tuple(eqn.params["permutation"])
+    if side[0] == "in":
+        return Mapping(ins=(axis,), outs=(perm.index(axis),))
+    return Mapping(ins=(perm[axis],), outs=(axis,))
+
+
+@register("iota")
+def _iota(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    return Mapping(ins=tuple(None for _ in eqn.invars), outs=(axis,))
+
+
+def _rebind_iota(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    shape = list(eqn.params["shape"])
+    shape[m.outs[0]] = size
+    (out,) = bind_eqn_with(eqn, invals, shape=tuple(shape))
+    if eqn.params["dimension"] == m.outs[0]:
+        out = lax.add(out, lax.convert_element_type(start, out.dtype))
+    return [out]
+
+
+REBINDERS["iota"] = _rebind_iota
+
+
+def _identity_unless(param_axes: Callable[[JaxprEqn], Sequence[int]], what: str) -> Rule:
+    """Rule for ops acting along some axes: the split axis passes if it is not among them."""
+
+    def rule(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+        if axis in tuple(param_axes(eqn)):
+            raise NoRule(f"{eqn.primitive.name} {what} along the split axis")
+        rank = len(_shape(eqn.outvars[0]))
+        ins = tuple(axis if len(_shape(a)) == rank else None for a in eqn.invars)
+        return Mapping(ins=ins, outs=tuple(axis for _ in eqn.outvars))
+
+    return rule
+
+
+register("cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp")(
+    _identity_unless(lambda e: (e.params["axis"] % len(_shape(e.invars[0])),), "scans")
+)
+register("sort")(
+    _identity_unless(lambda e: (e.params["dimension"] % len(_shape(e.invars[0])),), "sorts")
+)
+register("concatenate")(_identity_unless(lambda e: (e.params["dimension"],), "concatenates"))
+register("split")(_identity_unless(lambda e: (e.params["axis"],), "splits"))
+register("rev")(_identity_unless(lambda e: tuple(e.params["dimensions"]), "reverses"))
+
+
+@register("pad")
+def _pad(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    if tuple(eqn.params["padding_config"][axis]) != (0, 0, 0):
+        raise NoRule("pad along the split axis")
+    return Mapping(ins=(axis, None), outs=(axis,))
+
+
+@register("slice")
+def _slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    full = _shape(eqn.invars[0])[axis]
+    start, limit = eqn.params["start_indices"][axis], eqn.params["limit_indices"][axis]
+    strides = eqn.params["strides"]
+    if start != 0 or limit != full or (strides is not None and strides[axis] != 1):
+        raise NoRule("slice along the split axis")
+    return Mapping(ins=(axis,), outs=(axis,))
+
+
+def _rebind_slice(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    limits = list(eqn.params["limit_indices"])
+    limits[m.ins[0]] = size
+    return bind_eqn_with(eqn, invals, limit_indices=tuple(limits))
+
+
+REBINDERS["slice"] = _rebind_slice
+
+
+@register("dynamic_slice")
+def _dynamic_slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    if eqn.params["slice_sizes"][axis] != _shape(eqn.invars[0])[axis]:
+        raise NoRule("dynamic_slice along the split axis")
+    return Mapping(ins=(axis,) + (None,) * (len(eqn.invars) - 1), outs=(axis,))
+
+
+def _rebind_dynamic_slice(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    sizes = list(eqn.params["slice_sizes"])
+    sizes[m.ins[0]] = size
+    invals = list(invals)
+    invals[1 + m.ins[0]] = lax.full_like(invals[1 + m.ins[0]], 0)  # a full slice starts at 0
+    return bind_eqn_with(eqn, invals, slice_sizes=tuple(sizes))
+
+
+REBINDERS["dynamic_slice"] = _rebind_dynamic_slice
+
+
+@register("dynamic_update_slice")
+def _dynamic_update_slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    op, upd = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    if op[axis] != upd[axis]:
+        raise NoRule("dynamic_update_slice along the split axis")
+    return Mapping(ins=(axis, axis) + (None,) * (len(eqn.invars) - 2), outs=(axis,))
+
+
+def _rebind_dus(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    invals = list(invals)
+    invals[2 + m.ins[0]] = lax.full_like(invals[2 + m.ins[0]], 0)
+    return bind_eqn(eqn, invals)
+
+
+REBINDERS["dynamic_update_slice"] = _rebind_dus
+
+
+# -- reductions, contractions, top_k: sinks when they consume the axis -----------------------
+
+REDUCE_KINDS = {
+    "reduce_sum": "sum",
+    "reduce_max": "max",
+    "reduce_min": "min",
+    "reduce_prod": "prod",
+    "reduce_and": "and",
+    "reduce_or": "or",
+    "argmax": "argmax",
+    "argmin": "argmin",
+}
+
+
+@register(*REDUCE_KINDS)
+def _reduce(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+    axes = sorted(eqn.params["axes"])
+    if side[0] == "in":
+        if axis in axes:
+            return Sink(REDUCE_KINDS[eqn.primitive.name], ins=(axis,))
+        return Mapping(ins=(axis,), outs=(axis - sum(a < axis for a in axes),))
+    kept = [d for d in range(len(_shape(eqn.invars[0]))) if d not in axes]
+    return Mapping(ins=(kept[axis],), outs=(axis,))
+
+
+@register("dot_general")
+def _dot_general(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lrank, rrank = len(_shape(eqn.invars[0])), len(_shape(eqn.invars[1]))
+    lfree = [d for d in range(lrank) if d not in lc and d not in lb]
+    rfree = [d for d in range(rrank) if d not in rc and d not in rb]
+    nb = len(lb)
+    if side[0] == "out":
+        if axis < nb:
+            return Mapping(ins=(lb[axis], rb[axis]), outs=(axis,))
+        if axis < nb + len(lfree):
+            return Mapping(ins=(lfree[axis - nb], None), outs=(axis,))
+        return Mapping(ins=(None, rfree[axis - nb - len(lfree)]), outs=(axis,))
+    mine, other = (lc, rc) if side[1] == 0 else (rc, lc)
+    mine_b, other_b = (lb, rb) if side[1] == 0 else (rb, lb)
+
+    def pair(a: Axis, b: Axis) -> tuple[Axis, Axis]:
+        return (a, b) if side[1] == 0 else (b, a)
+
+    if axis in mine:
+        return Sink("dot", ins=pair(axis, other[list(mine).index(axis)]))
+    if axis in mine_b:
+        p = list(mine_b).index(axis)
+        return Mapping(ins=pair(axis, other_b[p]), outs=(p,))
+    if side[1] == 0:
+        return Mapping(ins=(axis, None), outs=(nb + lfree.index(axis),))
+    return Mapping(ins=(None, axis), outs=(nb + len(lfree) + rfree.index(axis),))
+
+
+@register("top_k")
+def _top_k(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+    rank = len(_shape(eqn.invars[0]))
+    along = eqn.params.get("axis", -1) % rank
+    if side[0] == "in" and axis == along:
+        return Sink("top_k", ins=(axis,))
+    if axis == along:
+        raise NoRule("top_k result along its own axis")
+    return Mapping(ins=(axis,), outs=(axis, axis))
+
+
+def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:
+    """Evaluate ``eqn`` on chunk-shaped ``invals`` (chunk of ``size`` starting at ``start``)."""
+    custom = REBINDERS.get(eqn.primitive.name)
+    if custom is not None:
+        return custom(eqn, invals, mapping, start, size)
+    return bind_eqn(eqn, invals)
+
+
+def literal_axis(atom: Any) -> bool:
+    """Literals never carry the split axis (they are scalars in jaxprs)."""
+    return isinstance(atom, Literal)
