@@ -97,7 +97,7 @@ class Instruction:
     attributes: str
     computation: str
     is_root: bool = False
-    literal: str = ""  # the text between the parentheses of a ``constant``
+    literal: str = ""  # the text between the parentheses of a constant or parameter
     op_name: str = ""
     stack: tuple[Source, ...] = ()
 
@@ -350,7 +350,7 @@ def _parse_instruction(line: str, computation: str, frames: _Frames) -> Instruct
     inner = rest[open_at + 1 : close_at]
     attributes = rest[close_at + 1 :].lstrip(", ")
     literal = ""
-    if opcode == "constant":
+    if opcode in ("constant", "parameter"):
         operands: list[str] = []
         literal = inner
     else:
