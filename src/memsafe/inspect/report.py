@@ -147,7 +147,7 @@ def _is_dynamic(x: Any) -> bool:
 def _describe_arg(x: Any) -> str:
     if _is_dynamic(x):
         leaves = jax.tree_util.tree_leaves(x)
-        parts = [f"{hlo_dtype(leaf.dtype)}{list(leaf.shape)}" for leaf in leaves]
+        parts = [f"{hlo_dtype(leaf.dtype)}[{','.join(map(str, leaf.shape))}]" for leaf in leaves]
         return parts[0] if len(parts) == 1 else "{" + ", ".join(parts) + "}"
     text = repr(x)
     return "static " + (text if len(text) < 40 else text[:37] + "...")

@@ -1,0 +1,371 @@
+"""Renderings of a report: a text table, a Graphviz picture (DOT and SVG) and an HTML page.
+
+The picture draws kernels as boxes, loop bodies as clusters and every array as an edge labelled
+with its bytes; the largest temporaries are drawn thick and red. SVG comes from the system ``dot``
+if present, else from ``graphviz-pure`` (a ``dot``-compatible binary installed with memsafe).
+"""
+
+from __future__ import annotations
+
+import html as _html
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import graphviz
+
+from memsafe.inspect.hlo import Source
+from memsafe.inspect.model import Array, Kernel
+from memsafe.limits import format_bytes
+
+if TYPE_CHECKING:
+    from memsafe.inspect.report import Report
+
+#: How many of the largest temporaries the picture highlights.
+HIGHLIGHT = 1
+#: Rows of the text table's array list.
+MAX_ARRAY_ROWS = 25
+
+
+def short(source: Source | str | None) -> str:
+    """``file.py:12 (fn)`` with the directory dropped."""
+    if source is None:
+        return ""
+    text = str(source)
+    head, sep, tail = text.partition(":")
+    return os.path.basename(head) + sep + tail if sep else text
+
+
+def _kernel_where(kernel: Kernel) -> str:
+    return short(kernel.sources[0]) if kernel.sources else ""
+
+
+def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozenset()) -> list[str]:
+    widths = [len(h) for h in headers]
+    for row in rows:
+        for i, cell in enumerate(row):
+            widths[i] = max(widths[i], len(cell))
+
+    def fmt(cells: list[str]) -> str:
+        parts = [
+            c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(cells)
+        ]
+        return "  " + "  ".join(parts).rstrip()
+
+    return [fmt(headers), fmt(["-" * w for w in widths])] + [fmt(r) for r in rows]
+
+
+# -- text ---------------------------------------------------------------------------------------
+
+
+def footprint_lines(report: Report) -> list[str]:
+    fp = report.footprint
+    lines = [
+        f"Footprint: {format_bytes(fp.total)} ({fp.total:,} bytes)",
+        f"  arguments {format_bytes(fp.arguments)} + outputs {format_bytes(fp.outputs)}"
+        f" + temps {format_bytes(fp.temps)} - aliases {format_bytes(fp.aliases)}"
+        f" + generated code {format_bytes(fp.generated_code)}"
+        f" + constants memory_analysis() does not count {format_bytes(fp.hidden_constants)}",
+    ]
+    if report.peak_memory_in_bytes is not None:
+        lines.append(
+            f"  XLA's peak_memory_in_bytes: {format_bytes(report.peak_memory_in_bytes)}"
+            " (on CPU it omits temps; the total above does not)"
+        )
+    return lines
+
+
+def text(report: Report) -> str:
+    """The report as a readable table."""
+    g = report.graph
+    out = [
+        f"memsafe.inspect: {report.name}({', '.join(report.arguments)})",
+        f"compiled with {report.mode}",
+        "",
+        *footprint_lines(report),
+        "",
+        f"Kernels ({len(report.kernels)}, in schedule order):",
+    ]
+    rows = []
+    for k in report.kernels:
+        loop = f"in {k.parent}" if k.parent else ""
+        rows.append([k.name, k.label, str(k.shape), format_bytes(k.bytes), loop, _kernel_where(k)])
+    out += _table(["kernel", "op", "writes", "bytes", "loop", "source"], rows, {3})
+    temps = report.temporaries
+    carried = {u: loop.name for loop in report.loops for st in loop.state for u in st.update}
+    out += ["", f"Arrays between kernels ({len(temps)} temporaries, largest first):"]
+    rows = []
+    for a in temps[:MAX_ARRAY_ROWS]:
+        rows.append(
+            [
+                a.name,
+                a.type,
+                format_bytes(a.bytes),
+                a.role,
+                a.producer or "",
+                ", ".join(a.consumers)
+                or (f"next iteration of {carried[a.name]}" if a.name in carried else "-"),
+            ]
+        )
+    out += _table(["array", "type", "bytes", "role", "producer", "consumers"], rows, {2})
+    if len(temps) > MAX_ARRAY_ROWS:
+        out.append(f"  ... and {len(temps) - MAX_ARRAY_ROWS} smaller")
+    io = [a for a in report.arrays if a.role in ("parameter", "output")]
+    if io:
+        out += ["", "Parameters and outputs:"]
+        rows = [
+            [a.name, a.type, format_bytes(a.bytes), a.role, ", ".join(a.consumers) or "-"]
+            for a in io
+        ]
+        out += _table(["array", "type", "bytes", "role", "read by"], rows, {2})
+    if report.loops:
+        out += ["", "Loops:"]
+        for loop in report.loops:
+            trips = f"{loop.trip_count} iterations" if loop.trip_count else "unknown trip count"
+            out.append(f"  {loop.name} ({trips}), carried state {format_bytes(loop.bytes)}:")
+            for s in loop.state:
+                arr = g.arrays.get(s.array)
+                kind = "unchanged (loop-invariant)" if s.invariant else "updated"
+                typ = arr.type if arr else "?"
+                out.append(f"    [{s.index}] {typ} {format_bytes(s.bytes)} {kind}")
+    if report.constants:
+        out += ["", "Constants:"]
+        rows = []
+        for c in report.constants:
+            rows.append(
+                [
+                    c.name,
+                    c.type,
+                    format_bytes(c.bytes),
+                    c.kind + (" (closed over)" if c.closed_over else ""),
+                    "yes" if c.counted else "no",
+                    short(c.where),
+                ]
+            )
+        out += _table(["constant", "type", "bytes", "kind", "counted", "source"], rows, {2})
+    out += ["", f"Findings ({len(report.findings)}):"]
+    if not report.findings:
+        out.append("  none")
+    for f in report.findings:
+        fix = {True: "memsafe.jit fixes this", False: "fix it in your code", None: ""}[
+            f.fixed_by_memsafe_jit
+        ]
+        where = f" at {short(f.where)}" if f.where else ""
+        out.append(f"  [{f.rule}] {format_bytes(f.bytes)} ({f.bytes:,} bytes){where}")
+        out.append(f"      {f.message}")
+        out.append(f"      advice: {f.advice}" + (f" ({fix})" if fix else ""))
+    return "\n".join(out)
+
+
+# -- graphviz -----------------------------------------------------------------------------------
+
+
+def _edge_label(a: Array) -> str:
+    return f"{a.type}\\n{format_bytes(a.bytes)}"
+
+
+def dot(report: Report) -> str:
+    """The kernel graph as Graphviz DOT source."""
+    g = report.graph
+    temps = report.temporaries
+    highlighted = {a.name for a in temps[:HIGHLIGHT] if a.bytes > 0}
+    graph = graphviz.Digraph(name=report.name, format="svg")
+    graph.attr(rankdir="TB", fontname="Helvetica", label=f"{report.name}: {report.mode}")
+    graph.attr("node", fontname="Helvetica", fontsize="10")
+    graph.attr("edge", fontname="Helvetica", fontsize="9")
+
+    def kernel_node(container: graphviz.Digraph, k: Kernel) -> None:
+        lines = [k.name, k.label, f"{k.shape} {format_bytes(k.bytes)}"]
+        if k.sources:
+            lines.append(short(k.sources[0]))
+        if k.opcode == "while" and k.name in g.loops and g.loops[k.name].trip_count:
+            lines[1] += f" ({g.loops[k.name].trip_count} iterations)"
+        style = {"shape": "box", "style": "rounded,filled", "fillcolor": "#e8eef7"}
+        if k.opcode != "fusion":
+            style["fillcolor"] = "#f7eee0"
+        container.node(k.name, "\\n".join(lines), **style)
+
+    def add(container: graphviz.Digraph, parent: str | None) -> None:
+        for k in report.kernels:
+            if k.parent != parent:
+                continue
+            kernel_node(container, k)
+            if any(c.parent == k.name for c in report.kernels):
+                with container.subgraph(name=f"cluster_{k.name}") as sub:
+                    sub.attr(label=f"body of {k.name}", style="dashed", color="#888888")
+                    add(sub, k.name)
+
+    add(graph, None)
+    for a in report.arrays:
+        if a.role == "parameter":
+            graph.node(
+                f"in__{a.name}",
+                f"{a.name}\\n{a.type}\\n{format_bytes(a.bytes)}",
+                shape="ellipse",
+                style="filled",
+                fillcolor="#e3f2e1",
+            )
+        elif a.role == "constant" and a.consumers:
+            graph.node(
+                f"in__{a.name}",
+                f"constant {a.name}\\n{a.type}\\n{format_bytes(a.bytes)}",
+                shape="note",
+                style="filled",
+                fillcolor="#fde2e2",
+            )
+    for a in report.arrays:
+        source = a.producer if a.producer else f"in__{a.name}"
+        if source.startswith("in__") and a.role not in ("parameter", "constant"):
+            continue
+        attrs = {"label": _edge_label(a)}
+        if a.name in highlighted:
+            attrs.update(color="red", penwidth="3", fontcolor="red")
+        if a.role == "loop state":
+            attrs["style"] = "dashed"
+        for c in a.consumers:
+            graph.edge(source, c, **attrs)
+    for loop in report.loops:
+        for s in loop.state:
+            for u in s.update:
+                producer = g.arrays[u].producer
+                if producer and producer != loop.name and not s.invariant:
+                    graph.edge(
+                        producer,
+                        loop.name,
+                        label=f"next {_edge_label(g.arrays[u])}",
+                        style="dotted",
+                        constraint="false",
+                    )
+    for name in g.outputs:
+        a = g.arrays[name]
+        graph.node(
+            f"out__{name}",
+            f"output\\n{a.type}\\n{format_bytes(a.bytes)}",
+            shape="ellipse",
+            style="filled",
+            fillcolor="#fff4c2",
+        )
+        source = a.producer or f"in__{name}"
+        graph.edge(source, f"out__{name}", label=_edge_label(a))
+    return graph.source
+
+
+def dot_binary() -> str:
+    """The ``dot`` executable: the system's, else ``graphviz-pure`` next to Python or on PATH."""
+    found = shutil.which("dot")
+    if found:
+        return found
+    beside = Path(sys.executable).parent / "graphviz-pure"
+    if beside.exists():
+        return str(beside)
+    found = shutil.which("graphviz-pure")
+    if found:
+        return found
+    raise RuntimeError(
+        "cannot draw the report: no Graphviz 'dot' on PATH and no 'graphviz-pure' next to "
+        f"{sys.executable}; install graphviz or `pip install graphviz-pure`"
+    )
+
+
+def svg(report: Report) -> str:
+    """The kernel graph rendered to SVG."""
+    result = subprocess.run(
+        [dot_binary(), "-Tsvg"],
+        input=dot(report).encode(),
+        capture_output=True,
+        timeout=120,
+        check=False,
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"Graphviz failed: {result.stderr.decode(errors='replace')[:500]}")
+    out = result.stdout.decode()
+    start = out.find("<svg")
+    return out[start:] if start >= 0 else out
+
+
+# -- html ---------------------------------------------------------------------------------------
+
+_STYLE = """
+body { font-family: Helvetica, Arial, sans-serif; margin: 1.5em; }
+table { border-collapse: collapse; margin: 0.5em 0 1.2em; font-size: 13px; }
+th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
+td.num { text-align: right; }
+.finding { border-left: 4px solid #d9534f; padding: 4px 10px; margin: 8px 0; background: #fdf3f3; }
+.fixed { color: #2b7a2b; }
+code { background: #f3f3f3; padding: 0 3px; }
+"""
+
+
+def _html_table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
+    e = _html.escape
+    head = "".join(f"<th>{e(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>"
+        + "".join(
+            f'<td class="num">{e(c)}</td>' if i in numeric else f"<td>{e(c)}</td>"
+            for i, c in enumerate(r)
+        )
+        + "</tr>"
+        for r in rows
+    )
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def html(report: Report, picture: bool = True) -> str:
+    """A self-contained HTML page (also what Jupyter shows)."""
+    e = _html.escape
+    parts = [
+        f"<h2>memsafe.inspect: <code>{e(report.name)}</code>"
+        f"({e(', '.join(report.arguments))})</h2>",
+        f"<p>Compiled with {e(report.mode)}.</p>",
+        "<h3>Footprint</h3><pre>" + e("\n".join(footprint_lines(report))) + "</pre>",
+        f"<h3>Findings ({len(report.findings)})</h3>",
+    ]
+    for f in report.findings:
+        fix = (
+            ' <span class="fixed">(memsafe.jit fixes this)</span>' if f.fixed_by_memsafe_jit else ""
+        )
+        where = f" at <code>{e(short(f.where))}</code>" if f.where else ""
+        parts.append(
+            f'<div class="finding"><b>{e(f.rule)}</b>: {e(format_bytes(f.bytes))}'
+            f" ({f.bytes:,} bytes){where}<br>{e(f.message)}<br><i>{e(f.advice)}</i>{fix}</div>"
+        )
+    if not report.findings:
+        parts.append("<p>none</p>")
+    if picture:
+        try:
+            parts.append("<h3>Kernel graph</h3>" + svg(report))
+        except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+            parts.append(f"<p>(no picture: {e(str(err))})</p>")
+    rows = [
+        [k.name, k.label, str(k.shape), format_bytes(k.bytes), k.parent or "", _kernel_where(k)]
+        for k in report.kernels
+    ]
+    parts.append("<h3>Kernels</h3>")
+    parts.append(_html_table(["kernel", "op", "writes", "bytes", "loop", "source"], rows, {3}))
+    rows = [
+        [a.name, a.type, format_bytes(a.bytes), a.role, a.producer or "", ", ".join(a.consumers)]
+        for a in sorted(report.arrays, key=lambda a: -a.bytes)
+    ]
+    parts.append("<h3>Arrays</h3>")
+    parts.append(
+        _html_table(["array", "type", "bytes", "role", "producer", "consumers"], rows, {2})
+    )
+    if report.constants:
+        rows = [
+            [c.name, c.type, format_bytes(c.bytes), c.kind, "yes" if c.counted else "no", c.where]
+            for c in report.constants
+        ]
+        parts.append("<h3>Constants</h3>")
+        parts.append(
+            _html_table(["constant", "type", "bytes", "kind", "counted", "source"], rows, {2})
+        )
+    body = "\n".join(parts)
+    return (
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
+        f"<title>memsafe.inspect {e(report.name)}</title><style>{_STYLE}</style></head>"
+        f"<body>{body}</body></html>"
+    )
