@@ -1,6 +1,7 @@
 """memsafe: run ordinary JAX programs under a memory limit, and see where their memory goes."""
 
 from memsafe.errors import Blocker, MemoryLimitError, UnsupportedPrimitiveError
+from memsafe.inspect import Report, inspect  # the function shadows the subpackage's name
 from memsafe.jit import MemsafeFunction, jit
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.plan import Plan, RuleRecord, SplitRecord
@@ -14,10 +15,12 @@ __all__ = [
     "MemoryLimitError",
     "MemsafeFunction",
     "Plan",
+    "Report",
     "RuleRecord",
     "SplitRecord",
     "UnsupportedPrimitiveError",
     "format_bytes",
+    "inspect",
     "jit",
     "parse_limit",
 ]
