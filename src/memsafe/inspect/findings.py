@@ -482,6 +482,8 @@ def broadcast_materialized(report: Report) -> Iterable[Finding]:
     for kernel in report.kernels:
         if kernel.opcode in ("while", "conditional", "call") or _is_heavy(report, kernel):
             continue
+        if _ops(report, kernel) & {"reduce", "reduce-window"}:
+            continue  # a reduction's result (a pairwise matrix), not a stored broadcast
         inputs = _array_inputs(report, kernel)
         read = sum(a.bytes for a in inputs)
         if not inputs and not _ops(report, kernel) <= FILL_OPS:
