@@ -1,0 +1,108 @@
+"""Built-in rules for pairwise distances and similarities between the rows of two matrices.
+
+Written naively, ``sum((x[:, None] - y[None]) ** 2, -1)`` is an n*m*d elementwise reduction that
+XLA may store whole; ``|x|^2 + |y|^2 - 2 x y^T`` is one matrix product plus rank-one terms.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from memsafe.rules.pattern import Rule
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+def _gram(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    """x @ y.T at full precision (no TF32 on GPUs: the expansion cancels)."""
+    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=_HIGHEST)
+
+
+def sqdist_gemm(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    """|x_i|^2 + |y_j|^2 - 2 x_i.y_j, clamped at zero (one GEMM instead of an n*m*d reduction)."""
+    xx = jnp.sum(x * x, axis=-1)
+    yy = jnp.sum(y * y, axis=-1)
+    return jnp.maximum(xx[:, None] + yy[None, :] - 2 * _gram(x, y), 0)
+
+
+def l2dist_gemm(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    """sqrt of the clamped GEMM expansion of the squared distance."""
+    return jnp.sqrt(sqdist_gemm(x, y))
+
+
+def pairwise_dot_gemm(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    """x @ y.T instead of a broadcast multiply and sum."""
+    return _gram(x, y)
+
+
+def cosine_gemm(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    """(x @ y.T) scaled by the inverse row norms, without normalized copies of x and y."""
+    nx = jnp.sqrt(jnp.sum(x * x, axis=-1))
+    ny = jnp.sqrt(jnp.sum(y * y, axis=-1))
+    return _gram(x, y) / (nx[:, None] * ny[None, :])
+
+
+def _diff(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    return x[:, None, :] - y[None, :, :]
+
+
+def _rdiff(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    return y[None, :, :] - x[:, None, :]
+
+
+def _normalize(v: jnp.ndarray) -> jnp.ndarray:
+    return v / jnp.linalg.norm(v, axis=-1, keepdims=True)
+
+
+SQDIST = Rule(
+    "pairwise_sqdist",
+    [
+        lambda x, y: jnp.sum(_diff(x, y) ** 2, axis=-1),
+        lambda x, y: jnp.sum(_rdiff(x, y) ** 2, axis=-1),
+        lambda x, y: jnp.linalg.norm(_diff(x, y), axis=-1) ** 2,
+        lambda x, y: jnp.linalg.norm(_rdiff(x, y), axis=-1) ** 2,
+    ],
+    sqdist_gemm,
+    shapes="n d, m d",
+    dtypes=(jnp.floating,),
+    description="pairwise squared distance -> |x|^2 + |y|^2 - 2 x y^T (one GEMM), clamped at 0",
+)
+
+L2DIST = Rule(
+    "pairwise_l2dist",
+    [
+        lambda x, y: jnp.sqrt(jnp.sum(_diff(x, y) ** 2, axis=-1)),
+        lambda x, y: jnp.sqrt(jnp.sum(_rdiff(x, y) ** 2, axis=-1)),
+        lambda x, y: jnp.linalg.norm(_diff(x, y), axis=-1),
+        lambda x, y: jnp.linalg.norm(_rdiff(x, y), axis=-1),
+    ],
+    l2dist_gemm,
+    shapes="n d, m d",
+    dtypes=(jnp.floating,),
+    description="pairwise distance -> sqrt of the clamped GEMM expansion",
+)
+
+PAIRWISE_DOT = Rule(
+    "pairwise_dot",
+    lambda x, y: jnp.sum(x[:, None, :] * y[None, :, :], axis=-1),
+    pairwise_dot_gemm,
+    shapes="n d, m d",
+    dtypes=(jnp.floating, jnp.complexfloating),
+    description="sum(x[:, None] * y[None], -1) -> x @ y.T",
+)
+
+COSINE = Rule(
+    "pairwise_cosine",
+    [
+        lambda x, y: _normalize(x) @ _normalize(y).T,
+        lambda x, y: _normalize(x) @ jnp.transpose(_normalize(y)),
+    ],
+    cosine_gemm,
+    shapes="n d, m d",
+    dtypes=(jnp.floating,),
+    min_bytes_saved=1,
+    description="normalized rows then x @ y.T -> scale the GEMM by inverse norms (no copies)",
+)
+
+RULES = (L2DIST, SQDIST, PAIRWISE_DOT, COSINE)

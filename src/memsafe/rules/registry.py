@@ -1,0 +1,48 @@
+"""Which rules match-and-replace tries: memsafe's built-ins and the ones users register."""
+
+from __future__ import annotations
+
+from memsafe.rules.pattern import Rule
+
+_USER_RULES: list[Rule] = []
+
+
+def builtin_rules() -> list[Rule]:
+    """memsafe's own rules (distances, products read in part, tiles feeding batched bodies)."""
+    from memsafe.rules import distance, linalg
+
+    rules: list[Rule] = [*distance.RULES, *linalg.RULES]
+    try:
+        from memsafe.rules import tile
+    except ImportError:  # pragma: no cover
+        return rules
+    return [*rules, *tile.RULES]
+
+
+def register_rule(rule: Rule) -> Rule:
+    """Add ``rule`` to those every memsafe.jit tries (before the built-ins); returns it.
+
+    A rule with the name of one already registered replaces it.
+    """
+    if not isinstance(rule, Rule):
+        raise TypeError(f"register_rule expects a memsafe.Rule, got {type(rule).__name__}")
+    unregister_rule(rule.name)
+    _USER_RULES.append(rule)
+    return rule
+
+
+def unregister_rule(name: str) -> bool:
+    """Remove the user rule called ``name``; returns whether there was one."""
+    before = len(_USER_RULES)
+    _USER_RULES[:] = [r for r in _USER_RULES if r.name != name]
+    return len(_USER_RULES) != before
+
+
+def registered_rules() -> list[Rule]:
+    """User rules, in registration order."""
+    return list(_USER_RULES)
+
+
+def active_rules() -> list[Rule]:
+    """The rules match-and-replace tries: user rules first, then the built-ins."""
+    return [*_USER_RULES, *builtin_rules()]

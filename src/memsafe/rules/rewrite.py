@@ -1,0 +1,89 @@
+"""``memsafe.rules.rewrite(f)``: ``f`` with match-and-replace and reordering applied, no limit."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+
+from memsafe import _jax
+from memsafe.graph import inline_calls
+from memsafe.plan import Plan, RuleRecord
+from memsafe.rules.pattern import Rule
+
+
+@functools.lru_cache(maxsize=64)
+def _run(closed: _jax.ClosedJaxpr) -> Callable[..., Any]:
+    return jax.jit(lambda *xs: _jax.eval_jaxpr(closed.jaxpr, closed.consts, *xs))
+
+
+class Rewritten:
+    """A function whose program memsafe rewrote; call it like the original (it is traceable)."""
+
+    def __init__(
+        self, fun: Callable[..., Any], rules: Sequence[Rule] | None, reorder: bool
+    ) -> None:
+        self.fun = fun
+        self.rules = None if rules is None else list(rules)
+        self.reorder = reorder
+        self._cache: dict[Any, tuple[_jax.ClosedJaxpr, Any, list[RuleRecord]]] = {}
+        functools.update_wrapper(self, fun)
+
+    def _program(self, args: tuple) -> tuple[_jax.ClosedJaxpr, Any, list[RuleRecord]]:
+        leaves, tree = jax.tree_util.tree_flatten(args)
+        avals = tuple(jax.ShapeDtypeStruct(jax.numpy.shape(x), jax.numpy.result_type(x))
+                      for x in leaves)  # fmt: skip
+        key = (tree, avals)
+        found = self._cache.get(key)
+        if found is not None:
+            return found
+
+        def flat(*xs: Any) -> Any:
+            return self.fun(*jax.tree_util.tree_unflatten(tree, xs))
+
+        closed, out_tree = _jax.make_closed_jaxpr(flat, avals)
+        closed = inline_calls(closed)
+        from memsafe.passes.match_replace import rewrite as match_replace
+        from memsafe.rules.registry import active_rules
+
+        rules = active_rules() if self.rules is None else self.rules
+        closed, records = match_replace(closed, rules)
+        if self.reorder:
+            try:
+                from memsafe.passes.reorder import reorder_chains
+            except ImportError:  # pragma: no cover
+                reorder_chains = None
+            if reorder_chains is not None:
+                closed, more = reorder_chains(closed)
+                records = [*records, *more]
+        found = (closed, out_tree, records)
+        self._cache[key] = found
+        return found
+
+    def __call__(self, *args: Any) -> Any:
+        closed, out_tree, _ = self._program(args)
+        leaves = jax.tree_util.tree_leaves(args)
+        outs = _run(closed)(*leaves)
+        return jax.tree_util.tree_unflatten(out_tree, outs)
+
+    def jaxpr(self, *args: Any) -> _jax.ClosedJaxpr:
+        """The rewritten program at these arguments' shapes."""
+        return self._program(args)[0]
+
+    def plan(self, *args: Any) -> Plan:
+        """The rewrites done at these arguments' shapes (rules fired, where, what they saved)."""
+        plan = Plan(memory_limit=0)
+        plan.records.extend(self._program(args)[2])
+        return plan
+
+
+def rewrite(
+    fun: Callable[..., Any], *, rules: Sequence[Rule] | None = None, reorder: bool = True
+) -> Rewritten:
+    """``fun`` rewritten by match-and-replace (``rules``, default: registered + built-in) and
+    matrix-chain reordering. No memory limit is involved: use it to see or keep the rewrites."""
+    if not callable(fun):
+        raise TypeError(f"rewrite expects a callable, got {type(fun).__name__}")
+    return Rewritten(fun, rules, reorder)
