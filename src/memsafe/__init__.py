@@ -5,6 +5,7 @@ from memsafe.inspect import Report, inspect  # the function shadows the subpacka
 from memsafe.jit import MemsafeFunction, jit
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.plan import Plan, RuleRecord, SplitRecord
+from memsafe.rules import Rule, register_rule
 from memsafe.xla import Footprint
 
 __version__ = "0.1.0"
@@ -16,6 +17,7 @@ __all__ = [
     "MemsafeFunction",
     "Plan",
     "Report",
+    "Rule",
     "RuleRecord",
     "SplitRecord",
     "UnsupportedPrimitiveError",
@@ -23,4 +25,5 @@ __all__ = [
     "inspect",
     "jit",
     "parse_limit",
+    "register_rule",
 ]
