@@ -1,0 +1,143 @@
+"""The benchmark runner: every workload under jax.jit, memsafe.jit and its peers, in one run.
+
+``python -m benchmarks.run --size quick|full [--only knn,sgpr] [--repeats 3]``
+
+Each (case, method) runs in a fresh subprocess (``benchmarks.case``) so that its peak RSS is its
+own. Results go to ``benchmarks/results/<workload>.json`` (full size on the CPU),
+``results/quick/`` (quick size) or ``results/<backend>/`` (a GPU run, beside the CPU's), and the
+tables and plots of every results file are rebuilt (``benchmarks.report``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from benchmarks import report
+
+WORKLOADS = ("knn", "kernel_matvec", "sgpr", "attention", "hutchinson")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def results_dir(size: str, backend: str) -> Path:
+    base = report.RESULTS
+    if backend != "cpu":
+        base = base / backend
+    return base / "quick" if size == "quick" else base
+
+
+def run_method(workload: str, method: str, params: dict, timeout: float) -> dict:
+    """One (case, method) in a subprocess; a crash or a timeout is recorded, not raised."""
+    with tempfile.TemporaryDirectory(prefix="memsafe-bench-") as tmp:
+        out = Path(tmp) / "result.json"
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        cmd = [
+            sys.executable,
+            "-m",
+            "benchmarks.case",
+            workload,
+            method,
+            json.dumps(params),
+            str(out),
+        ]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(
+                cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout, check=False
+            )
+        except subprocess.TimeoutExpired:
+            return {"method": method, "status": "timeout", "timeout_s": timeout}
+        if out.exists():
+            return json.loads(out.read_text())
+        return {
+            "method": method,
+            "status": "crashed",
+            "returncode": proc.returncode,
+            "wall_s": time.perf_counter() - start,
+            "stderr": proc.stderr[-2000:],
+        }
+
+
+def run_workload(name: str, args: argparse.Namespace) -> dict:
+    module = importlib.import_module(f"benchmarks.{name}")
+    started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+    record: dict = {
+        "workload": name,
+        "size": args.size,
+        "started": started,
+        "loadavg_start": os.getloadavg(),
+        "cases": [],
+    }
+    for case in module.cases(args.size):
+        methods = [m for m in case["methods"] if not args.methods or m in args.methods]
+        params = {k: v for k, v in case.items() if k != "methods"}
+        params.update(repeats=args.repeats, budget_s=args.budget, jax_cap=args.jax_cap)
+        results: dict[str, dict] = {}
+        for method in methods:
+            print(f"[{name}] {case['label']}: {method} ...", flush=True)
+            res = run_method(name, method, params, args.timeout)
+            results[method] = res
+            print(f"    {report.one_line(res)}", flush=True)
+        if hasattr(module, "postprocess"):
+            module.postprocess(case, results)
+        record["cases"].append({"case": params, "results": results})
+    record["loadavg_end"] = os.getloadavg()
+    record["env"] = next(
+        (r["env"] for c in record["cases"] for r in c["results"].values() if "env" in r), {}
+    )
+    record["targets"] = report.targets(name, record)
+    return record
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=("quick", "full"), default="quick")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {WORKLOADS}")
+    parser.add_argument("--methods", default="", help="comma-separated subset of methods")
+    parser.add_argument("--repeats", type=int, default=3, help="timed calls after a warm-up")
+    parser.add_argument("--budget", type=float, default=None, help="seconds of repeats per method")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per method")
+    parser.add_argument(
+        "--jax-cap",
+        type=int,
+        default=6 * 2**30,
+        help="bytes above which plain jax.jit is compiled but not run",
+    )
+    args = parser.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    if args.budget is None:
+        args.budget = 30.0 if args.size == "quick" else 150.0
+    if args.timeout is None:
+        args.timeout = 900.0 if args.size == "quick" else 3600.0
+    names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
+    unknown = sorted(set(names) - set(WORKLOADS))
+    if unknown:
+        parser.error(f"unknown workload(s) {unknown}; choose from {WORKLOADS}")
+    import jax
+
+    backend = jax.default_backend()
+    out_dir = results_dir(args.size, backend)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        record = run_workload(name, args)
+        path = out_dir / f"{name}.json"
+        if args.methods and path.exists():  # a partial rerun updates the methods it ran
+            record = report.merge(json.loads(path.read_text()), record)
+            record["targets"] = report.targets(name, record)
+        path.write_text(json.dumps(record, indent=1, default=float))
+        print(f"wrote {path}")
+        for t in record["targets"]:
+            print(f"  target {t['name']}: {t['text']}")
+    report.write_all()
+
+
+if __name__ == "__main__":
+    main()
