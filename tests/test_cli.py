@@ -1,0 +1,129 @@
+"""The command line (memsafe inspect ...) and the demo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import pytest
+
+from memsafe import demo
+from memsafe.cli import UsageError, main, parse_arg
+
+KNN = textwrap.dedent(
+    """
+    import jax
+    import jax.numpy as jnp
+
+    def knn(x, y, k=10):
+        d = jnp.sum((x[:, None] - y[None]) ** 2, -1)
+        return jax.lax.top_k(-d, k)
+    """
+)
+
+
+@pytest.fixture
+def knn_file(tmp_path):
+    path = tmp_path / "knn_user.py"
+    path.write_text(KNN)
+    return path
+
+
+def test_parse_arg():
+    s = parse_arg("f32[2000,64]")
+    assert s.shape == (2000, 64) and s.dtype == jnp.float32
+    assert parse_arg("bf16[]").shape == ()
+    assert parse_arg("s32[3]").dtype == jnp.int32
+    assert parse_arg("10") == 10 and parse_arg("'ij'") == "ij"
+    for bad in ("f32[2000,a]", "f32[2000,64", "q7[3]", "nonsense("):
+        with pytest.raises(UsageError):
+            parse_arg(bad)
+
+
+def test_inspect_file_function_writes_svg_and_html(knn_file, tmp_path, capsys):
+    svg, page = tmp_path / "k.svg", tmp_path / "k.html"
+    code = main(
+        [
+            "inspect",
+            f"{knn_file}:knn",
+            "--arg",
+            "f32[200,16]",
+            "--arg",
+            "f32[3000,16]",
+            "--kwarg",
+            "k=5",
+            "--svg",
+            str(svg),
+            "--html",
+            str(page),
+        ]
+    )
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "knn(f32[200,16], f32[3000,16], k=static 5)" in out
+    assert "2.3 MiB" in out  # the f32[200,3000] distances between kernels
+    assert svg.read_text().startswith("<svg") and "2.3 MiB" in svg.read_text()
+    assert "<svg" in page.read_text()
+
+
+def test_module_function_and_xla_defaults(capsys):
+    code = main(["inspect", "examples.seed002:f_sum_jax", "--arg", "f32[1024,2]", "--xla-defaults"])
+    assert code == 0
+    assert "XLA default compiler options" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "KNN:knn", "--arg", "f32[2,a]"], "malformed"),
+        (["inspect", "no_such_module_xyz:f"], "cannot import module"),
+        (["inspect", "missing_file.py:f"], "no such file"),
+        (["inspect", "examples.seed002"], "FILE.py:FUNCTION"),
+        (["inspect", "examples.seed002:nope"], "no attribute"),
+        (["frobnicate"], "invalid choice"),
+    ],
+)
+def test_usage_errors_are_not_tracebacks(argv, message, knn_file, capsys):
+    argv = [a.replace("KNN", str(knn_file)) for a in argv]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_trace_failure_is_reported(knn_file, capsys):
+    code = main(["inspect", f"{knn_file}:knn", "--arg", "f32[3,4]", "--arg", "f32[5,6]"])
+    assert code == 1
+    assert "could not trace knn at arguments (f32[3,4], f32[5,6])" in capsys.readouterr().err
+
+
+def test_python_dash_m(knn_file):
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "memsafe",
+            "inspect",
+            f"{knn_file}:knn",
+            "--arg",
+            "f32[20,4]",
+            "--arg",
+            "f32[30,4]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Kernels" in result.stdout
+
+
+def test_demo_prints_the_knn_report_and_writes_html(tmp_path, capsys):
+    demo.main(["--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert "160,000,000" in out or "152.6 MiB" in out
+    assert (tmp_path / "demo_knn_report.html").read_text().startswith("<!DOCTYPE html>")
