@@ -258,6 +258,18 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
                 "a large result is needed outside the region", eqns[outside[0]]
             )
         surviving.append(var)
+    if seed not in produced:
+        info = graph.info(seed)
+        raise stopped_back.get(seed) or SplitFailure(
+            "its producer cannot run in chunks", eqns[info.producer or 0]
+        )
+    written = sum(graph.info(v).bytes for v in surviving if not graph.info(v).is_output)
+    if seed in surviving or written >= graph.info(seed).bytes:
+        info = graph.info(seed)
+        users = [c for c in info.consumers if c not in maps] or [info.producer or 0]
+        raise stopped_fwd.get(seed) or SplitFailure(
+            "the value is needed whole, splitting saves nothing", eqns[users[0]]
+        )
     region = Region(seed, axis, size, maps, axis_of, produced, sliced, whole, surviving)
     _assign_stages(graph, region)
     return region
