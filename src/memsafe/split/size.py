@@ -62,21 +62,38 @@ def _stored(graph: Graph, region: Region, var: Var, in_stage: set[int]) -> bool:
     return False
 
 
+def _stage_peak(graph: Graph, region: Region, idx: list[int]) -> int:
+    """Peak bytes of stored chunk values over one stage's body, in program order."""
+    eqns = graph.eqns
+    members = set(idx)
+    stored: dict[Var, int] = {}  # value -> last position (in idx) that reads it
+    for pos, i in enumerate(idx):
+        values = [a for a in eqns[i].invars if isinstance(a, Var) and a in region.axis_of]
+        if not isinstance(region.maps[i], Sink):
+            values += [o for o in eqns[i].outvars if o in region.axis_of]
+        for v in values:
+            if _stored(graph, region, v, members):
+                stored[v] = pos
+    born: dict[Var, int] = {}
+    for v in stored:
+        p = graph.info(v).producer
+        born[v] = idx.index(p) if p in members else 0
+        if v in region.surviving:
+            stored[v] = len(idx)
+    peak = 0
+    for pos in range(len(idx) + 1):
+        live = sum(graph.info(v).bytes for v in stored if born[v] <= pos <= stored[v])
+        peak = max(peak, live)
+    return peak
+
+
 def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
-    """(bytes per unit of the axis stored in the worst stage, fixed bytes of the loops)."""
+    """(bytes per unit of the axis stored at the worst point of any stage, fixed bytes)."""
     eqns = graph.eqns
     per_unit = 0
     for k in range(region.n_stages):
-        idx = set(region.stage_eqns(graph, k))
-        values: set[Var] = set()
-        for i in idx:
-            for a in eqns[i].invars:
-                if isinstance(a, Var) and a in region.axis_of:
-                    values.add(a)
-            if not isinstance(region.maps[i], Sink):
-                values.update(o for o in eqns[i].outvars if o in region.axis_of)
-        stage_bytes = sum(graph.info(v).bytes for v in values if _stored(graph, region, v, idx))
-        per_unit = max(per_unit, -(-stage_bytes // region.size))
+        peak = _stage_peak(graph, region, region.stage_eqns(graph, k))
+        per_unit = max(per_unit, -(-peak // region.size))
     fixed = 0
     for i in region.sinks:
         fixed += 3 * sum(graph.info(o).bytes for o in eqns[i].outvars)  # acc, partial, result
