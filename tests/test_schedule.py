@@ -54,11 +54,11 @@ def test_seed_facts_jit_grows_barrier_does_not_help(x, loop_temps):
     assert _temps(f_fft_multi_for, x, n=9) == loop_temps
 
 
-def test_fft_multi_flat_in_n_under_memsafe_jit(x, loop_temps):
+def _check_flat_in_n(x, loop_temps, ns):
     # Arguments and outputs are 1 MiB each; the limit leaves room for the loop version's temps.
     limit = 2 * x.nbytes + loop_temps + 64 * 1024
     temps, jit_temps = [], []
-    for n in range(1, 10):
+    for n in ns:
         g = memsafe.jit(f_fft_multi, memory_limit=limit, static_argnames="n")
         plan = g.plan(x, n=n)
         stats = g.lower(x, n=n).compile().memory_analysis()
@@ -74,6 +74,15 @@ def test_fft_multi_flat_in_n_under_memsafe_jit(x, loop_temps):
     assert max(temps) <= min(loop_temps + 1024, 2_200_000)
     assert max(temps[1:]) == min(temps[1:])  # flat in n
     assert jit_temps[-1] > 4 * jit_temps[0]  # where jax.jit grows linearly
+
+
+def test_fft_multi_flat_in_n_under_memsafe_jit(x, loop_temps):
+    _check_flat_in_n(x, loop_temps, (1, 2, 5, 9))
+
+
+@pytest.mark.slow
+def test_fft_multi_flat_for_every_n_from_1_to_9(x, loop_temps):
+    _check_flat_in_n(x, loop_temps, range(1, 10))
 
 
 def _run_pass(fun, *args, budget=0):
