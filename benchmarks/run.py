@@ -88,12 +88,15 @@ def run_workload(name: str, args: argparse.Namespace) -> dict:
             print(f"    {report.one_line(res)}", flush=True)
         if hasattr(module, "postprocess"):
             module.postprocess(case, results)
-        record["cases"].append({"case": params, "results": results})
+        record["cases"].append({"case": {**params, "methods": methods}, "results": results})
     record["loadavg_end"] = os.getloadavg()
     record["env"] = next(
         (r["env"] for c in record["cases"] for r in c["results"].values() if "env" in r), {}
     )
-    record["targets"] = report.targets(name, record)
+    try:
+        record["targets"] = report.targets(name, record)
+    except Exception as err:  # a report bug must not lose an hour of measurements
+        record["targets"] = [{"name": "error", "met": None, "text": f"targets failed: {err!r}"}]
     return record
 
 
