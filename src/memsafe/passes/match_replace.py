@@ -36,8 +36,13 @@ def _variants_by_op(rules: Sequence[Rule]) -> dict[str, list[Variant]]:
     return by_op
 
 
-def find_matches(closed: ClosedJaxpr, rules: Sequence[Rule]) -> list[tuple[Match, RuleRecord]]:
-    """Non-overlapping matches of ``rules`` in ``closed`` that are allowed to fire."""
+def find_matches(
+    closed: ClosedJaxpr, rules: Sequence[Rule], measure: bool = True
+) -> list[tuple[Match, RuleRecord]]:
+    """Non-overlapping matches of ``rules`` in ``closed`` that are allowed to fire.
+
+    ``measure``: compile each match's pattern and replacement to record the bytes and flops it
+    saves (always done for rules with ``min_bytes_saved``, which need it to decide)."""
     graph = Graph(closed)
     ir = IR(closed).build_all()
     by_op = _variants_by_op(rules)
@@ -56,8 +61,8 @@ def find_matches(closed: ClosedJaxpr, rules: Sequence[Rule]) -> list[tuple[Match
             match = variant.match(ir, graph, var)
             if match is None or match.region & claimed:
                 continue
-            record = _record(match, eqn)
             rule = variant.rule
+            record = _record(match, eqn, measure or rule.min_bytes_saved is not None)
             if rule.min_bytes_saved is not None and record.bytes_saved < rule.min_bytes_saved:
                 continue
             claimed |= match.region
@@ -66,12 +71,14 @@ def find_matches(closed: ClosedJaxpr, rules: Sequence[Rule]) -> list[tuple[Match
     return found
 
 
-def _record(match: Match, eqn: Any) -> RuleRecord:
+def _record(match: Match, eqn: Any, measure: bool) -> RuleRecord:
     variant = match.variant
+    saved_bytes, saved_flops = 0, 0.0
     try:
-        saved_bytes, saved_flops = savings(variant.pattern, variant.replacement, match.avals)
+        if measure:
+            saved_bytes, saved_flops = savings(variant.pattern, variant.replacement, match.avals)
     except Exception:  # measuring is advisory; a failed compile must not block the rewrite
-        saved_bytes, saved_flops = 0, 0.0
+        pass
     sizes = ", ".join(f"{k}={v}" for k, v in match.sizes.items() if not k.startswith("__"))
     shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in match.avals)
     detail = f"{variant.label}; inputs {shapes}" + (f" ({sizes})" if sizes else "")
@@ -106,11 +113,13 @@ def apply_matches(closed: ClosedJaxpr, matches: Sequence[Match]) -> ClosedJaxpr:
     return dce(new)
 
 
-def rewrite(closed: ClosedJaxpr, rules: Sequence[Rule]) -> tuple[ClosedJaxpr, list[RuleRecord]]:
+def rewrite(
+    closed: ClosedJaxpr, rules: Sequence[Rule], measure: bool = True
+) -> tuple[ClosedJaxpr, list[RuleRecord]]:
     """Apply ``rules`` until none fires; returns the program and a record per rewrite."""
     records: list[RuleRecord] = []
     for _ in range(MAX_ROUNDS):
-        found = find_matches(closed, rules)
+        found = find_matches(closed, rules, measure)
         if not found:
             break
         closed = apply_matches(closed, [m for m, _ in found])

@@ -86,18 +86,20 @@ class Match:
 class _State:
     """Bindings so far in one branch of the backtracking match."""
 
-    __slots__ = ("bound", "deferred", "region")
+    __slots__ = ("bound", "deferred", "internal", "leaves")
 
     def __init__(self) -> None:
         self.bound: dict[int, tuple[Node, tuple[int, ...]]] = {}
         self.deferred: list[tuple[sym.SizeExpr, float]] = []
-        self.region: set[int] = set()
+        self.leaves: set[int] = set()  # ids of program nodes bound to pattern inputs
+        self.internal: set[int] = set()  # ids of program nodes matched by pattern operations
 
     def copy(self) -> _State:
         new = _State()
         new.bound = dict(self.bound)
         new.deferred = list(self.deferred)
-        new.region = set(self.region)
+        new.leaves = set(self.leaves)
+        new.internal = set(self.internal)
         return new
 
 
@@ -178,7 +180,7 @@ class Variant:
         if gv.rank != self.root.rank or gv.node.op != self.root.node.op:
             return None
         ident = tuple(range(gv.rank))
-        for state in self._view(self.root, gv, ident, _State(), internal=True):
+        for state in self._view(self.root, gv, ident, _State()):
             found = self._finish(state, program, graph, var)
             if found is not None:
                 return found
@@ -223,7 +225,7 @@ class Variant:
                 return None
             if not np.isclose(expr.evaluate(sizes), value, rtol=1e-6):
                 return None
-        region = frozenset(st.region)
+        region = _region(program, st, root)
         root_index = program.producer.get(root)
         if root_index is None or not _contained(graph, region, root):
             return None
@@ -240,9 +242,7 @@ class Variant:
             return None
         return found
 
-    def _view(
-        self, pv: View, gv: View, sigma: Sequence[int], st: _State, internal: bool = False
-    ) -> Iterator[_State]:
+    def _view(self, pv: View, gv: View, sigma: Sequence[int], st: _State) -> Iterator[_State]:
         """Match view ``pv`` with ``gv`` where pattern axis i is program axis ``sigma[i]``."""
         if pv.rank != gv.rank:
             return
@@ -267,9 +267,6 @@ class Variant:
             return
         node_sigma.update(zip(rest_p, rest_g))
         ns = tuple(node_sigma[k] for k in range(pn.rank))
-        if internal or pn.op not in ("input", "literal"):
-            st = st.copy()
-            st.region |= gv.eqns
         yield from self._node(pn, gn, ns, st)
 
     def _node(self, pn: Node, gn: Node, ns: tuple[int, ...], st: _State) -> Iterator[_State]:
@@ -281,6 +278,7 @@ class Variant:
         if pn.op == "input":
             st = st.copy()
             st.bound[pn.uid] = (gn, ns)
+            st.leaves.add(id(gn))
             yield st
             return
         if gn.op != pn.op:
@@ -292,7 +290,7 @@ class Variant:
                 return
             yield st
             return
-        st.region |= gn.eqns
+        st.internal.add(id(gn))
         op = pn.op
         if op in ELEMENTWISE:
             if not self._params(pn, gn, st, ()):
@@ -435,6 +433,30 @@ def _same(p: Any, g: Any, sym_paths: dict[tuple, sym.SizeExpr], path: tuple, st:
         except (TypeError, ValueError):
             return False
     return p == g
+
+
+def _region(program: IR, st: _State, root: Var) -> frozenset[int]:
+    """The equations that compute ``root`` from the values bound to the pattern's inputs.
+
+    Walked on the program itself (not the hash-consed nodes), so a duplicate of the matched
+    expression elsewhere in the program is not swept into this match."""
+    leaves = st.leaves - st.internal
+    region: set[int] = set()
+    stack: list[Any] = [root]
+    seen: set[Any] = set()
+    while stack:
+        var = stack.pop()
+        if not isinstance(var, Var) or var in seen:
+            continue
+        seen.add(var)
+        index = program.producer.get(var)
+        if index is None:
+            continue
+        if var is not root and id(program.view(var).node) in leaves:
+            continue  # a bound input (or a layout of one): not part of the match
+        region.add(index)
+        stack.extend(program.eqns[index].invars)
+    return frozenset(region)
 
 
 def _contained(graph: Graph, region: frozenset[int], root: Var) -> bool:
