@@ -49,8 +49,11 @@ def cases(size: str) -> list[dict]:
             _case("cosine 10k x 10k", "cosine", 10_000, 10_000, 3, "32MiB", other),
         ]
     if size == "full":
+        # Query-axis chunking measured slower than database-axis at this size (34.2 s vs 25.0 s
+        # in issue 3): the full run keeps the database-axis variants only, to save an hour.
+        l2_full = tuple(m for m in l2 if not m.startswith("chunked_q"))
         return [
-            _case("l2 10k x 1M", "l2", 10_000, 1_000_000, 64, "1GiB", l2),
+            _case("l2 10k x 1M", "l2", 10_000, 1_000_000, 64, "1GiB", l2_full),
             _case("l2 rule (fits)", "l2", 1000, 100_000, 64, "4GiB", rule),
             _case("l1 100k x 100k", "l1", 100_000, 100_000, 3, "1GiB", other),
             _case("cosine 100k x 100k", "cosine", 100_000, 100_000, 3, "1GiB", other),

@@ -107,7 +107,8 @@ def _under_limit(name: str, case: dict | None, method: str = "memsafe") -> dict:
     if case is None:
         return _fact_target(name, None, None, "case not run")
     res = case["results"].get(method, {})
-    need = case["results"].get("jax", {}).get("footprint", {}).get("total")
+    jax_res = case["results"].get("jax", {})
+    need = jax_res.get("need_bytes", jax_res.get("footprint", {}).get("total"))
     fp = res.get("footprint", {}).get("total")
     limit = res.get("limit")
     ok = res.get("status") == "ok" and fp is not None and limit is not None and fp <= limit
@@ -218,8 +219,9 @@ def table(record: dict) -> str:
         f"### {record['workload']} ({record['size']}, {record.get('env', {}).get('backend', '?')}"
         f", started {record['started']}, load {_load(record)})",
         "",
-        "| case | method | status | min s | median s | footprint | limit | RSS growth | accuracy |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | method | status | min s | median s | footprint | footprint, YNN off | limit "
+        "| RSS growth | accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in record["cases"]:
         for method, res in case["results"].items():
@@ -227,6 +229,7 @@ def table(record: dict) -> str:
                 f"| {case['case']['label']} | {method} | {res.get('status', '?')} "
                 f"| {_secs(res.get('min_s'))} | {_secs(res.get('median_s'))} "
                 f"| {_bytes(res.get('footprint', {}).get('total'))} "
+                f"| {_bytes(res.get('footprint_ynn_off', {}).get('total'))} "
                 f"| {_bytes(res.get('limit'))} "
                 f"| {_bytes(res.get('rss_growth_bytes'))} | {_accuracy(res)} |"
             )
