@@ -240,3 +240,26 @@ def test_unsplittable_program_names_the_blocking_operation():
     err = info.value
     assert any(b.operation == "fft" for b in err.blockers), str(err)
     assert "fft" in str(err) and "float32[500, 2000]" in str(err)
+
+
+def contrastive_loss(a, b, labels):
+    logits = a @ b.T
+    logp = jax.nn.log_softmax(logits, axis=1)
+    return -jnp.mean(jnp.take_along_axis(logp, labels[:, None], axis=1))
+
+
+def test_contrastive_cross_entropy_and_its_gradient():
+    """take_along_axis (a batched gather) and its VJP (a batched scatter-add) split by rows."""
+    a, b = _data((1024, 16), (2048, 16), seed=11)
+    labels = jnp.asarray(np.random.default_rng(11).integers(0, 2048, 1024))
+    limit = 2_000_000
+    f = memsafe.jit(contrastive_loss, memory_limit=limit)
+    plan = _check_fits(f, (a, b, labels), limit)
+    assert "gather" in plan.splits[0].ops
+    _close(f(a, b, labels), contrastive_loss(a, b, labels), tol=1e-5)
+    grads = jax.grad(f, argnums=(0, 1))(a, b, labels)
+    ref = jax.grad(contrastive_loss, argnums=(0, 1))(a, b, labels)
+    for g, r in zip(grads, ref):
+        _close(g, r, tol=1e-5)
+    back = f.backward_plan(a, b, labels)
+    assert "scatter-add" in back.splits[0].ops and back.after.total <= limit

@@ -359,6 +359,90 @@ def _top_k(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
     return Mapping(ins=(axis,), outs=(axis, axis))
 
 
+# -- gather / scatter along batch dimensions ------------------------------------------------
+
+
+@register("gather")
+def _gather(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Batch dimensions of a gather (``take_along_axis`` rows, embedding lookups by a chunked
+    index array) and full-size offset dimensions pass; indexed dimensions stop the axis."""
+    dn = eqn.params["dimension_numbers"]
+    op_shape, idx_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1])
+    out_rank = len(_shape(eqn.outvars[0]))
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    window = [
+        d
+        for d in range(len(op_shape))
+        if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims
+    ]
+
+    def from_operand(a: int) -> Mapping:
+        if a in dn.operand_batching_dims:
+            j = dn.start_indices_batching_dims[list(dn.operand_batching_dims).index(a)]
+            return Mapping(ins=(a, j), outs=(batch_out[j],))
+        if (
+            a in window
+            and a not in dn.start_index_map
+            and eqn.params["slice_sizes"][a] == op_shape[a]
+        ):
+            return Mapping(ins=(a, None), outs=(dn.offset_dims[window.index(a)],))
+        raise NoRule("gather indexes along the split axis")
+
+    def from_indices(j: int) -> Mapping:
+        if j == len(idx_shape) - 1:
+            raise NoRule("gather index vectors cannot be split")
+        if j in dn.start_indices_batching_dims:
+            a = dn.operand_batching_dims[list(dn.start_indices_batching_dims).index(j)]
+            return Mapping(ins=(a, j), outs=(batch_out[j],))
+        return Mapping(ins=(None, j), outs=(batch_out[j],))
+
+    if side == ("in", 0):
+        return from_operand(axis)
+    if side == ("in", 1):
+        return from_indices(axis)
+    if axis in dn.offset_dims:
+        return from_operand(window[list(dn.offset_dims).index(axis)])
+    return from_indices(batch_out.index(axis))
+
+
+def _rebind_gather(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    a = m.ins[0]
+    if a is not None and eqn.params["slice_sizes"][a] != 1:
+        sizes = list(eqn.params["slice_sizes"])
+        sizes[a] = size
+        return bind_eqn_with(eqn, invals, slice_sizes=tuple(sizes))
+    return bind_eqn(eqn, invals)
+
+
+REBINDERS["gather"] = _rebind_gather
+
+
+@register("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter")
+def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Scatters pass the axis along their batching dimensions (the VJP of a batched gather)."""
+    dn = eqn.params["dimension_numbers"]
+    upd_rank = len(_shape(eqn.invars[2]))
+    upd_scatter = [d for d in range(upd_rank) if d not in dn.update_window_dims]
+    op_b, idx_b = list(dn.operand_batching_dims), list(dn.scatter_indices_batching_dims)
+    if side[0] == "out" or side == ("in", 0):
+        a = axis
+        if a not in op_b:
+            raise NoRule("scatter along the split axis")
+        j = idx_b[op_b.index(a)]
+    elif side == ("in", 1):
+        if axis not in idx_b:
+            raise NoRule("scatter indices split along a non-batch axis")
+        j, a = axis, op_b[idx_b.index(axis)]
+    else:
+        if axis not in upd_scatter:
+            raise NoRule("scatter updates split along a window axis")
+        j = upd_scatter.index(axis)
+        if j not in idx_b:
+            raise NoRule("scatter updates split along a non-batch axis")
+        a = op_b[idx_b.index(j)]
+    return Mapping(ins=(a, j, upd_scatter[j]), outs=(a,))
+
+
 def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:
     """Evaluate ``eqn`` on chunk-shaped ``invals`` (chunk of ``size`` starting at ``start``)."""
     custom = REBINDERS.get(eqn.primitive.name)
