@@ -87,3 +87,24 @@ def test_training_raises_the_bound():
             assert all(bool(jnp.all(v > 0)) for k, v in trained.items() if k != "Z")
     with pytest.raises(ValueError, match="training method"):
         sgpr.train(params, x, y, method="sgd")
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="reported: the bound raises MemoryLimitError (no splitting rule for triangular_solve; "
+    "the ARD form sum(((z[:,None]-x[None])/ls)**2) is not matched by the distance rule), the "
+    "gradient a TypeError from passes/schedule.py binding a placeholder object into div",
+)
+@pytest.mark.parametrize("what", ["bound", "grad"])
+def test_sgpr_under_memsafe_limit_equals_jax(what):
+    fun = sgpr.sgpr_elbo if what == "bound" else sgpr.sgpr_elbo_and_grad
+    with jax.enable_x64(True):
+        x, y, z = sgpr.make_data(2000, 50)
+        params = {k: jnp.asarray(v) for k, v in sgpr.default_params(z, 3).items()}
+        compiled = memsafe.xla.memsafe_jit(fun).lower(params, x, y).compile()
+        limit = memsafe.Footprint.from_compiled(compiled).total // 5
+        safe = memsafe.jit(fun, memory_limit=limit)
+        out = safe(params, x, y)
+        assert safe.plan(params, x, y).after.total <= limit
+        ref = jax.jit(fun)(params, x, y)
+    jax.tree_util.tree_map(lambda a, b: _assert_close(a, b, 1e-10), out, ref)
