@@ -150,6 +150,29 @@ class Variant:
                 self.syms[a.uid] = found
         self.ir, self.root, self.inputs = ir_a, root_a, inputs_a
         self.size = len(ir_a.nodes)
+        self._check_not_self_matching(sizes_a)
+
+    def _check_not_self_matching(self, sizes: dict[str, int]) -> None:
+        """A replacement that the pattern matches would be rewritten again and again."""
+        args = [
+            jax.ShapeDtypeStruct(sym.concrete(s, sizes), d) for s, d in zip(self.specs, self.dtypes)
+        ]
+        try:
+            closed = inline_calls(jax.make_jaxpr(self.replacement)(*args))
+        except Exception as err:
+            raise ValueError(
+                f"rule {self.rule.name!r}: could not trace the replacement ({self.label}) at "
+                f"{[a.shape for a in args]}: {err}"
+            ) from err
+        program = IR(closed).build_all()
+        graph = Graph(closed)
+        for eqn in closed.jaxpr.eqns:
+            for v in eqn.outvars:
+                if hasattr(v.aval, "shape") and self.match(program, graph, v) is not None:
+                    raise ValueError(
+                        f"rule {self.rule.name!r}: the pattern matches (part of) its own "
+                        "replacement, so the rule would fire forever"
+                    )
 
     def _trace(self, sizes: dict[str, int]) -> tuple[IR, View, list[Node]]:
         args = [
