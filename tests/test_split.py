@@ -263,3 +263,19 @@ def test_contrastive_cross_entropy_and_its_gradient():
         _close(g, r, tol=1e-5)
     back = f.backward_plan(a, b, labels)
     assert "scatter-add" in back.splits[0].ops and back.after.total <= limit
+
+
+def test_values_sharing_an_input_run_in_one_loop():
+    """Two large products of the same y: one loop slices y once and feeds both reductions."""
+
+    def two(x1, x2, y):
+        return jnp.sum(jnp.exp(-((x1 @ y.T) ** 2)), 1), jnp.max(jnp.cos(x2 @ y.T), 1)
+
+    x1, x2, y = _data((128, 8), (128, 8), (8000, 8), seed=12)
+    limit = 1_000_000
+    f = memsafe.jit(two, memory_limit=limit)
+    plan = _check_fits(f, (x1, x2, y), limit)
+    assert len(plan.splits) == 1 and {"sum", "max"} <= set(plan.splits[0].sinks)
+    assert plan.splits[0].value.count("dot_general") == 2
+    for o, r in zip(f(x1, x2, y), jax.jit(two)(x1, x2, y)):
+        _close(o, r, tol=1e-5)

@@ -82,6 +82,47 @@ def best_split(
     return min(options, key=lambda o: (o[1].iterations, -o[1].chunk, o[0].seed_axis))
 
 
+def merge_shared(
+    graph: Graph, region: Region, chunk: ChunkPlan, others: list[Var], budget: int
+) -> tuple[Region, ChunkPlan, list[Var]]:
+    """Fold into ``region`` other too-large values that read one of its sliced inputs along the
+    same axis, when one loop over both costs fewer iterations than two loops."""
+    merged: list[Var] = []
+    for var in others:
+        if var in region.axis_of:
+            continue
+        alone = best_split(graph, var, budget)
+        if not isinstance(alone, tuple):
+            continue
+        other_region, other_chunk = alone
+        shared = {
+            v
+            for v in other_region.sliced & region.sliced
+            if other_region.axis_of[v] == region.axis_of[v]
+        }
+        if not shared or other_region.size != region.size:
+            continue
+        seeds = [(v, region.axis_of[v]) for v in merged]
+        seeds.append((var, other_region.seed_axis))
+        try:
+            both = grow(
+                graph,
+                region.seed,
+                region.seed_axis,
+                max(1, budget // SMALL),
+                max(1, budget // 2),
+                also=seeds,
+            )
+        except SplitFailure:
+            continue
+        plan = choose_chunk(graph, both, budget)
+        if plan is None or plan.iterations > chunk.iterations + other_chunk.iterations:
+            continue
+        region, chunk = both, plan
+        merged.append(var)
+    return region, chunk, merged
+
+
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Split every too-large intermediate that some axis allows; block the rest."""
     failed: set[tuple] = set()
@@ -94,14 +135,16 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                 continue
             got = best_split(graph, var, budget)
             if isinstance(got, tuple):
-                chosen = (var, *got)
+                others = [v for v in candidates(graph, budget) if v is not var]
+                region, chunk, merged = merge_shared(graph, *got, others, budget)
+                chosen = (var, region, chunk, merged)
                 break
             failed.add(_key(graph, var))
             info = graph.info(var)
             for axis, failure in got:
                 ctx.block(
                     Blocker(
-                        value=_describe(graph, var),
+                        value=" + ".join(_describe(graph, v) for v in [var, *merged]),
                         shape=info.shape,
                         dtype=str(info.dtype),
                         bytes=info.bytes,
@@ -112,7 +155,7 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                 )
         if chosen is None:
             return closed
-        var, region, chunk = chosen
+        var, region, chunk, merged = chosen
         new = emit(closed, region, chunk.chunk)
         eqns = graph.eqns
         sinks = sorted({m.kind for m in region.sinks.values()})
@@ -120,8 +163,8 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
             sinks.append("output")
         ctx.record(
             SplitRecord(
-                value=_describe(graph, var),
-                bytes=graph.info(var).bytes,
+                value=" + ".join(_describe(graph, v) for v in [var, *merged]),
+                bytes=sum(graph.info(v).bytes for v in [var, *merged]),
                 axis=region.seed_axis,
                 size=region.size,
                 chunk=chunk.chunk,

@@ -15,6 +15,7 @@ shared work the same way).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -156,11 +157,19 @@ def _is_var(atom: Any) -> bool:
     return isinstance(atom, Var) and not isinstance(atom, Literal)
 
 
-def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
+def grow(
+    graph: Graph,
+    seed: Var,
+    axis: int,
+    small: int,
+    large: int,
+    also: Sequence[tuple[Var, int]] = (),
+) -> Region:
     """The region splitting ``seed`` along ``axis``; raises :class:`SplitFailure`.
 
     Producers of values over ``small`` bytes are pulled into the region even when they are not
     cheap to recompute; values the region reads or writes in full must stay under ``large``.
+    ``also`` lists further (value, axis) seeds split in the same loop (regions sharing work).
     """
     eqns = graph.eqns
     size = graph.info(seed).shape[axis]
@@ -205,7 +214,8 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
                     raise SplitFailure("a result loses the split axis", eqn)
                 assign(atom, ax, index)
 
-    assign(seed, axis, graph.info(seed).producer or 0)
+    for v, a in [(seed, axis), *also]:
+        assign(v, a, graph.info(v).producer or 0)
     while queue:
         var = queue.popleft()
         ax = axis_of[var]
@@ -258,18 +268,20 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
                 "a large result is needed outside the region", eqns[outside[0]]
             )
         surviving.append(var)
-    if seed not in produced:
-        info = graph.info(seed)
-        raise stopped_back.get(seed) or SplitFailure(
-            "its producer cannot run in chunks", eqns[info.producer or 0]
-        )
+    seeds = [seed, *(v for v, _ in also)]
+    for v in seeds:
+        if v not in produced:
+            raise stopped_back.get(v) or SplitFailure(
+                "its producer cannot run in chunks", eqns[graph.info(v).producer or 0]
+            )
     written = sum(graph.info(v).bytes for v in surviving if not graph.info(v).is_output)
-    if seed in surviving or written >= graph.info(seed).bytes:
-        info = graph.info(seed)
-        users = [c for c in info.consumers if c not in maps] or [info.producer or 0]
-        raise stopped_fwd.get(seed) or SplitFailure(
-            "the value is needed whole, splitting saves nothing", eqns[users[0]]
-        )
+    for v in seeds:
+        if v in surviving or written >= graph.info(v).bytes:
+            info = graph.info(v)
+            users = [c for c in info.consumers if c not in maps] or [info.producer or 0]
+            raise stopped_fwd.get(v) or SplitFailure(
+                "the value is needed whole, splitting saves nothing", eqns[users[0]]
+            )
     region = Region(seed, axis, size, maps, axis_of, produced, sliced, whole, surviving)
     _assign_stages(graph, region)
     return region
