@@ -7,7 +7,8 @@ user's source line) and dead code is dropped; this repeats until no rule fires.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -91,18 +92,24 @@ def _record(match: Match, eqn: Any, measure: bool) -> RuleRecord:
     )
 
 
-def apply_matches(closed: ClosedJaxpr, matches: Sequence[Match]) -> ClosedJaxpr:
-    """Re-trace ``closed`` with each match's root computed by its replacement."""
-    at = {m.root_index: m for m in matches}
+def apply_matches(
+    closed: ClosedJaxpr, matches: Sequence[Match], rewrites: Sequence[Any] = ()
+) -> ClosedJaxpr:
+    """Re-trace ``closed`` with each match's root computed by its replacement (and each
+    procedural rewrite's root by its ``compute``)."""
+    at: dict[int, Callable[[Callable[[Any], Any]], Any]] = {}
+    for m in matches:
+        at[m.root_index] = functools.partial(_replace, m)
+    for r in rewrites:
+        at[r.root_index] = r.compute
     env: dict[Any, Any] = {}
 
     def override(index: int, eqn: Any, invals: list[Any]) -> list[Any] | None:
-        match = at.get(index)
-        if match is None:
+        compute = at.get(index)
+        if compute is None:
             return None
         with eqn_context(eqn):
-            out = match.variant.replacement(*match.arguments(env.__getitem__))
-        return [out]
+            return [compute(env.__getitem__)]
 
     def program(*xs: Any) -> list[Any]:
         env.clear()
@@ -113,25 +120,43 @@ def apply_matches(closed: ClosedJaxpr, matches: Sequence[Match]) -> ClosedJaxpr:
     return dce(new)
 
 
+def _replace(match: Match, read: Callable[[Any], Any]) -> Any:
+    return match.variant.replacement(*match.arguments(read))
+
+
 def rewrite(
-    closed: ClosedJaxpr, rules: Sequence[Rule], measure: bool = True
+    closed: ClosedJaxpr,
+    rules: Sequence[Rule],
+    measure: bool = True,
+    rewrites: Sequence[Callable[[ClosedJaxpr], list[Any]]] = (),
 ) -> tuple[ClosedJaxpr, list[RuleRecord]]:
-    """Apply ``rules`` until none fires; returns the program and a record per rewrite."""
+    """Apply ``rules`` (and procedural ``rewrites``) until none fires; returns the program and
+    a record per rewrite."""
     records: list[RuleRecord] = []
     for _ in range(MAX_ROUNDS):
         found = find_matches(closed, rules, measure)
-        if not found:
+        claimed: set[int] = set()
+        for m, _ in found:
+            claimed |= m.region
+        procedural = []
+        for finder in rewrites:
+            for r in finder(closed):
+                if not (r.region & claimed):
+                    claimed |= r.region
+                    procedural.append(r)
+        if not found and not procedural:
             break
-        closed = apply_matches(closed, [m for m, _ in found])
+        closed = apply_matches(closed, [m for m, _ in found], procedural)
         records.extend(r for _, r in found)
+        records.extend(r.record for r in procedural)
     return closed, records
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """The pipeline entry point: rewrite with the active rules, recording each rewrite."""
-    from memsafe.rules.registry import active_rules
+    from memsafe.rules.registry import active_rules, builtin_rewrites
 
-    new, records = rewrite(closed, active_rules())
+    new, records = rewrite(closed, active_rules(), rewrites=builtin_rewrites())
     for rec in records:
         ctx.record(rec)
     return new

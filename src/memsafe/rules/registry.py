@@ -2,21 +2,28 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
+from memsafe._jax import ClosedJaxpr
 from memsafe.rules.pattern import Rule
 
 _USER_RULES: list[Rule] = []
 
 
 def builtin_rules() -> list[Rule]:
-    """memsafe's own rules (distances, products read in part, tiles feeding batched bodies)."""
+    """memsafe's own pattern rules (distances, products read in part)."""
     from memsafe.rules import distance, linalg
 
-    rules: list[Rule] = [*distance.RULES, *linalg.RULES]
-    try:
-        from memsafe.rules import tile
-    except ImportError:  # pragma: no cover
-        return rules
-    return [*rules, *tile.RULES]
+    return [*distance.RULES, *linalg.RULES]
+
+
+def builtin_rewrites() -> list[Callable[[ClosedJaxpr], list[Any]]]:
+    """memsafe's procedural rewrites (broadcasts and tiles feeding products): functions from a
+    program to a list of :class:`memsafe.rules.tile.Rewrite`."""
+    from memsafe.rules import tile
+
+    return list(tile.REWRITES)
 
 
 def register_rule(rule: Rule) -> Rule:

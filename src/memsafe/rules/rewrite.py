@@ -46,10 +46,11 @@ class Rewritten:
         closed, out_tree = _jax.make_closed_jaxpr(flat, avals)
         closed = inline_calls(closed)
         from memsafe.passes.match_replace import rewrite as match_replace
-        from memsafe.rules.registry import active_rules
+        from memsafe.rules.registry import active_rules, builtin_rewrites
 
         rules = active_rules() if self.rules is None else self.rules
-        closed, records = match_replace(closed, rules)
+        rewrites = builtin_rewrites() if self.rules is None else []
+        closed, records = match_replace(closed, rules, rewrites=rewrites)
         if self.reorder:
             try:
                 from memsafe.passes.reorder import reorder_chains
