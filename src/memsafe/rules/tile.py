@@ -140,6 +140,7 @@ def _find_one(ir: IR, graph: Graph, index: int) -> Rewrite | None:
             side: int = side,
             other: Any = other,
             dn: Any = dn,
+            dtype: Any = dtype,
         ) -> Any:
             w = read(other) if isinstance(other, Var) else jnp.asarray(other.val)
             total = None
