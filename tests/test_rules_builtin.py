@@ -186,3 +186,20 @@ def test_knn_benchmark_form_is_rewritten_to_a_gemm():
     assert "dot_general" in names and "top_k" in names
     big = [e for e in closed.jaxpr.eqns for v in e.outvars if v.aval.ndim == 3]
     assert not big  # no n x m x d value left
+
+
+def test_memsafe_jit_rewrites_the_naive_distance_before_anything_else():
+    """Naively, XLA stores the 200 x 300 x 64 difference (15 MB); rewritten, the program fits
+    2 MB with no split, and plan() names the rule and the user's line."""
+    import memsafe
+
+    x, y = _rand((200, 64), 0), _rand((300, 64), 1)
+    f = SQDIST_FORMS["pow"]
+    g = memsafe.jit(f, memory_limit="2MB")
+    np.testing.assert_allclose(g(x, y), jax.jit(f)(x, y), rtol=1e-4, atol=1e-3)
+    plan = g.plan(x, y)
+    assert plan.before.temps >= 200 * 300 * 64 * 4 and plan.after.total <= 2e6
+    assert not plan.splits
+    (rec,) = plan.rules
+    assert rec.rule == "pairwise_sqdist" and "test_rules_builtin.py" in rec.where
+    assert rec.bytes_saved > 200 * 300 * 64 * 4 * 0.9
