@@ -12,6 +12,7 @@ from __future__ import annotations
 from memsafe._jax import ClosedJaxpr, Var, source_line
 from memsafe.errors import Blocker
 from memsafe.graph import Graph
+from memsafe.graph.estimate import FUSIBLE
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.split.emit import emit
@@ -82,45 +83,16 @@ def best_split(
     return min(options, key=lambda o: (o[1].iterations, -o[1].chunk, o[0].seed_axis))
 
 
-def merge_shared(
-    graph: Graph, region: Region, chunk: ChunkPlan, others: list[Var], budget: int
-) -> tuple[Region, ChunkPlan, list[Var]]:
-    """Fold into ``region`` other too-large values that read one of its sliced inputs along the
-    same axis, when one loop over both costs fewer iterations than two loops."""
-    merged: list[Var] = []
-    for var in others:
-        if var in region.axis_of:
-            continue
-        alone = best_split(graph, var, budget)
-        if not isinstance(alone, tuple):
-            continue
-        other_region, other_chunk = alone
-        shared = {
-            v
-            for v in other_region.sliced & region.sliced
-            if other_region.axis_of[v] == region.axis_of[v]
-        }
-        if not shared or other_region.size != region.size:
-            continue
-        seeds = [(v, region.axis_of[v]) for v in merged]
-        seeds.append((var, other_region.seed_axis))
-        try:
-            both = grow(
-                graph,
-                region.seed,
-                region.seed_axis,
-                max(1, budget // SMALL),
-                max(1, budget // 2),
-                also=seeds,
-            )
-        except SplitFailure:
-            continue
-        plan = choose_chunk(graph, both, budget)
-        if plan is None or plan.iterations > chunk.iterations + other_chunk.iterations:
-            continue
-        region, chunk = both, plan
-        merged.append(var)
-    return region, chunk, merged
+def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
+    """Other too-large values the region computes chunk by chunk (work shared with ``var``'s loop:
+    values reading the same sliced inputs join it by forward propagation)."""
+    return [
+        v
+        for v in candidates(graph, budget)
+        if v is not var
+        and v in region.produced
+        and graph.eqns[graph.info(v).producer].primitive.name not in FUSIBLE
+    ]
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
@@ -135,16 +107,14 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                 continue
             got = best_split(graph, var, budget)
             if isinstance(got, tuple):
-                others = [v for v in candidates(graph, budget) if v is not var]
-                region, chunk, merged = merge_shared(graph, *got, others, budget)
-                chosen = (var, region, chunk, merged)
+                chosen = (var, *got, absorbed(graph, got[0], var, budget))
                 break
             failed.add(_key(graph, var))
             info = graph.info(var)
             for axis, failure in got:
                 ctx.block(
                     Blocker(
-                        value=" + ".join(_describe(graph, v) for v in [var, *merged]),
+                        value=_describe(graph, var),
                         shape=info.shape,
                         dtype=str(info.dtype),
                         bytes=info.bytes,

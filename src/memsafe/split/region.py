@@ -15,7 +15,6 @@ shared work the same way).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -157,19 +156,13 @@ def _is_var(atom: Any) -> bool:
     return isinstance(atom, Var) and not isinstance(atom, Literal)
 
 
-def grow(
-    graph: Graph,
-    seed: Var,
-    axis: int,
-    small: int,
-    large: int,
-    also: Sequence[tuple[Var, int]] = (),
-) -> Region:
+def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
     """The region splitting ``seed`` along ``axis``; raises :class:`SplitFailure`.
 
     Producers of values over ``small`` bytes are pulled into the region even when they are not
     cheap to recompute; values the region reads or writes in full must stay under ``large``.
-    ``also`` lists further (value, axis) seeds split in the same loop (regions sharing work).
+    Every consumer of a sliced input joins the region when the axis can pass through it, so
+    values that read the same input along the same axis share one loop.
     """
     eqns = graph.eqns
     size = graph.info(seed).shape[axis]
@@ -214,8 +207,7 @@ def grow(
                     raise SplitFailure("a result loses the split axis", eqn)
                 assign(atom, ax, index)
 
-    for v, a in [(seed, axis), *also]:
-        assign(v, a, graph.info(v).producer or 0)
+    assign(seed, axis, graph.info(seed).producer or 0)
     while queue:
         var = queue.popleft()
         ax = axis_of[var]
@@ -268,14 +260,13 @@ def grow(
                 "a large result is needed outside the region", eqns[outside[0]]
             )
         surviving.append(var)
-    seeds = [seed, *(v for v, _ in also)]
-    for v in seeds:
+    for v in [seed]:
         if v not in produced:
             raise stopped_back.get(v) or SplitFailure(
                 "its producer cannot run in chunks", eqns[graph.info(v).producer or 0]
             )
     written = sum(graph.info(v).bytes for v in surviving if not graph.info(v).is_output)
-    for v in seeds:
+    for v in [seed]:
         if v in surviving or written >= graph.info(v).bytes:
             info = graph.info(v)
             users = [c for c in info.consumers if c not in maps] or [info.producer or 0]
