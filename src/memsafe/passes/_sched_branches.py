@@ -131,6 +131,8 @@ def exclusive_cone(
     root = graph.info(atom).producer
     if root is None or graph.info(atom).is_output:
         return set()
+    if any(c not in stop and c not in dead for c in graph.info(atom).consumers):
+        return set()  # the term is read outside the chain too: it stays where it is
     eqns = graph.eqns
     cone = {root}
     for q in range(root - 1, -1, -1):

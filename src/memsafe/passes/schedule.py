@@ -185,6 +185,21 @@ def _rewrite(
     return new
 
 
+def _self_contained(graph: Graph, plan: _Plan, dead: frozenset[int]) -> bool:
+    """Whether only the loop (or dead code) reads what the loop's equations produce, the chain's
+    final result aside: anything else would read a value the rewrite no longer computes."""
+    for i in plan.moved:
+        if i == plan.last:
+            continue
+        for v in graph.eqns[i].outvars:
+            if not isinstance(v, Var):
+                continue
+            info = graph.info(v)
+            if info.is_output or any(c not in plan.moved and c not in dead for c in info.consumers):
+                return False
+    return True
+
+
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Sequence heavy independent branches of combination chains whose concurrent estimate
     exceeds the temp budget."""
@@ -200,6 +215,8 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         if found is None:
             continue
         plan, heavy = found
+        if not _self_contained(graph, plan, dead):
+            continue
         sizes = [branch_bytes(graph, set(plan.slots[k].cone), mat) for k in heavy]
         concurrent = sum(sizes)
         if concurrent <= ctx.temp_budget:
