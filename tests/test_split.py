@@ -281,3 +281,30 @@ def test_values_sharing_an_input_run_in_one_loop():
     assert plan.splits[0].value.count("dot_general") == 2
     for o, r in zip(f(x1, x2, y), jax.jit(two)(x1, x2, y)):
         _close(o, r, tol=1e-5)
+
+
+def test_naive_knn_splits_on_its_own_without_other_passes():
+    """The split pass alone (no pairwise-distance rewrite before it) on the broadcast kNN: its
+    compiled footprint fits and its indices are exact."""
+    from memsafe.graph import inline_calls
+    from memsafe.jit import _emit
+    from memsafe.passes import PassContext
+    from memsafe.passes import split as split_pass
+    from memsafe.plan import Plan
+    from memsafe.xla import Footprint, memsafe_jit
+
+    x, y = _data((500, 64), (20000, 64), seed=13)
+    limit = parse_limit("16MiB")
+    closed = inline_calls(jax.make_jaxpr(knn)(x, y))
+    fixed = x.nbytes + y.nbytes + 500 * 10 * 4
+    for scale in (1.0, 0.5, 0.25):
+        ctx = PassContext(limit, fixed, Plan(memory_limit=limit), chunk_scale=scale)
+        program = split_pass.run(closed, ctx)
+        jitted = memsafe_jit(_emit(program))
+        after = Footprint.from_compiled(jitted.lower(x, y).compile())
+        if after.total <= limit:
+            break
+    assert after.total <= limit, after.describe()
+    (split,) = ctx.plan.splits
+    assert "sub" in split.ops and "top_k" in split.sinks + split.ops
+    np.testing.assert_array_equal(np.asarray(jitted(x, y)[0]), _knn_reference(x, y))
