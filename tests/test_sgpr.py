@@ -89,12 +89,6 @@ def test_training_raises_the_bound():
         sgpr.train(params, x, y, method="sgd")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="reported: the bound raises MemoryLimitError (no splitting rule for triangular_solve; "
-    "the ARD form sum(((z[:,None]-x[None])/ls)**2) is not matched by the distance rule), the "
-    "gradient a TypeError from passes/schedule.py binding a placeholder object into div",
-)
 @pytest.mark.parametrize("what", ["bound", "grad"])
 def test_sgpr_under_memsafe_limit_equals_jax(what):
     fun = sgpr.sgpr_elbo if what == "bound" else sgpr.sgpr_elbo_and_grad

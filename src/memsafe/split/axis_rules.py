@@ -454,3 +454,35 @@ def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size:
 def literal_axis(atom: Any) -> bool:
     """Literals never carry the split axis (they are scalars in jaxprs)."""
     return isinstance(atom, Literal)
+
+
+# -- linear algebra: batch dimensions, and the independent columns of triangular solves -------
+
+
+def _batch_only(what: str) -> Rule:
+    """Rule for a one-operand matrix op acting on the last two axes: batch axes pass."""
+
+    def rule(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+        rank = len(_shape(eqn.invars[0]))
+        if axis >= rank - 2:
+            raise NoRule(f"{eqn.primitive.name} {what} along the split axis")
+        return Mapping(ins=(axis,), outs=tuple(axis for _ in eqn.outvars))
+
+    return rule
+
+
+register("cholesky")(_batch_only("factorizes the matrix"))
+
+
+@register("triangular_solve")
+def _triangular_solve(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """``op(a) x = b`` (left side) solves each column of ``b`` on its own, ``x op(a) = b`` each
+    row: that axis of ``b`` passes to ``x`` with ``a`` used whole. Batch axes pass through both;
+    the triangular system's own axis cannot be split."""
+    rank = len(_shape(eqn.invars[1]))
+    free = rank - 1 if eqn.params["left_side"] else rank - 2
+    if axis < rank - 2:
+        return Mapping(ins=(axis, axis), outs=(axis,))
+    if side != ("in", 0) and axis == free:
+        return Mapping(ins=(None, axis), outs=(axis,))
+    raise NoRule("triangular_solve along the axis of its triangular system")
