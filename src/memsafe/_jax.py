@@ -154,3 +154,16 @@ def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
     if len(new.invars) != len(jaxpr.invars) or len(new.constvars) != len(jaxpr.constvars):
         return closed  # pragma: no cover - signature changed; keep the program as it is
     return ClosedJaxpr(new, list(closed.consts))
+
+
+def _exclude_memsafe_frames() -> None:
+    """Make JAX's "user frame" skip memsafe's own files, so equations memsafe traces (the VJP
+    program, rewritten regions) are attributed to the user's code, not to memsafe."""
+    import os
+
+    from jax._src import source_info_util
+
+    source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+
+
+_exclude_memsafe_frames()

@@ -25,6 +25,11 @@ from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit
 #: How many compile-and-verify rounds the driver tries, halving chunk sizes each time.
 MAX_ATTEMPTS = 6
 
+#: Passes that rewrite expressions into cheaper equivalents whatever the limit. The gradient is
+#: taken of the program they produce (custom derivative rules kept), so the backward program
+#: benefits from them too: differentiating ``|x|^2 + |y|^2 - 2 x y^T`` needs no n*m*d value.
+ALGEBRAIC_PASSES = ("match_replace", "reorder")
+
 
 @dataclass
 class Program:
@@ -291,6 +296,8 @@ class MemsafeFunction:
         diff = [i for i, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)]
         n_in = len(avals)
 
+        forward, rewrites = _algebraic_forward(rebuild, avals, self.memory_limit)
+
         def vjp_fun(*flat: Any) -> list[Any]:
             primals, cts = flat[:n_in], flat[n_in:]
 
@@ -298,7 +305,7 @@ class MemsafeFunction:
                 full = list(primals)
                 for i, v in zip(diff, d):
                     full[i] = v
-                return rebuild(*full)
+                return forward(*full)
 
             _, pullback = jax.vjp(of_diff, *[primals[i] for i in diff])
             return list(pullback(list(cts)))
@@ -306,6 +313,7 @@ class MemsafeFunction:
         backward = build_program(
             vjp_fun, (*avals, *out_avals), self.memory_limit, (), f"gradient of {self._name}"
         )
+        backward.plan.records[:0] = rewrites
         backward.diff_positions = diff  # type: ignore[attr-defined]
         self._backward[key] = backward
         return backward
@@ -335,6 +343,20 @@ class MemsafeFunction:
 
         call.defvjp(fwd, bwd)
         return call
+
+
+def _algebraic_forward(
+    fun: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct], memory_limit: int
+) -> tuple[Callable[..., list[Any]], list[Any]]:
+    """``fun`` with the algebraic passes applied and custom derivative rules kept, ready to
+    differentiate; and the records of the rewrites that fired."""
+    closed, _ = _jax.make_closed_jaxpr(fun, avals)
+    program = inline_calls(closed, keep_custom_derivatives=True)
+    ctx = PassContext(memory_limit=memory_limit, fixed_bytes=0, plan=Plan(memory_limit))
+    for name, run in load_pipeline():
+        if name in ALGEBRAIC_PASSES:
+            program = run(program, ctx)
+    return _emit(program), ctx.plan.records
 
 
 def _is_symbolic_zero(x: Any) -> bool:

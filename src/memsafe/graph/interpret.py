@@ -13,6 +13,7 @@ from typing import Any
 import jax
 
 from memsafe._jax import (
+    CUSTOM_DIFF_PRIMITIVES,
     ClosedJaxpr,
     JaxprEqn,
     Literal,
@@ -66,17 +67,23 @@ def retrace(closed: ClosedJaxpr, override: Override | None = None) -> ClosedJaxp
     return new
 
 
-def _inline_override(index: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any] | None:
-    sub = inner_jaxpr(eqn)
-    if sub is None:
-        return None
-    return evaluate(sub, invals, _inline_override)
+def _inliner(keep_custom_derivatives: bool) -> Override:
+    def override(index: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any] | None:
+        if keep_custom_derivatives and eqn.primitive.name in CUSTOM_DIFF_PRIMITIVES:
+            return None
+        sub = inner_jaxpr(eqn)
+        if sub is None:
+            return None
+        return evaluate(sub, invals, override)
+
+    return override
 
 
-def inline_calls(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """Inline nested jit, remat and custom_jvp/custom_vjp calls into one flat jaxpr.
+def inline_calls(closed: ClosedJaxpr, *, keep_custom_derivatives: bool = False) -> ClosedJaxpr:
+    """Inline nested jit, remat and (unless kept) custom_jvp/custom_vjp calls into one jaxpr.
 
-    Only the primal computation is kept: differentiate the original function, not this jaxpr.
-    Control flow (scan, while, cond) stays as it is.
+    Without ``keep_custom_derivatives`` only the primal computation is kept: differentiate the
+    original function, not this jaxpr. With it, custom differentiation rules stay as calls, so
+    the result can be differentiated exactly as the original. Control flow stays as it is.
     """
-    return retrace(closed, _inline_override)
+    return retrace(closed, _inliner(keep_custom_derivatives))
