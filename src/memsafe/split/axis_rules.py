@@ -419,7 +419,11 @@ REBINDERS["gather"] = _rebind_gather
 
 @register("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter")
 def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    """Scatters pass the axis along their batching dimensions (the VJP of a batched gather)."""
+    """Scatters pass the axis along their batching dimensions (the VJP of a batched gather) and
+    along full-size window dimensions no index addresses (the VJP of a gather's offset axis)."""
+    window = _scatter_window(eqn, side, axis)
+    if window is not None:
+        return window
     dn = eqn.params["dimension_numbers"]
     upd_rank = len(_shape(eqn.invars[2]))
     upd_scatter = [d for d in range(upd_rank) if d not in dn.update_window_dims]
@@ -441,6 +445,21 @@ def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
             raise NoRule("scatter updates split along a non-batch axis")
         a = op_b[idx_b.index(j)]
     return Mapping(ins=(a, j, upd_scatter[j]), outs=(a,))
+
+
+def _scatter_window(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | None:
+    """The mapping when the axis is a window dimension of the scatter spanning the whole operand
+    axis, which no index vector addresses (so every chunk scatters into its own slice at 0)."""
+    dn = eqn.params["dimension_numbers"]
+    op_shape, upd_shape = _shape(eqn.invars[0]), _shape(eqn.invars[2])
+    skipped = set(dn.inserted_window_dims) | set(dn.operand_batching_dims)
+    op_window = [d for d in range(len(op_shape)) if d not in skipped]
+    pairs = list(zip(op_window, dn.update_window_dims))
+    for a, u in pairs:
+        hit = axis == (u if side == ("in", 2) else a) and side != ("in", 1)
+        if hit and a not in dn.scatter_dims_to_operand_dims and upd_shape[u] == op_shape[a]:
+            return Mapping(ins=(a, None, u), outs=(a,))
+    return None
 
 
 def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:
