@@ -195,3 +195,35 @@ def test_scatter_window_axis_mapping():
     assert axis_map(eqn, ("out", 0), 0) == Mapping(ins=(0, None, 0), outs=(0,))
     with pytest.raises(NoRule):
         axis_map(eqn, ("out", 0), 1)  # an indexed axis
+
+
+# -- platform-dependent code (jnp.diagonal, lax.platform_dependent) -------------------------
+
+
+def _platform_scores(x, y, v):
+    """A large score matrix through lax.platform_dependent, then a product: the ``cond`` JAX
+    emits for it would stop the split; resolved for this backend, it is plain code."""
+    s = x @ y.T
+    k = lax.platform_dependent(s, cpu=lambda s: jnp.exp(s - 1.0), default=lambda s: jnp.exp(s))
+    return k @ v + jnp.sum(jnp.log(jnp.diag(y[:3] @ y[:3].T)))
+
+
+def test_platform_dependent_code_is_resolved_when_inlining():
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((2000, 4)) * 0.3, rng.standard_normal((1500, 4)) * 0.3
+    v = rng.standard_normal((1500, 2))
+    with jax.enable_x64(True):
+        args = tuple(jnp.asarray(a) for a in (x, y, v))
+        flat = inline_calls(jax.make_jaxpr(_platform_scores)(*args))
+        names = {e.primitive.name for e in Graph(flat).eqns}
+        assert not names & {"cond", "platform_index"}, names
+        np.testing.assert_allclose(
+            jax.jit(lambda *a: jax.core.eval_jaxpr(flat.jaxpr, flat.consts, *a))(*args)[0],
+            jax.jit(_platform_scores)(*args),
+            rtol=1e-12,
+        )
+        limit = _limit(_platform_scores, args)
+        safe = memsafe.jit(_platform_scores, memory_limit=limit)
+        _close(safe(*args), jax.jit(_platform_scores)(*args))
+        plan = safe.plan(*args)
+        assert plan.splits and plan.after.total <= limit, plan

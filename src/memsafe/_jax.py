@@ -167,3 +167,32 @@ def _exclude_memsafe_frames() -> None:
 
 
 _exclude_memsafe_frames()
+
+
+def lowering_platform() -> str:
+    """The platform name JAX lowers for on the default backend ('cpu', 'cuda', 'rocm', 'tpu')."""
+    from jax._src import xla_bridge
+
+    return xla_bridge.canonicalize_platform(jax.default_backend())
+
+
+def platform_index_value(eqn: JaxprEqn, platform: str | None = None) -> int | None:
+    """The index a ``platform_index`` equation (``lax.platform_dependent``, e.g. inside
+    ``jnp.diagonal``) takes when lowered for ``platform`` (default: the default backend): the
+    branch listing the platform, else the default (None) branch; None if not such an equation
+    or no branch applies."""
+    if eqn.primitive.name != "platform_index":
+        return None
+    platform = platform or lowering_platform()
+    branches = eqn.params["platforms"]
+    for i, names in enumerate(branches):
+        if names is not None and platform in names:
+            return i
+    return next((i for i, names in enumerate(branches) if names is None), None)
+
+
+def cond_branches(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...] | None:
+    """The branch jaxprs of a ``cond`` equation (its first operand is the branch index)."""
+    if eqn.primitive.name != "cond":
+        return None
+    return tuple(eqn.params["branches"])

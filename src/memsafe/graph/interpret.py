@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from memsafe._jax import (
     CUSTOM_DIFF_PRIMITIVES,
@@ -18,8 +19,11 @@ from memsafe._jax import (
     JaxprEqn,
     Literal,
     bind_eqn,
+    cond_branches,
     inner_jaxpr,
+    is_tracer,
     make_closed_jaxpr,
+    platform_index_value,
 )
 
 #: An override receives (equation index, equation, input values) and returns the output values,
@@ -67,10 +71,27 @@ def retrace(closed: ClosedJaxpr, override: Override | None = None) -> ClosedJaxp
     return new
 
 
+def _resolve_platform(eqn: JaxprEqn, invals: list[Any], override: Override) -> Sequence[Any] | None:
+    """``platform_index`` becomes the constant it lowers to on this backend, and a ``cond`` on a
+    constant index becomes its chosen branch, inlined: ``jnp.diagonal`` and other
+    ``lax.platform_dependent`` code then read as plain operations that passes can see through."""
+    index = platform_index_value(eqn)
+    if index is not None:
+        return [np.int32(index)]
+    branches = cond_branches(eqn)
+    if branches is None or not invals or is_tracer(invals[0]):
+        return None
+    chosen = min(max(int(invals[0]), 0), len(branches) - 1)  # lax.cond clamps its index
+    return evaluate(branches[chosen], invals[1:], override)
+
+
 def _inliner(keep_custom_derivatives: bool) -> Override:
     def override(index: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any] | None:
         if keep_custom_derivatives and eqn.primitive.name in CUSTOM_DIFF_PRIMITIVES:
             return None
+        resolved = _resolve_platform(eqn, invals, override)
+        if resolved is not None:
+            return resolved
         sub = inner_jaxpr(eqn)
         if sub is None:
             return None
@@ -84,6 +105,8 @@ def inline_calls(closed: ClosedJaxpr, *, keep_custom_derivatives: bool = False) 
 
     Without ``keep_custom_derivatives`` only the primal computation is kept: differentiate the
     original function, not this jaxpr. With it, custom differentiation rules stay as calls, so
-    the result can be differentiated exactly as the original. Control flow stays as it is.
+    the result can be differentiated exactly as the original. Control flow stays as it is, except
+    that platform-dependent code (``platform_index`` and the ``cond`` it selects a branch of) is
+    resolved for the default backend.
     """
     return retrace(closed, _inliner(keep_custom_derivatives))
