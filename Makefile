@@ -17,6 +17,7 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m memsafe.demo
+	$(BIN)/python -m benchmarks.headline
 
 test: $(STAMP)
 	$(BIN)/ruff check $(LINT)
