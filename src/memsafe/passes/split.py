@@ -3,7 +3,8 @@
 For each intermediate larger than a share of the temporary budget (largest first), every axis is
 tried: the region that axis allows is grown (memsafe.split.region), its chunk chosen from the
 budget (memsafe.split.size), and the option with the fewest loop iterations is emitted
-(memsafe.split.emit). Values no axis can split are reported as blockers naming the operation that
+(memsafe.split.emit). Staged regions with the max-shifted exp-sum structure run as one online loop
+(memsafe.split.online). Values no axis can split are reported as blockers naming the operation that
 stopped each axis.
 """
 
@@ -15,6 +16,7 @@ from memsafe.graph import Graph
 from memsafe.graph.estimate import FUSIBLE
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
+from memsafe.split import online
 from memsafe.split.emit import emit
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.size import ChunkPlan, choose_chunk
@@ -25,6 +27,8 @@ SHARE = 4
 SMALL = 8
 #: Most regions one run of the pass emits.
 MAX_REGIONS = 16
+#: Weight of an online-softmax loop's iterations when choosing between axes.
+ONLINE_WEIGHT = 1.25
 
 
 def _describe(graph: Graph, var: Var) -> str:
@@ -68,6 +72,7 @@ def best_split(
         except SplitFailure as failure:
             failures.append((axis, failure))
             continue
+        online.merge(graph, region)  # staged max-shifted exp-sums -> one loop, if it applies
         chunk = choose_chunk(graph, region, budget)
         if chunk is None:
             failures.append(
@@ -80,7 +85,14 @@ def best_split(
         options.append((region, chunk))
     if not options:
         return failures
-    return min(options, key=lambda o: (o[1].iterations, -o[1].chunk, o[0].seed_axis))
+    return min(options, key=lambda o: (_cost(*o), -o[1].chunk, o[0].seed_axis))
+
+
+def _cost(region: Region, chunk: ChunkPlan) -> float:
+    """Loop iterations, an online-softmax loop weighted by ONLINE_WEIGHT (it rescales and
+    rewrites its accumulators every chunk; on CPU it measured as fast as the split along the
+    other axis, so a plain split wins unless the online one needs clearly fewer iterations)."""
+    return chunk.iterations * (ONLINE_WEIGHT if region.online is not None else 1.0)
 
 
 def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
@@ -131,6 +143,8 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         sinks = sorted({m.kind for m in region.sinks.values()})
         if any(graph.info(v).is_output for v in region.surviving):
             sinks.append("output")
+        if region.online is not None:
+            sinks.append("online_softmax")
         ctx.record(
             SplitRecord(
                 value=" + ".join(_describe(graph, v) for v in [var, *merged]),

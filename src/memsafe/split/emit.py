@@ -21,6 +21,7 @@ from jax import lax
 
 from memsafe._jax import ClosedJaxpr, Literal, Var, bind_eqn, make_closed_jaxpr
 from memsafe.graph import Graph
+from memsafe.split import online
 from memsafe.split import sinks as sink_ops
 from memsafe.split.axis_rules import Mapping, Sink, rebind
 from memsafe.split.region import Region
@@ -149,22 +150,38 @@ def emit(closed: ClosedJaxpr, region: Region, chunk: int) -> ClosedJaxpr:
     """``closed`` with ``region`` computed in chunks of ``chunk`` along its axis."""
     graph = Graph(closed)
     eqns = graph.eqns
-    loops = plan_loops(graph, region)
+    loops = [] if region.online is not None else plan_loops(graph, region)
     # Nodes: outside equations and one node per loop, run in a topological order that keeps the
-    # original program order wherever dependencies allow.
+    # original program order wherever dependencies allow. An online region is one loop and a
+    # "fin" node applying factors computed after the loop to its accumulators.
     nodes: list[tuple[str, int]] = [("eqn", i) for i in range(len(eqns)) if i not in region.maps]
     nodes += [("loop", k) for k in range(len(loops))]
+    if region.online is not None:
+        o_in, o_out, f_in, f_out = online.loop_io(graph, region)
+        nodes += [("online", 0), ("fin", 0)]
 
-    def needs(node: tuple[str, int]) -> list[Var]:
+    def needs(node: tuple[str, int]) -> list[Any]:
         if node[0] == "eqn":
             return [a for a in eqns[node[1]].invars if isinstance(a, Var)]
+        if node[0] == "online":
+            return o_in
+        if node[0] == "fin":
+            return f_in
         loop = loops[node[1]]
         return [*loop.sliced, *loop.whole]
 
-    def gives(node: tuple[str, int]) -> list[Var]:
+    def gives(node: tuple[str, int]) -> list[Any]:
+        if node[0] == "online":
+            return o_out
+        if node[0] == "fin":
+            return f_out
         return list(eqns[node[1]].outvars) if node[0] == "eqn" else list(loops[node[1]].outputs)
 
     def key(node: tuple[str, int]) -> int:
+        if node[0] == "online":
+            return min(region.maps)
+        if node[0] == "fin":
+            return max(region.maps)
         return node[1] if node[0] == "eqn" else min(loops[node[1]].eqns)
 
     producer = {v: n for n in nodes for v in gives(n)}
@@ -203,6 +220,10 @@ def emit(closed: ClosedJaxpr, region: Region, chunk: int) -> ClosedJaxpr:
             if kind == "eqn":
                 outs = bind_eqn(eqns[i], [read(a) for a in eqns[i].invars])
                 env.update(zip(eqns[i].outvars, outs))
+            elif kind == "online":
+                env.update(zip(o_out, online.run_loop(graph, region, chunk, env)))
+            elif kind == "fin":
+                env.update(zip(f_out, online.finish(graph, region, env)))
             else:
                 env.update(zip(loops[i].outputs, _run_loop(graph, region, loops[i], chunk, env)))
         return [read(a) for a in jaxpr.outvars]

@@ -100,6 +100,7 @@ class Region:
     whole: set[Var]  # outside values used whole
     surviving: list[Var]  # region values needed outside: written chunk by chunk into full buffers
     stage: dict[int, int] = field(default_factory=dict)
+    online: Any = None  # memsafe.split.online.OnlinePlan when the stages merge into one loop
 
     @property
     def eqns(self) -> list[int]:
@@ -278,13 +279,11 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
     return region
 
 
-def _assign_stages(graph: Graph, region: Region) -> None:
-    """Stage of each region equation: one more than any region result its outside inputs need."""
-    eqns = graph.eqns
-    maps = region.maps
-    # For every outside value: the region equations whose results it depends on.
+def region_depends(graph: Graph, maps: dict[int, Any]) -> dict[Var, set[int]]:
+    """For every value: the region equations whose results it depends on (a region value depends
+    on its own producer only; values computed before the region depend on nothing)."""
     depends: dict[Var, set[int]] = {}
-    for i, eqn in enumerate(eqns):
+    for i, eqn in enumerate(graph.eqns):
         if i in maps:
             for o in eqn.outvars:
                 depends[o] = {i}
@@ -295,6 +294,14 @@ def _assign_stages(graph: Graph, region: Region) -> None:
                 acc |= depends.get(atom, set())
         for o in eqn.outvars:
             depends[o] = acc
+    return depends
+
+
+def _assign_stages(graph: Graph, region: Region) -> None:
+    """Stage of each region equation: one more than any region result its outside inputs need."""
+    eqns = graph.eqns
+    maps = region.maps
+    depends = region_depends(graph, maps)
     stage: dict[int, int] = {}
     for i in sorted(maps):
         s = 0
