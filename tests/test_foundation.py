@@ -3,6 +3,8 @@ impossible limits raise, pytrees and static arguments work, gradients go through
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -105,3 +107,31 @@ def test_graph_inlines_nested_calls_and_estimates():
     # the 50x50 dot output is materialized: it feeds a reduction after an elementwise op
     assert est.peak_bytes >= 50 * 50 * 4
     assert g.input_bytes == 50 * 8 * 4
+
+
+def test_a_failing_pass_is_skipped_with_a_warning(monkeypatch):
+    """An optimization pass that breaks on unfamiliar code must not break the program."""
+    import memsafe.passes as passes
+
+    def broken(closed, ctx):
+        raise RuntimeError("boom")
+
+    real = passes.load_pipeline
+
+    def with_broken():
+        return [("broken", broken), *real()]
+
+    monkeypatch.setattr(sys.modules["memsafe.jit"], "load_pipeline", with_broken)
+
+    def f(x, y):
+        return jnp.sum(jnp.exp(x @ y.T), axis=1)
+
+    x = jnp.ones((100, 8)) / 10
+    y = jnp.ones((2000, 8)) / 10
+    g = memsafe.jit(f, memory_limit=300_000)
+    with pytest.warns(RuntimeWarning, match="pass 'broken' failed on f"):
+        out = g(x, y)
+    np.testing.assert_allclose(out, f(x, y), rtol=1e-5)
+    plan = g.plan(x, y)
+    assert plan.after.total <= 300_000
+    assert any(r.pass_name == "broken" for r in plan.passes)

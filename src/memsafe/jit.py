@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect as _inspect
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,7 +20,7 @@ from memsafe.errors import MemoryLimitError
 from memsafe.graph import Graph, inline_calls
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.passes import PassContext, load_pipeline
-from memsafe.plan import Attempt, Plan
+from memsafe.plan import Attempt, PassRecord, Plan
 from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit
 
 #: How many compile-and-verify rounds the driver tries, halving chunk sizes each time.
@@ -127,8 +128,8 @@ def build_program(
             chunk_scale=scale,
         )
         program = flat
-        for _name, run in passes:
-            program = run(program, ctx)
+        for pass_name, run in passes:
+            program = _run_pass(pass_name, run, program, ctx, name)
         last_blockers = ctx.blockers
         hidden_now = hidden_constant_bytes(program.consts)
         emitted = _emit(program)
@@ -355,8 +356,27 @@ def _algebraic_forward(
     ctx = PassContext(memory_limit=memory_limit, fixed_bytes=0, plan=Plan(memory_limit))
     for name, run in load_pipeline():
         if name in ALGEBRAIC_PASSES:
-            program = run(program, ctx)
+            program = _run_pass(name, run, program, ctx, getattr(fun, "__name__", "function"))
     return _emit(program), ctx.plan.records
+
+
+def _run_pass(
+    pass_name: str, run: Callable[..., Any], program: Any, ctx: PassContext, fun_name: str
+) -> Any:
+    """Run one pass; a pass that fails on a program it does not understand is skipped with a
+    warning (passes only optimize: the program before it is still correct), and the driver's
+    verification decides whether what remains fits."""
+    try:
+        return run(program, ctx)
+    except Exception as err:  # any failure of an optimization is survivable
+        warnings.warn(
+            f"memsafe: pass '{pass_name}' failed on {fun_name} and was skipped "
+            f"({type(err).__name__}: {err})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        ctx.record(PassRecord(pass_name, f"skipped: {type(err).__name__}: {err}"))
+        return program
 
 
 def _is_symbolic_zero(x: Any) -> bool:
