@@ -127,3 +127,22 @@ def test_demo_prints_the_knn_report_and_writes_html(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "160,000,000" in out or "152.6 MiB" in out
     assert (tmp_path / "demo_knn_report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_plan_prints_the_split_and_the_verified_footprint(knn_file, capsys):
+    argv = ["plan", f"{knn_file}:knn", "--arg", "f32[200,16]", "--arg", "f32[5000,16]"]
+    assert main([*argv, "--limit", "2MiB", "--grad"]) == 0
+    out = capsys.readouterr().out
+    assert "split" in out and "gradient:" in out
+    after = [line for line in out.splitlines() if line.strip().startswith("after:")]
+    assert len(after) == 2  # forward and backward, both verified
+
+
+def test_plan_reports_an_impossible_limit_and_rejects_a_malformed_one(knn_file, capsys):
+    argv = ["plan", f"{knn_file}:knn", "--arg", "f32[200,16]", "--arg", "f32[5000,16]"]
+    assert main([*argv, "--limit", "100KiB"]) == 1
+    assert "arguments and outputs alone" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as info:
+        main([*argv, "--limit", "lots"])
+    assert info.value.code == 2
+    assert "cannot read memory_limit 'lots'" in capsys.readouterr().err

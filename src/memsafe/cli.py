@@ -133,14 +133,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         "where its memory goes.",
     )
     ins.add_argument("function", help="FILE.py:FUNCTION or MODULE:FUNCTION")
-    ins.add_argument(
-        "--arg",
-        action="append",
-        default=[],
-        metavar="SPEC",
-        help="a positional argument: an array as DTYPE[D1,...] (f32[2000,64]) or a Python "
-        "literal (static); repeat in order",
+    ins_arg_help = (
+        "a positional argument: an array as DTYPE[D1,...] (f32[2000,64]) or a Python "
+        "literal (static); repeat in order"
     )
+    ins.add_argument("--arg", action="append", default=[], metavar="SPEC", help=ins_arg_help)
     ins.add_argument(
         "--kwarg", action="append", default=[], metavar="NAME=SPEC", help="a keyword argument"
     )
@@ -151,7 +148,24 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         action="store_true",
         help="compile with XLA's default options instead of memsafe's",
     )
-    return parser, {"inspect": ins}
+    pln = sub.add_parser(
+        "plan",
+        help="rewrite a function under a memory limit and print what memsafe.jit did",
+        description="Trace FUNCTION at the given argument shapes, rewrite and split it under "
+        "--limit, verify the footprint with XLA, and print the plan (nothing is run).",
+    )
+    pln.add_argument("function", help="FILE.py:FUNCTION or MODULE:FUNCTION")
+    pln.add_argument("--arg", action="append", default=[], metavar="SPEC", help=ins_arg_help)
+    pln.add_argument(
+        "--kwarg", action="append", default=[], metavar="NAME=SPEC", help="a keyword argument"
+    )
+    pln.add_argument(
+        "--limit", required=True, metavar="SIZE", help="memory limit: bytes or e.g. 256MiB, 2GB"
+    )
+    pln.add_argument(
+        "--grad", action="store_true", help="also plan the gradient (backward) program"
+    )
+    return parser, {"inspect": ins, "plan": pln}
 
 
 def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -183,12 +197,43 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import jax
+
+    import memsafe
+
+    try:
+        fun = load_function(args.function)
+        positional = [parse_arg(a) for a in args.arg]
+        keywords = dict(parse_kwarg(k) for k in args.kwarg)
+        limit = memsafe.parse_limit(args.limit)
+    except (UsageError, ValueError) as err:
+        parser.error(str(err))
+    static = [i for i, a in enumerate(positional) if not isinstance(a, jax.ShapeDtypeStruct)]
+    static_names = [k for k, v in keywords.items() if not isinstance(v, jax.ShapeDtypeStruct)]
+    safe = memsafe.jit(fun, memory_limit=limit, static_argnums=static, static_argnames=static_names)
+    try:
+        print(safe.plan(*positional, **keywords))
+        if args.grad:
+            print("\ngradient:")
+            print(safe.backward_plan(*positional, **keywords))
+    except memsafe.MemoryLimitError as err:
+        print(f"memsafe plan: {err}", file=sys.stderr)
+        return 1
+    except TypeError as err:
+        print(f"memsafe plan: {err}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``memsafe`` and ``python -m memsafe``; returns the exit status."""
     parser, commands = _parser()
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if args.command == "inspect":
         return _inspect(args, commands["inspect"])
+    if args.command == "plan":
+        return _plan(args, commands["plan"])
     parser.error(f"unknown command {args.command!r}")
     return 2
 

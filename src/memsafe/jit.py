@@ -55,7 +55,9 @@ class Program:
 
 
 def _is_static_leaf(x: Any) -> bool:
-    return not isinstance(x, jax.Array | np.ndarray | np.generic | float | int | complex | bool)
+    """Leaves that are not arrays (strings, callables, None) are static, as in memsafe.inspect."""
+    arraylike = jax.Array | np.ndarray | np.generic | float | int | complex | bool
+    return not isinstance(x, arraylike | jax.ShapeDtypeStruct)
 
 
 def _aval(x: Any) -> jax.ShapeDtypeStruct:
