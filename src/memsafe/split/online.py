@@ -211,10 +211,20 @@ def _chain(graph: Graph, maps: dict, depends: dict[Var, set[int]], shifts: list[
     while stack:
         v = stack.pop()
         p = graph.info(v).producer
-        if p is None or p in maps or p in need or not depends.get(v):
+        if p is None or p in need:
+            continue
+        eqn = graph.eqns[p]
+        if p in maps:
+            if isinstance(maps[p], Sink):
+                continue  # a running max, given by the loop
+            if any(isinstance(a, Var) and not isinstance(a, Literal) for a in eqn.invars):
+                raise NotOnline("a shift needs a value computed chunk by chunk")
+            need.add(p)  # a generator (broadcast literal, iota): recomputed at full shape
+            continue
+        if not depends.get(v):
             continue
         need.add(p)
-        stack.extend(a for a in graph.eqns[p].invars if isinstance(a, Var))
+        stack.extend(a for a in eqn.invars if isinstance(a, Var))
     return tuple(sorted(need))
 
 
@@ -222,7 +232,7 @@ def _whole_inputs(graph: Graph, region: Region, chain: tuple, depends: dict) -> 
     """Outside values computed before the loop that region or chain equations read whole."""
     out: dict[Var, None] = {}
     for i in (*region.maps, *chain):
-        m = region.maps.get(i)
+        m = region.maps.get(i) if i not in chain else None
         for k, a in enumerate(graph.eqns[i].invars):
             if not isinstance(a, Var) or isinstance(a, Literal) or a in region.produced:
                 continue
@@ -387,35 +397,46 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
         for v, val in zip(sliced, sl):
             local[v] = lax.dynamic_slice_in_dim(val, start, n, axis_of[v])
 
-        def read(atom: Any) -> Any:
+        full: dict[Any, Any] = {}  # whole-shape values of the shift chains
+
+        def read(atom: Any, ax: Any) -> Any:
             if isinstance(atom, Literal):
                 return atom.val
-            return local[atom] if atom in local else outer[atom]
+            if ax is not None:
+                return local[atom]
+            return full[atom] if atom in full else outer[atom]
+
+        def read_full(atom: Any) -> Any:
+            if isinstance(atom, Literal):
+                return atom.val
+            return full[atom] if atom in full else outer[atom]
 
         running: dict[int, Any] = {}
         partials: dict[int, Any] = {}
         for i in order:
             eqn = eqns[i]
             if i in chain:
-                local.update(zip(eqn.outvars, bind_eqn(eqn, [read(a) for a in eqn.invars])))
-                continue
+                full.update(zip(eqn.outvars, bind_eqn(eqn, [read_full(a) for a in eqn.invars])))
+                if i not in region.maps:
+                    continue
             m = region.maps[i]
             if i in plan.passthrough:
-                val = read(eqn.invars[plan.passthrough[i]])
+                pos = plan.passthrough[i]
+                val = read(eqn.invars[pos], m.ins[pos])
                 shape = list(eqn.outvars[0].aval.shape)
                 shape[m.outs[0]] = n
                 local[eqn.outvars[0]] = jnp.broadcast_to(val, shape).astype(
                     eqn.outvars[0].aval.dtype
                 )
                 continue
-            invals = [read(a) for a in eqn.invars]
+            invals = [read(a, ax) for a, ax in zip(eqn.invars, m.ins)]
             if isinstance(m, Sink):
                 part = sink_ops.partial(eqn, invals, m, start, n)
                 if i in plan.sources:
                     k = sources.index(i)
                     part = part if old is None else sink_ops.combine(eqn, m, old[k], part)
                     running[i] = part
-                    local.update(zip(eqn.outvars, sink_ops.finish(m, part)))
+                    full.update(zip(eqn.outvars, sink_ops.finish(m, part)))
                 else:
                     partials[i] = part
                 continue
@@ -423,7 +444,7 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
             local.update(zip(eqn.outvars, rebind(eqn, invals, m, start, n)))
         return (
             [running[i] for i in sources],
-            [local[u] for u in plan.shifts],
+            [full[u] for u in plan.shifts],
             [partials[i] for i in others],
             [local[v] for v in surviving],
         )
