@@ -54,7 +54,7 @@ def cases(size: str) -> list[dict]:
         l2_full = tuple(m for m in l2 if not m.startswith("chunked_q"))
         return [
             _case("l2 10k x 1M", "l2", 10_000, 1_000_000, 64, "1GiB", l2_full),
-            _case("l2 rule (fits)", "l2", 1000, 100_000, 64, "4GiB", rule),
+            _case("l2 rule (fits)", "l2", 500, 40_000, 64, "4GiB", rule),
             _case("l1 100k x 100k", "l1", 100_000, 100_000, 3, "1GiB", other),
             _case("cosine 100k x 100k", "cosine", 100_000, 100_000, 3, "1GiB", other),
         ]

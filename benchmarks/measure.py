@@ -38,11 +38,20 @@ def block(x: Any) -> Any:
 
 def timed(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[Any, dict]:
     """Call ``fn`` once (warm-up: compilation, caches), then up to ``repeats`` more times while the
-    repeats so far plus one more fit in ``budget_s``; at least one repeat is always made.
+    repeats so far plus one more fit in ``budget_s``; at least one repeat is made unless
+    ``repeats`` is 0 (then the single call's time, compilation included, is reported).
     Returns the last result and {first_s, times_s, min_s, median_s}."""
     start = time.perf_counter()
     out = block(fn())
     first = time.perf_counter() - start
+    if repeats <= 0:  # one call only (long cases): its time includes compilation
+        return out, {
+            "first_s": first,
+            "times_s": [first],
+            "min_s": first,
+            "median_s": first,
+            "includes_compile": True,
+        }
     times: list[float] = []
     while len(times) < max(1, repeats):
         expected = times[-1] if times else first

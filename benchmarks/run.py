@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=("quick", "full"), default="quick")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {WORKLOADS}")
     parser.add_argument("--methods", default="", help="comma-separated subset of methods")
-    parser.add_argument("--repeats", type=int, default=3, help="timed calls after a warm-up")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed calls after a warm-up (0: one call only)"
+    )
     parser.add_argument("--budget", type=float, default=None, help="seconds of repeats per method")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per method")
     parser.add_argument(
