@@ -104,6 +104,8 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
         info = graph.info(v)
         if info.producer is not None and not info.is_output:
             fixed += info.bytes
+    if region.online is not None:  # running shifts: old, new and the rescale factor
+        fixed += 3 * sum(graph.info(u).bytes for u in region.online.shifts)
     return per_unit, fixed
 
 
