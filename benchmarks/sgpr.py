@@ -8,6 +8,7 @@ N=200k, M=1,000.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import jax
@@ -32,6 +33,14 @@ def _case(label: str, what: str, n: int, m: int, limit: str, methods) -> dict:
 
 
 def cases(size: str) -> list[dict]:
+    """The cases of ``size``; ``SGPR_CASES`` (comma-separated labels) keeps a subset, e.g. the
+    speed cases without the minutes-long 3droad ones."""
+    every = _cases(size)
+    keep = [c for c in os.environ.get("SGPR_CASES", "").split(",") if c]
+    return [c for c in every if c["label"] in keep] if keep else every
+
+
+def _cases(size: str) -> list[dict]:
     both = ("jax", "memsafe", "gpflow")
     if size == "quick":
         return [
