@@ -21,7 +21,7 @@ from jax import lax
 
 from memsafe._jax import ClosedJaxpr, Literal, Var, bind_eqn, make_closed_jaxpr
 from memsafe.graph import Graph
-from memsafe.split import online
+from memsafe.split import online, peephole
 from memsafe.split import sinks as sink_ops
 from memsafe.split.axis_rules import Mapping, Sink, rebind
 from memsafe.split.region import Region
@@ -81,28 +81,43 @@ def _run_loop(
     sliced_vals = [env[v] for v in loop.sliced]
     whole_vals = [env[v] for v in loop.whole]
 
+    peep = peephole.plan(graph, region, loop.eqns, chunk)
+
     def body(start: Any, n: int, sliced: list[Any], whole: list[Any]) -> tuple[list, list]:
         local: dict[Any, Any] = {}
         outer = dict(zip(loop.whole, whole))
         for v, val in zip(loop.sliced, sliced):
             local[v] = lax.dynamic_slice_in_dim(val, start, n, axis_of[v])
+
+        def read(atom: Any, ax: Any) -> Any:
+            if isinstance(atom, Literal):
+                return atom.val
+            return outer[atom] if ax is None else local[atom]
+
         partials: list[Any] = []
         for i in loop.eqns:
+            if i in peep.skip:
+                continue
             eqn = eqns[i]
             m = region.maps[i]
-            invals = []
-            for atom, ax in zip(eqn.invars, m.ins):
-                if isinstance(atom, Literal):
-                    invals.append(atom.val)
-                elif ax is None:
-                    invals.append(outer[atom])
-                else:
-                    invals.append(local[atom])
+            moved = peep.norm.get(i, {})
+            invals = [
+                None if k in moved else read(atom, ax)
+                for k, (atom, ax) in enumerate(zip(eqn.invars, m.ins))
+            ]
             if isinstance(m, Sink):
                 if i in loop.sinks:
                     partials.append(sink_ops.partial(eqn, invals, m, start, n))
                 continue
-            for var, val in zip(eqn.outvars, rebind(eqn, invals, m, start, n)):
+            if i in peep.scale or i in peep.norm:
+                outs = peep.bind(
+                    i, eqn, invals, read, lambda v, e=eqn, m=m: rebind(e, v, m, start, n)
+                )
+                if i in peep.scale:
+                    local[eqns[peep.scale[i].scaler].outvars[0]] = outs[0]
+            else:
+                outs = rebind(eqn, invals, m, start, n)
+            for var, val in zip(eqn.outvars, outs):
                 local[var] = val
         return partials, [local[v] for v in loop.surviving]
 

@@ -34,6 +34,7 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn
 from memsafe.graph import Graph
+from memsafe.split import peephole
 from memsafe.split import sinks as sink_ops
 from memsafe.split.axis_rules import Mapping, Sink, rebind
 from memsafe.split.region import Region, region_depends
@@ -390,6 +391,8 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
     sources = list(plan.sources)
     others = [i for i in sorted(region.sinks) if i not in plan.sources]
     surviving = list(region.surviving)
+    region_eqns = [i for i in order if i in region.maps and i not in plan.passthrough]
+    peep = peephole.plan(graph, region, region_eqns, chunk)
 
     def body(start: Any, n: int, sl: list, wh: list, old: list | None) -> tuple:
         local: dict[Any, Any] = {}
@@ -415,6 +418,8 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
         partials: dict[int, Any] = {}
         for i in order:
             eqn = eqns[i]
+            if i in peep.skip and i not in chain:
+                continue
             if i in chain:
                 full.update(zip(eqn.outvars, bind_eqn(eqn, [read_full(a) for a in eqn.invars])))
                 if i not in region.maps:
@@ -429,7 +434,11 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
                     eqn.outvars[0].aval.dtype
                 )
                 continue
-            invals = [read(a, ax) for a, ax in zip(eqn.invars, m.ins)]
+            moved = peep.norm.get(i, {})
+            invals = [
+                None if k in moved else read(a, ax)
+                for k, (a, ax) in enumerate(zip(eqn.invars, m.ins))
+            ]
             if isinstance(m, Sink):
                 part = sink_ops.partial(eqn, invals, m, start, n)
                 if i in plan.sources:
@@ -441,7 +450,15 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
                     partials[i] = part
                 continue
             assert isinstance(m, Mapping)
-            local.update(zip(eqn.outvars, rebind(eqn, invals, m, start, n)))
+            if i in peep.scale or i in peep.norm:
+                outs = peep.bind(
+                    i, eqn, invals, read, lambda v, e=eqn, m=m: rebind(e, v, m, start, n)
+                )
+                if i in peep.scale:
+                    local[eqns[peep.scale[i].scaler].outvars[0]] = outs[0]
+            else:
+                outs = rebind(eqn, invals, m, start, n)
+            local.update(zip(eqn.outvars, outs))
         return (
             [running[i] for i in sources],
             [full[u] for u in plan.shifts],

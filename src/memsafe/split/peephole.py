@@ -1,0 +1,197 @@
+"""Cheaper chunk bodies: factors of a contraction applied to its smaller side.
+
+A chunk body materializes every operand and result of a contraction (XLA's CPU backend does not
+fuse elementwise work into dots). Two exact-up-to-rounding moves save a full pass over the
+largest chunk values of attention-like bodies:
+
+- ``(a @ b) * c`` / ``(a @ b) / c`` with a scalar ``c`` (the ``1/sqrt(d)`` of attention scores):
+  ``c`` is applied to the smaller operand instead of the product;
+- ``(x / f) @ v`` / ``(x * f) @ v`` where ``f`` is constant along the contracted axes (the softmax
+  normalization ``e / sum(e)``): the product ``x @ v`` is scaled by ``f`` carried to its layout
+  (Rabe & Staats normalize the attention output, not the weights).
+
+Only values used once, inside the loop, are rewritten.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from memsafe._jax import JaxprEqn, Literal, Var
+from memsafe.graph import Graph
+from memsafe.split.axis_rules import Mapping
+from memsafe.split.region import Region
+
+Read = Callable[[Any, Any], Any]  # (atom, axis or None) -> value in the chunk body
+
+
+@dataclass(frozen=True)
+class Scale:
+    """The scalar of ``scaler`` (a mul/div of the dot's result) moved onto dot operand
+    ``operand``."""
+
+    scaler: int
+    operand: int
+    scalar: Any
+    op: str
+
+
+@dataclass(frozen=True)
+class Norm:
+    """Dot operand ``operand`` is ``x op f`` (eqn ``scaler``): the dot reads ``x`` and its result
+    is scaled by ``f`` (``op`` "mul") or divided by it ("div")."""
+
+    scaler: int
+    operand: int
+    x: Any
+    x_axis: Any
+    f: Any
+    f_axis: Any
+    op: str
+
+
+@dataclass
+class Peepholes:
+    scale: dict[int, Scale]
+    norm: dict[int, dict[int, Norm]]
+    skip: set[int]
+
+    def bind(self, i: int, eqn: JaxprEqn, invals: list[Any], read: Read, run: Callable) -> list:
+        """Results of dot ``i`` (``run`` binds it at chunk shape) with its moved factors."""
+        invals = list(invals)
+        norms = self.norm.get(i, {})
+        for k, nm in norms.items():
+            invals[k] = read(nm.x, nm.x_axis)
+        s = self.scale.get(i)
+        if s is not None:
+            c = s.scalar.val if isinstance(s.scalar, Literal) else read(s.scalar, None)
+            v = invals[s.operand]
+            invals[s.operand] = (
+                lax.mul(v, _cast(c, v)) if s.op == "mul" else lax.div(v, _cast(c, v))
+            )
+        (out,) = run(invals)
+        for k, nm in norms.items():
+            f = read(nm.f, nm.f_axis)
+            rank = len(eqn.invars[k].aval.shape)
+            if f.ndim != rank:
+                f = jnp.reshape(f, (1,) * rank)
+            if nm.op == "div":
+                f = 1.0 / f
+            out = out * _carry(eqn, k, f).astype(out.dtype)
+        return [out]
+
+
+def _cast(c: Any, like: Any) -> Any:
+    return jnp.asarray(c, dtype=like.dtype)
+
+
+def _carry(eqn: JaxprEqn, k: int, f: Any) -> Any:
+    """``f`` (constant along operand ``k``'s contracted axes) in the layout of the result."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    other = eqn.invars[1 - k]
+    ones = jnp.ones((1,) * len(other.aval.shape), f.dtype)
+    fa, fb = (f, ones) if k == 0 else (ones, f)
+    sa, sb = list(fa.shape), list(fb.shape)
+    for a, b in zip(lb, rb):
+        sa[a] = sb[b] = max(sa[a], sb[b])
+    fa, fb = jnp.broadcast_to(fa, sa), jnp.broadcast_to(fb, sb)
+    return lax.dot_general(fa, fb, ((lc, rc), (lb, rb)))
+
+
+def plan(graph: Graph, region: Region, idx: list[int] | tuple[int, ...], chunk: int) -> Peepholes:
+    """The moves that apply among the loop body's equations ``idx``."""
+    eqns = graph.eqns
+    members = set(idx)
+    maps = region.maps
+    surviving = set(region.surviving)
+
+    def once(var: Any) -> int | None:
+        """The single in-loop consumer of a region value used nowhere else, or None."""
+        info = graph.info(var)
+        if var in surviving or info.is_output or len(info.consumers) != 1:
+            return None
+        c = info.consumers[0]
+        return c if c in members else None
+
+    def dot(i: int) -> bool:
+        return (
+            i in members
+            and eqns[i].primitive.name == "dot_general"
+            and isinstance(maps[i], Mapping)
+            and len(eqns[i].outvars) == 1
+        )
+
+    def elems(i: int, k: int) -> float:
+        atom = eqns[i].invars[k]
+        n = float(math.prod(atom.aval.shape))
+        return n * chunk / region.size if maps[i].ins[k] is not None else n
+
+    scale: dict[int, Scale] = {}
+    norm: dict[int, dict[int, Norm]] = {}
+    skip: set[int] = set()
+    for i in idx:
+        eqn = eqns[i]
+        if not dot(i):
+            continue
+        (lc, rc), _ = eqn.params["dimension_numbers"]
+        # factors of the operands, constant along the contraction
+        for k, contracted in ((0, lc), (1, rc)):
+            y = eqn.invars[k]
+            if not isinstance(y, Var) or isinstance(y, Literal) or y not in region.produced:
+                continue
+            p = graph.info(y).producer
+            if p is None or p not in members or once(y) != i or p in skip:
+                continue
+            s = eqns[p]
+            if s.primitive.name not in ("mul", "div") or s.outvars[0].aval.dtype != y.aval.dtype:
+                continue
+            shape = tuple(y.aval.shape)
+            sides = [(0, 1)] if s.primitive.name == "div" else [(0, 1), (1, 0)]
+            for xi, fi in sides:
+                x, f = s.invars[xi], s.invars[fi]
+                if isinstance(x, Literal) or isinstance(f, Literal):
+                    continue
+                fshape = tuple(f.aval.shape)
+                if tuple(x.aval.shape) != shape or len(fshape) not in (0, len(shape)):
+                    continue
+                if fshape and any(fshape[d] != 1 for d in contracted):
+                    continue
+                if not jnp.issubdtype(f.aval.dtype, jnp.floating):
+                    continue
+                sm = maps[p]
+                norm.setdefault(i, {})[k] = Norm(
+                    p, k, x, sm.ins[xi], f, sm.ins[fi], s.primitive.name
+                )
+                skip.add(p)
+                break
+        # a scalar multiplying the product
+        j = once(eqn.outvars[0])
+        if j is None or j in skip:
+            continue
+        s = eqns[j]
+        if s.primitive.name not in ("mul", "div") or s.outvars[0].aval != eqn.outvars[0].aval:
+            continue
+        pos = list(s.invars).index(eqn.outvars[0])
+        if s.primitive.name == "div" and pos != 0:
+            continue
+        c = s.invars[1 - pos]
+        if len(getattr(c.aval, "shape", ())) != 0 or not jnp.issubdtype(c.aval.dtype, jnp.floating):
+            continue
+        if isinstance(c, Var) and not isinstance(c, Literal) and c in region.produced:
+            continue
+        # the operand sliced per chunk (its scaling fuses with the slice, no new whole buffer),
+        # else the smaller one; only when it is much smaller than the product
+        out_elems = math.prod(eqn.outvars[0].aval.shape) * chunk / region.size
+        sides = sorted((0, 1), key=lambda k: (maps[i].ins[k] is None, elems(i, k)))
+        sides = [k for k in sides if k not in norm.get(i, {}) and 8 * elems(i, k) <= out_elems]
+        if not sides:
+            continue
+        scale[i] = Scale(j, sides[0], c, s.primitive.name)
+        skip.add(j)
+    return Peepholes(scale, norm, skip)
