@@ -152,6 +152,8 @@ def analyse(graph: Graph, region: Region) -> OnlinePlan:
             raise NotOnline(f"{name} reads a value computed from the region's results")
         elif name == "mul":
             out = scaled[0] if len(scaled) == 1 else ("mul", scaled[0], scaled[1])
+        elif name in _PASS and not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
+            raise NotOnline(f"a rescaled value converted to {eqn.outvars[0].aval.dtype}")
         elif (name == "div" and not isinstance(ins[1], tuple)) or name in _PASS:
             out = ins[0]
         elif name in _SAME:
