@@ -14,6 +14,14 @@ from memsafe.passes.match_replace import rewrite as match_replace
 from memsafe.rules import Rule, register_rule, registered_rules, rewrite, unregister_rule
 
 
+@pytest.fixture(autouse=True)
+def _any_depth(monkeypatch):
+    """These tests are about matching; the depth at which the GEMM pays off is tested apart."""
+    from memsafe.rules import distance
+
+    monkeypatch.setattr(distance, "MIN_GEMM_DEPTH", 1)
+
+
 def _rand(shape, seed=0):
     return jax.random.normal(jax.random.PRNGKey(seed), shape)
 

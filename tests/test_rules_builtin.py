@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -15,6 +16,14 @@ from memsafe.rules import builtin_rules, rewrite
 from memsafe.xla import memsafe_jit
 
 sizes = st.integers(2, 9)
+
+
+@pytest.fixture(autouse=True)
+def _any_depth(monkeypatch):
+    """These tests are about matching; the depth at which the GEMM pays off is tested apart."""
+    from memsafe.rules import distance
+
+    monkeypatch.setattr(distance, "MIN_GEMM_DEPTH", 1)
 
 
 def _rand(shape, seed, dtype=jnp.float32):
@@ -203,3 +212,13 @@ def test_memsafe_jit_rewrites_the_naive_distance_before_anything_else():
     (rec,) = plan.rules
     assert rec.rule == "pairwise_sqdist" and "test_rules_builtin.py" in rec.where
     assert rec.bytes_saved > 200 * 300 * 64 * 4 * 0.9
+
+
+@pytest.mark.parametrize(("d", "fires"), [(3, False), (5, False), (6, True), (64, True)])
+def test_distance_rules_fire_only_where_the_gemm_pays_off(monkeypatch, d, fires):
+    """Below MIN_GEMM_DEPTH features the fused broadcast form is faster (measured): no rewrite."""
+    from memsafe.rules import distance
+
+    monkeypatch.setattr(distance, "MIN_GEMM_DEPTH", 6)
+    x, y = _rand((40, d), 0), _rand((50, d), 1)
+    assert (fired(SQDIST_FORMS["pow"], x, y) == ["pairwise_sqdist"]) is fires

@@ -43,6 +43,17 @@ def cosine_gemm(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
     return _gram(x, y) / (nx[:, None] * ny[None, :])
 
 
+#: Smallest feature dimension at which the GEMM expansion beats the fused broadcast-and-reduce.
+#: Measured on the CPU (kernel matvec, 20k x 20k, split under 64 MiB): d=3 GEMM 1.44 s vs fused
+#: 0.67 s; d=8 GEMM 0.82 s vs fused 1.60 s; d=32 GEMM 1.14 s vs fused 4.51 s. Below it, the
+#: elementwise form is left to XLA's fusion (and to splitting, for memory).
+MIN_GEMM_DEPTH = 6
+
+
+def _deep_enough(match) -> bool:
+    return match.sizes.get("d", MIN_GEMM_DEPTH) >= MIN_GEMM_DEPTH
+
+
 def _diff(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
     return x[:, None, :] - y[None, :, :]
 
@@ -66,6 +77,7 @@ SQDIST = Rule(
     sqdist_gemm,
     shapes="n d, m d",
     dtypes=(jnp.floating,),
+    filters=(_deep_enough,),
     description="pairwise squared distance -> |x|^2 + |y|^2 - 2 x y^T (one GEMM), clamped at 0",
 )
 
@@ -80,6 +92,7 @@ L2DIST = Rule(
     l2dist_gemm,
     shapes="n d, m d",
     dtypes=(jnp.floating,),
+    filters=(_deep_enough,),
     description="pairwise distance -> sqrt of the clamped GEMM expansion",
 )
 
@@ -89,6 +102,7 @@ PAIRWISE_DOT = Rule(
     pairwise_dot_gemm,
     shapes="n d, m d",
     dtypes=(jnp.floating, jnp.complexfloating),
+    filters=(_deep_enough,),
     description="sum(x[:, None] * y[None], -1) -> x @ y.T",
 )
 
