@@ -1,6 +1,6 @@
 """memsafe: run ordinary JAX programs under a memory limit, and see where their memory goes."""
 
-from memsafe.errors import Blocker, MemoryLimitError, UnsupportedPrimitiveError
+from memsafe.errors import Blocker, MemoryLimitError
 from memsafe.inspect import Report, inspect  # the function shadows the subpackage's name
 from memsafe.jit import MemsafeFunction, jit
 from memsafe.limits import format_bytes, parse_limit
@@ -20,7 +20,6 @@ __all__ = [
     "Rule",
     "RuleRecord",
     "SplitRecord",
-    "UnsupportedPrimitiveError",
     "format_bytes",
     "inspect",
     "jit",

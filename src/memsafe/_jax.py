@@ -90,18 +90,6 @@ def source_line(eqn: JaxprEqn) -> str:
         return ""
 
 
-def user_frame(eqn: JaxprEqn) -> str:
-    """Like :func:`source_line` but without the column, as HLO metadata reports it."""
-    return source_line(eqn)
-
-
-def aval_of(atom: Any) -> ShapedArray:
-    """The abstract value of a Var, Literal or concrete array."""
-    if isinstance(atom, Var | Literal):
-        return atom.aval
-    return _public_core.get_aval(atom)
-
-
 def nbytes_of_aval(aval: Any) -> int:
     """Bytes of a ShapedArray (0 for tokens and other non-array values)."""
     shape = getattr(aval, "shape", None)
@@ -115,22 +103,10 @@ def nbytes_of_aval(aval: Any) -> int:
     return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
 
 
-def is_literal(atom: Any) -> bool:
-    return isinstance(atom, Literal)
-
-
-def literal_value(atom: Literal) -> Any:
-    return atom.val
-
-
 def make_closed_jaxpr(fun: Callable[..., Any], avals: Sequence[Any]) -> tuple[ClosedJaxpr, Any]:
     """Trace ``fun`` at ``avals`` (ShapeDtypeStructs or arrays); returns the jaxpr and out tree."""
     closed, out_shape = jax.make_jaxpr(fun, return_shape=True)(*avals)
     return closed, jax.tree_util.tree_structure(out_shape)
-
-
-def new_closed_jaxpr(jaxpr: Jaxpr, consts: Sequence[Any]) -> ClosedJaxpr:
-    return ClosedJaxpr(jaxpr, list(consts))
 
 
 def is_tracer(x: Any) -> bool:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from memsafe.limits import format_bytes
 
@@ -58,16 +58,3 @@ class MemoryLimitError(MemoryError):
                 f"  smallest limit known to work: {format_bytes(minimum)} ({minimum} bytes)"
             )
         super().__init__("\n".join(lines))
-
-
-@dataclass
-class UnsupportedPrimitiveError(NotImplementedError):
-    """A primitive memsafe cannot split through, in a program that does not fit unsplit."""
-
-    primitive: str
-    where: str = ""
-    details: list[str] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        loc = f" at {self.where}" if self.where else ""
-        return f"memsafe cannot split through primitive '{self.primitive}'{loc}"
