@@ -53,6 +53,13 @@ class Program:
                 pass  # e.g. Python scalars or arrays on another device: let jit convert them
         return self.jitted(*flat)
 
+    def call(self, flat: Sequence[Any]) -> Any:
+        """Run inside or outside a trace: the compiled program on concrete arrays (e.g. the
+        forward and backward of ``jax.grad`` without an outer jit), else the traceable one."""
+        if any(_jax.is_tracer(x) for x in flat):
+            return self.fun(*flat)
+        return self.run(flat)
+
 
 def _is_static_leaf(x: Any) -> bool:
     """Leaves that are not arrays (strings, callables, None) are static, as in memsafe.inspect."""
@@ -327,10 +334,10 @@ class MemsafeFunction:
 
         @jax.custom_vjp
         def call(*flat: Any) -> list[Any]:
-            return list(program.fun(*flat))
+            return list(program.call(flat))
 
         def fwd(*flat: Any) -> tuple[list[Any], tuple]:
-            return list(program.fun(*flat)), flat
+            return list(program.call(flat)), flat
 
         def bwd(res: tuple, cts: list[Any]) -> tuple:
             backward = memsafe_fun._backward_program(program, rebuild, key)
@@ -338,7 +345,7 @@ class MemsafeFunction:
                 jax.numpy.zeros(v.aval.shape, v.aval.dtype) if _is_symbolic_zero(c) else c
                 for c, v in zip(cts, program.closed.jaxpr.outvars)
             ]
-            grads = backward.fun(*res, *cts)
+            grads = backward.call([*res, *cts])
             out: list[Any] = [None] * len(res)
             for i, g in zip(backward.diff_positions, grads):  # type: ignore[attr-defined]
                 out[i] = g
