@@ -53,7 +53,9 @@ def merge(old: dict, new: dict) -> dict:
         label = case["case"]["label"]
         if label in by_label:
             by_label[label]["results"].update(case["results"])
-            by_label[label]["case"] = case["case"]
+            methods = list(by_label[label]["case"].get("methods", []))
+            methods += [m for m in case["case"].get("methods", []) if m not in methods]
+            by_label[label]["case"] = {**case["case"], "methods": methods}
         else:
             by_label[label] = case
     merged = {**old, **{k: v for k, v in new.items() if k != "cases"}}
