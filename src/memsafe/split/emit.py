@@ -23,7 +23,7 @@ from memsafe._jax import ClosedJaxpr, Literal, Var, bind_eqn, make_closed_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import online, peephole
 from memsafe.split import sinks as sink_ops
-from memsafe.split.axis_rules import Mapping, Sink, rebind
+from memsafe.split.axis_rules import Mapping, Sink
 from memsafe.split.region import Region
 
 
@@ -109,14 +109,7 @@ def _run_loop(
                 if i in loop.sinks:
                     partials.append(sink_ops.partial(eqn, invals, m, start, n))
                 continue
-            if i in peep.scale or i in peep.norm:
-                outs = peep.bind(
-                    i, eqn, invals, read, lambda v, e=eqn, m=m: rebind(e, v, m, start, n)
-                )
-                if i in peep.scale:
-                    local[eqns[peep.scale[i].scaler].outvars[0]] = outs[0]
-            else:
-                outs = rebind(eqn, invals, m, start, n)
+            outs = peephole.bind_mapped(peep, i, eqn, invals, m, read, local, eqns, start, n)
             for var, val in zip(eqn.outvars, outs):
                 local[var] = val
         return partials, [local[v] for v in loop.surviving]

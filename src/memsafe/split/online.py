@@ -36,7 +36,7 @@ from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn
 from memsafe.graph import Graph
 from memsafe.split import peephole
 from memsafe.split import sinks as sink_ops
-from memsafe.split.axis_rules import Mapping, Sink, rebind
+from memsafe.split.axis_rules import Mapping, Sink
 from memsafe.split.region import Region, region_depends
 
 #: Factor trees: ("base", var, power, rank) | ("mul", a, b) | ("op", eqn index, (sub-factors)).
@@ -452,14 +452,7 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
                     partials[i] = part
                 continue
             assert isinstance(m, Mapping)
-            if i in peep.scale or i in peep.norm:
-                outs = peep.bind(
-                    i, eqn, invals, read, lambda v, e=eqn, m=m: rebind(e, v, m, start, n)
-                )
-                if i in peep.scale:
-                    local[eqns[peep.scale[i].scaler].outvars[0]] = outs[0]
-            else:
-                outs = rebind(eqn, invals, m, start, n)
+            outs = peephole.bind_mapped(peep, i, eqn, invals, m, read, local, eqns, start, n)
             local.update(zip(eqn.outvars, outs))
         return (
             [running[i] for i in sources],

@@ -25,7 +25,7 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, Var
 from memsafe.graph import Graph
-from memsafe.split.axis_rules import Mapping
+from memsafe.split.axis_rules import Mapping, rebind
 from memsafe.split.region import Region
 
 Read = Callable[[Any, Any], Any]  # (atom, axis or None) -> value in the chunk body
@@ -195,3 +195,25 @@ def plan(graph: Graph, region: Region, idx: list[int] | tuple[int, ...], chunk: 
         scale[i] = Scale(j, sides[0], c, s.primitive.name)
         skip.add(j)
     return Peepholes(scale, norm, skip)
+
+
+def bind_mapped(
+    peep: Peepholes,
+    i: int,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    m: Mapping,
+    read: Callable[..., Any],
+    local: dict[Any, Any],
+    eqns: list[JaxprEqn],
+    start: Any,
+    n: int,
+) -> list[Any]:
+    """Equation ``i`` of a loop body at chunk shape: through its peephole where one applies
+    (recording the moved scalar's value in ``local``), else re-bound by its axis rule."""
+    if i in peep.scale or i in peep.norm:
+        outs = peep.bind(i, eqn, invals, read, lambda v: rebind(eqn, v, m, start, n))
+        if i in peep.scale:
+            local[eqns[peep.scale[i].scaler].outvars[0]] = outs[0]
+        return outs
+    return rebind(eqn, invals, m, start, n)
