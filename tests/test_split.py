@@ -76,7 +76,8 @@ def test_knn_small_split_equals_reference():
     limit = parse_limit("26MiB")
     f = memsafe.jit(knn, memory_limit=limit)
     plan = _check_fits(f, (x, y), limit, factor=100)
-    assert "top_k" in plan.splits[0].sinks
+    split = plan.splits[0]
+    assert "top_k" in split.sinks or (split.axis == 0 and "top_k" in split.ops)
     np.testing.assert_array_equal(np.asarray(f(x, y)), _knn_reference(x, y))
 
 

@@ -13,7 +13,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
+from memsafe._jax import JaxprEqn, bind_eqn
+from memsafe.split import topk
 from memsafe.split.axis_rules import Sink
 
 Partial = tuple[Any, ...]
@@ -34,7 +35,8 @@ def partial(eqn: JaxprEqn, invals: list[Any], sink: Sink, start: Any, size: int)
         return jnp.squeeze(val, axis), idx + lax.convert_element_type(start, idx.dtype)
     if sink.kind == "top_k":
         k = min(int(eqn.params["k"]), size)
-        vals, idx = bind_eqn_with(eqn, invals, k=k)
+        axis = eqn.params.get("axis", -1)
+        vals, idx = topk.top_k(invals[0], k, axis=axis)
         return vals, idx + lax.convert_element_type(start, idx.dtype)
     return tuple(bind_eqn(eqn, invals))
 

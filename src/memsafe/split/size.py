@@ -10,11 +10,13 @@ model was optimistic.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from memsafe._jax import Var
 from memsafe.graph import Graph
 from memsafe.graph.estimate import FUSIBLE
+from memsafe.split import topk
 from memsafe.split.axis_rules import ELEMENTWISE, Sink
 from memsafe.split.region import Region
 from memsafe.split.sinks import min_chunk
@@ -95,8 +97,10 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
         peak = _stage_peak(graph, region, region.stage_eqns(graph, k))
         per_unit = max(per_unit, -(-peak // region.size))
     fixed = 0
-    for i in region.sinks:
+    for i, sink in region.sinks.items():
         fixed += 3 * sum(graph.info(o).bytes for o in eqns[i].outvars)  # acc, partial, result
+        if sink.kind == "top_k":  # the block maxima's keys: at most a quarter of the operand
+            per_unit += -(-graph.info(eqns[i].invars[0]).bytes // region.size // 4)
     for v in region.surviving:
         if not graph.info(v).is_output:
             fixed += graph.info(v).bytes
@@ -109,6 +113,25 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
     return per_unit, fixed
 
 
+def _top_k_candidates(graph: Graph, region: Region, chunk: int) -> int:
+    """Bytes of the candidates a chunk's block-maxima top_k gathers (memsafe.split.topk): per row
+    k blocks of the chosen block length, values and indices, gathered and selected."""
+    total = 0
+    for i, sink in region.sinks.items():
+        eqn = graph.eqns[i]
+        if sink.kind != "top_k":
+            continue
+        k = int(eqn.params["k"])
+        g = topk.block_size(chunk, k)
+        if g is None:
+            continue
+        info = graph.info(eqn.invars[0])
+        elems = math.prod(info.shape)
+        rows = elems // max(info.shape[sink.ins[0]], 1)
+        total += 2 * rows * (k * g + g) * (info.bytes // max(elems, 1) + 4)
+    return total
+
+
 def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
     """The largest chunk whose modelled bytes fit ``budget``, evened out over the loop count;
     None if even the smallest chunk does not fit."""
@@ -119,6 +142,11 @@ def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
     if room < per_unit * lowest:
         return None
     chunk = min(region.size, room // max(per_unit, 1))
+    for _ in range(3):  # the candidates shrink with the chunk: settle the two
+        fits = (room - _top_k_candidates(graph, region, chunk)) // max(per_unit, 1)
+        if fits >= chunk:
+            break
+        chunk = max(fits, lowest)
     loops = -(-region.size // chunk)
     chunk = max(lowest, -(-region.size // loops))  # same loop count, smaller remainder waste
     loops = -(-region.size // chunk)
