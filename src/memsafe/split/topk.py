@@ -32,15 +32,23 @@ def block_size(size: int, k: int) -> int | None:
     return g if size // g >= MIN_BLOCKS_PER_K * k else None
 
 
-def _order_key(x: Any) -> Any:
-    """An integer ordered as top_k orders ``x`` (its total order); integers are their own key."""
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        return x
-    bits = np.dtype(x.dtype).itemsize * 8
-    signed = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[bits]
-    raw = lax.bitcast_convert_type(x, signed)
+def _flip(raw: Any, bits: int) -> Any:
+    """Maps a float's bits to an integer in top_k's total order, and back (an involution)."""
+    signed = raw.dtype.type
     magnitude = np.array((1 << (bits - 1)) - 1, dtype=signed)
     return raw ^ (lax.shift_right_arithmetic(raw, np.array(bits - 1, signed)) & magnitude)
+
+
+def block_maxima(blocks: Any) -> Any:
+    """Maxima over the last axis in top_k's total order, as values of ``blocks``' dtype (XLA's
+    fast CPU top_k takes floats; an integer key would fall back to a full sort)."""
+    last = (blocks.ndim - 1,)
+    if not jnp.issubdtype(blocks.dtype, jnp.floating):
+        return lax.reduce_max(blocks, last)
+    bits = np.dtype(blocks.dtype).itemsize * 8
+    signed = {16: jnp.int16, 32: jnp.int32, 64: jnp.int64}[bits]
+    key = lax.reduce_max(_flip(lax.bitcast_convert_type(blocks, signed), bits), last)
+    return lax.bitcast_convert_type(_flip(key, bits), blocks.dtype)
 
 
 def top_k(operand: Any, k: int, axis: int = -1) -> tuple[Any, Any]:
@@ -60,8 +68,7 @@ def _blocked(x: Any, k: int, g: int) -> tuple[Any, Any]:
     lead, size = x.shape[:-1], x.shape[-1]
     n_blocks, rest = divmod(size, g)
     blocks = x[..., : n_blocks * g].reshape(*lead, n_blocks, g)
-    maxima = lax.reduce_max(_order_key(blocks), (blocks.ndim - 1,))
-    _, chosen = lax.top_k(maxima, k)
+    _, chosen = lax.top_k(block_maxima(blocks), k)
     chosen = lax.sort(chosen, dimension=chosen.ndim - 1)  # candidates in their original order
     cand = jnp.take_along_axis(blocks, chosen[..., None], axis=-2).reshape(*lead, k * g)
     cand_idx = (chosen[..., None] * g + jnp.arange(g, dtype=chosen.dtype)).reshape(*lead, k * g)
