@@ -19,7 +19,7 @@ from memsafe.plan import SplitRecord
 from memsafe.split import online
 from memsafe.split.emit import emit
 from memsafe.split.region import Region, SplitFailure, grow
-from memsafe.split.size import ChunkPlan, choose_chunk
+from memsafe.split.size import ChunkPlan, choose_chunk, speed_cap
 
 #: A value is split when it exceeds this share of the temporary budget.
 SHARE = 4
@@ -138,6 +138,7 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         if chosen is None:
             return closed
         var, region, chunk, merged = chosen
+        chunk = speed_cap(graph, region, chunk)
         new = emit(closed, region, chunk.chunk)
         eqns = graph.eqns
         sinks = sorted({m.kind for m in region.sinks.values()})

@@ -10,6 +10,7 @@ model was optimistic.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -151,3 +152,23 @@ def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
     chunk = max(lowest, -(-region.size // loops))  # same loop count, smaller remainder waste
     loops = -(-region.size // chunk)
     return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed)
+
+
+#: Modelled bytes per chunk above which a larger chunk no longer runs faster: a Gaussian-kernel
+#: matvec at n=m=100k ran 6.04 s with ~660-row chunks (its 1 GiB budget) and 5.63 s with 193-row
+#: chunks, whose values stay nearer the caches. Chunks feeding a top_k sink are exempt: each chunk
+#: pays a top_k call per row, so fewer, longer chunks win there.
+SPEED_CHUNK_BYTES = 256 * 2**20
+
+
+def speed_cap(graph: Graph, region: Region, plan: ChunkPlan) -> ChunkPlan:
+    """``plan`` with its chunk lowered to SPEED_CHUNK_BYTES of modelled values, where that helps."""
+    if any(s.kind == "top_k" for s in region.sinks.values()):
+        return plan
+    cap = max(SPEED_CHUNK_BYTES // max(plan.per_unit, 1), 1)
+    if plan.chunk <= cap:
+        return plan
+    lowest = max([1, *(min_chunk(graph.eqns[i], s) for i, s in region.sinks.items())])
+    loops = -(-region.size // max(cap, lowest))
+    chunk = max(lowest, -(-region.size // loops))
+    return dataclasses.replace(plan, chunk=chunk, loops=-(-region.size // chunk))
