@@ -77,6 +77,8 @@ def run_workload(name: str, args: argparse.Namespace) -> dict:
         "cases": [],
     }
     for case in module.cases(args.size):
+        if args.cases and case["label"] not in args.cases:
+            continue
         methods = [m for m in case["methods"] if not args.methods or m in args.methods]
         params = {k: v for k, v in case.items() if k != "methods"}
         params.update(repeats=args.repeats, budget_s=args.budget, jax_cap=args.jax_cap)
@@ -105,6 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--size", choices=("quick", "full"), default="quick")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {WORKLOADS}")
     parser.add_argument("--methods", default="", help="comma-separated subset of methods")
+    parser.add_argument("--cases", default="", help="comma-separated subset of case labels")
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed calls after a warm-up (0: one call only)"
     )
@@ -118,6 +121,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     args = parser.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if args.budget is None:
         args.budget = 30.0 if args.size == "quick" else 150.0
     if args.timeout is None:
@@ -134,7 +138,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in names:
         record = run_workload(name, args)
         path = out_dir / f"{name}.json"
-        if args.methods and path.exists():  # a partial rerun updates the methods it ran
+        if (args.methods or args.cases) and path.exists():  # a partial rerun updates what it ran
             record = report.merge(json.loads(path.read_text()), record)
             module = importlib.import_module(f"benchmarks.{name}")
             for case in record["cases"]:  # accuracy against references run earlier
