@@ -20,6 +20,7 @@ from typing import Any
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, bind_eqn, bind_eqn_with
+from memsafe.split import topk
 
 Axis = int | None
 
@@ -357,6 +358,14 @@ def _top_k(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
     if axis == along:
         raise NoRule("top_k result along its own axis")
     return Mapping(ins=(axis,), outs=(axis, axis))
+
+
+def _rebind_top_k(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    """A chunk of rows: the same top_k, through block maxima where its axis is long."""
+    return list(topk.top_k(invals[0], int(eqn.params["k"]), axis=eqn.params.get("axis", -1)))
+
+
+REBINDERS["top_k"] = _rebind_top_k
 
 
 # -- gather / scatter along batch dimensions ------------------------------------------------

@@ -83,6 +83,28 @@ def _stage_peak(graph: Graph, region: Region, idx: list[int]) -> int:
         born[v] = idx.index(p) if p in members else 0
         if v in region.surviving:
             stored[v] = len(idx)
+    # XLA fuses a chain of streaming ops into the op that materializes its end: a stored value
+    # read by such a chain stays live until the chain's end is born (a dot's output and the
+    # elementwise result it feeds to top_k are held together).
+    position = {i: pos for pos, i in enumerate(idx)}
+    reach: dict[Var, int] = {}
+
+    def chain_end(v: Var) -> int:
+        if v in reach:
+            return reach[v]
+        reach[v] = end = -1
+        for c in graph.info(v).consumers:
+            if c not in members or eqns[c].primitive.name not in _STREAMING:
+                continue
+            for o in eqns[c].outvars:
+                if o not in region.axis_of:
+                    continue
+                end = max(end, position[c], born[o] if o in stored else chain_end(o))
+        reach[v] = end
+        return end
+
+    for v in stored:
+        stored[v] = max(stored[v], chain_end(v))
     peak = 0
     for pos in range(len(idx) + 1):
         live = sum(graph.info(v).bytes for v in stored if born[v] <= pos <= stored[v])
