@@ -176,16 +176,37 @@ def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
     return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed)
 
 
-#: Modelled bytes per chunk above which a larger chunk no longer runs faster: a Gaussian-kernel
-#: matvec at n=m=100k ran 6.04 s with ~660-row chunks (its 1 GiB budget) and 5.63 s with 193-row
-#: chunks, whose values stay nearer the caches. Chunks feeding a top_k sink are exempt: each chunk
-#: pays a top_k call per row, so fewer, longer chunks win there.
+#: Modelled bytes per chunk above which a larger chunk no longer runs faster, for memory-bound
+#: regions: a Gaussian-kernel matvec at n=m=100k ran 6.04 s with ~660-row chunks (its 1 GiB
+#: budget) and 5.62 s with 193-row chunks, whose values stay nearer the caches. Regions with a
+#: matrix-matrix product are exempt (the SGPR gradient at N=200k ran 14.3 s capped, 12.1 s not),
+#: and so are chunks feeding a top_k sink, which pays a top_k call per row and chunk.
 SPEED_CHUNK_BYTES = 256 * 2**20
+#: Free size on each side from which a dot_general counts as a matrix-matrix product.
+GEMM_SIDE = 64
+
+
+def _has_gemm(graph: Graph, region: Region) -> bool:
+    """Whether the region runs a matrix-matrix product (compute-bound: long chunks pay)."""
+    for i in region.maps:
+        eqn = graph.eqns[i]
+        if eqn.primitive.name == "triangular_solve":
+            return True
+        if eqn.primitive.name != "dot_general":
+            continue
+        (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+        sides = [
+            math.prod(d for k, d in enumerate(atom.aval.shape) if k not in (*con, *bat))
+            for atom, con, bat in ((eqn.invars[0], lc, lb), (eqn.invars[1], rc, rb))
+        ]
+        if min(sides) >= GEMM_SIDE:
+            return True
+    return False
 
 
 def speed_cap(graph: Graph, region: Region, plan: ChunkPlan) -> ChunkPlan:
     """``plan`` with its chunk lowered to SPEED_CHUNK_BYTES of modelled values, where that helps."""
-    if any(s.kind == "top_k" for s in region.sinks.values()):
+    if any(s.kind == "top_k" for s in region.sinks.values()) or _has_gemm(graph, region):
         return plan
     cap = max(SPEED_CHUNK_BYTES // max(plan.per_unit, 1), 1)
     if plan.chunk <= cap:
