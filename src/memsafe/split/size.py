@@ -155,12 +155,16 @@ def _top_k_candidates(graph: Graph, region: Region, chunk: int) -> int:
     return total
 
 
+def _lowest(graph: Graph, region: Region) -> int:
+    """The smallest chunk every sink of the region can work with."""
+    return max([1, *(min_chunk(graph.eqns[i], s) for i, s in region.sinks.items())])
+
+
 def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
     """The largest chunk whose modelled bytes fit ``budget``, evened out over the loop count;
     None if even the smallest chunk does not fit."""
     per_unit, fixed = bytes_model(graph, region)
-    eqns = graph.eqns
-    lowest = max([1, *(min_chunk(eqns[i], s) for i, s in region.sinks.items())])
+    lowest = _lowest(graph, region)
     room = budget - fixed
     if room < per_unit * lowest:
         return None
@@ -211,7 +215,7 @@ def speed_cap(graph: Graph, region: Region, plan: ChunkPlan) -> ChunkPlan:
     cap = max(SPEED_CHUNK_BYTES // max(plan.per_unit, 1), 1)
     if plan.chunk <= cap:
         return plan
-    lowest = max([1, *(min_chunk(graph.eqns[i], s) for i, s in region.sinks.items())])
+    lowest = _lowest(graph, region)
     loops = -(-region.size // max(cap, lowest))
     chunk = max(lowest, -(-region.size // loops))
     return dataclasses.replace(plan, chunk=chunk, loops=-(-region.size // chunk))
