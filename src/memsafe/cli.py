@@ -121,6 +121,22 @@ def load_function(target: str) -> Callable[..., Any]:
     return obj
 
 
+def _function_arguments(parser: argparse.ArgumentParser) -> None:
+    """The function to load and the arguments to trace it at, shared by every command."""
+    parser.add_argument("function", help="FILE.py:FUNCTION or MODULE:FUNCTION")
+    parser.add_argument(
+        "--arg",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="a positional argument: an array as DTYPE[D1,...] (f32[2000,64]) or a Python "
+        "literal (static); repeat in order",
+    )
+    parser.add_argument(
+        "--kwarg", action="append", default=[], metavar="NAME=SPEC", help="a keyword argument"
+    )
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     parser = argparse.ArgumentParser(
         prog="memsafe", description="Run JAX programs under a memory limit; see where memory goes."
@@ -132,15 +148,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         description="Compile FUNCTION at the given argument shapes (nothing is run) and print "
         "where its memory goes.",
     )
-    ins.add_argument("function", help="FILE.py:FUNCTION or MODULE:FUNCTION")
-    ins_arg_help = (
-        "a positional argument: an array as DTYPE[D1,...] (f32[2000,64]) or a Python "
-        "literal (static); repeat in order"
-    )
-    ins.add_argument("--arg", action="append", default=[], metavar="SPEC", help=ins_arg_help)
-    ins.add_argument(
-        "--kwarg", action="append", default=[], metavar="NAME=SPEC", help="a keyword argument"
-    )
+    _function_arguments(ins)
     ins.add_argument("--svg", metavar="PATH", help="write the kernel graph as SVG")
     ins.add_argument("--html", metavar="PATH", help="write the report as an HTML page")
     ins.add_argument(
@@ -154,11 +162,7 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
         description="Trace FUNCTION at the given argument shapes, rewrite and split it under "
         "--limit, verify the footprint with XLA, and print the plan (nothing is run).",
     )
-    pln.add_argument("function", help="FILE.py:FUNCTION or MODULE:FUNCTION")
-    pln.add_argument("--arg", action="append", default=[], metavar="SPEC", help=ins_arg_help)
-    pln.add_argument(
-        "--kwarg", action="append", default=[], metavar="NAME=SPEC", help="a keyword argument"
-    )
+    _function_arguments(pln)
     pln.add_argument(
         "--limit", required=True, metavar="SIZE", help="memory limit: bytes or e.g. 256MiB, 2GB"
     )
