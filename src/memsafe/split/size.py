@@ -160,6 +160,13 @@ def _lowest(graph: Graph, region: Region) -> int:
     return max([1, *(min_chunk(graph.eqns[i], s) for i, s in region.sinks.items())])
 
 
+def _evened(size: int, chunk: int, lowest: int) -> tuple[int, int]:
+    """(chunk, loops): the same loop count as ``chunk`` gives, with the smallest remainder."""
+    loops = -(-size // max(chunk, lowest))
+    chunk = max(lowest, -(-size // loops))
+    return chunk, -(-size // chunk)
+
+
 def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
     """The largest chunk whose modelled bytes fit ``budget``, evened out over the loop count;
     None if even the smallest chunk does not fit."""
@@ -174,9 +181,7 @@ def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
         if fits >= chunk:
             break
         chunk = max(fits, lowest)
-    loops = -(-region.size // chunk)
-    chunk = max(lowest, -(-region.size // loops))  # same loop count, smaller remainder waste
-    loops = -(-region.size // chunk)
+    chunk, loops = _evened(region.size, chunk, lowest)
     return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed)
 
 
@@ -215,7 +220,5 @@ def speed_cap(graph: Graph, region: Region, plan: ChunkPlan) -> ChunkPlan:
     cap = max(SPEED_CHUNK_BYTES // max(plan.per_unit, 1), 1)
     if plan.chunk <= cap:
         return plan
-    lowest = _lowest(graph, region)
-    loops = -(-region.size // max(cap, lowest))
-    chunk = max(lowest, -(-region.size // loops))
-    return dataclasses.replace(plan, chunk=chunk, loops=-(-region.size // chunk))
+    chunk, loops = _evened(region.size, cap, _lowest(graph, region))
+    return dataclasses.replace(plan, chunk=chunk, loops=loops)
