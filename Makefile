@@ -25,7 +25,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 -q
 
 test-slow: $(STAMP)
-	$(BIN)/python -m pytest -q -m slow
+	$(BIN)/python -m pytest -q -m slow --timeout=3600
 
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT)
