@@ -310,3 +310,20 @@ def test_naive_knn_splits_on_its_own_without_other_passes():
     (split,) = ctx.plan.splits
     assert "sub" in split.ops and "top_k" in split.sinks + split.ops
     np.testing.assert_array_equal(np.asarray(jitted(x, y)[0]), _knn_reference(x, y))
+
+
+def test_division_by_a_carried_scalar_multiplies_by_its_reciprocal_as_xla_does():
+    """XLA turns ``x / s`` into ``x * (1 / s)`` in a flat program but not in a loop body whose
+    divisor is carried; the chunk body does it, so the split result equals jax.jit's bit for bit
+    and no chunk-sized divide is left (a max sink: exact in any order)."""
+
+    def scaled_exp(x, y, s):
+        return jnp.max((x[:, None] * y[None]) / (2 * s * s), axis=1)
+
+    x, y = _data((2000,), (3000,))
+    s = jnp.float32(0.7)
+    f = memsafe.jit(scaled_exp, memory_limit="8MiB")
+    assert f.plan(x, y, s).splits
+    np.testing.assert_array_equal(f(x, y, s), jax.jit(scaled_exp)(x, y, s))
+    hlo = f.lower(x, y, s).compile().as_text()
+    assert not [line for line in hlo.splitlines() if " divide(" in line and "[2000," in line]
