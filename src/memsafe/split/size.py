@@ -186,11 +186,13 @@ def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
 
 
 #: Modelled bytes per chunk above which a larger chunk no longer runs faster, for memory-bound
-#: regions: a Gaussian-kernel matvec at n=m=100k ran 6.04 s with ~660-row chunks (its 1 GiB
-#: budget) and 5.62 s with 193-row chunks, whose values stay nearer the caches. Regions with a
-#: matrix-matrix product are exempt (the SGPR gradient at N=200k ran 14.3 s capped, 12.1 s not),
-#: and so are chunks feeding a top_k sink, which pays a top_k call per row and chunk.
-SPEED_CHUNK_BYTES = 256 * 2**20
+#: regions, whose chunk values run fastest while they stay near the caches: the Gaussian-kernel
+#: matvec at n=m=100k (1 GiB budget, one process, 3 interleaved runs) took 4.10 s with this cap
+#: (20-row chunks), 4.30 s at 64 MiB, 4.62 s at 128 MiB, 4.86 s at 256 MiB, 5.01 s at 640 MiB
+#: and 4.57 s at 16 MiB; lax.map in batches of 256 took 4.87 s. Regions with a matrix-matrix
+#: product are exempt (the SGPR gradient at N=200k ran 14.3 s capped, 12.1 s not), and so are
+#: chunks feeding a top_k sink, which pays a top_k call per row and chunk.
+SPEED_CHUNK_BYTES = 32 * 2**20
 #: Free size on each side from which a dot_general counts as a matrix-matrix product.
 GEMM_SIDE = 64
 
