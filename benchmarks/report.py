@@ -37,6 +37,9 @@ def one_line(res: dict) -> str:
     fp = res.get("footprint", {}).get("total")
     if fp is not None:
         parts.append(f"footprint {_bytes(fp)}")
+    need = res.get("need_bytes")
+    if need is not None and need != fp:
+        parts.append(f"needs {_bytes(need)} with YNNPACK fusions off")
     if "rss_growth_bytes" in res:
         parts.append(f"RSS +{_bytes(res['rss_growth_bytes'])}")
     if "accuracy" in res:
