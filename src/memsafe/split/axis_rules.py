@@ -374,7 +374,8 @@ REBINDERS["top_k"] = _rebind_top_k
 @register("gather")
 def _gather(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     """Batch dimensions of a gather (``take_along_axis`` rows, embedding lookups by a chunked
-    index array) and full-size offset dimensions pass; indexed dimensions stop the axis."""
+    index array) and full-size offset dimensions pass; an operand axis indexed one position at a
+    time by whole indices is a ``pick`` sink; other indexed dimensions stop the axis."""
     dn = eqn.params["dimension_numbers"]
     op_shape, idx_shape = _shape(eqn.invars[0]), _shape(eqn.invars[1])
     out_rank = len(_shape(eqn.outvars[0]))
@@ -395,6 +396,10 @@ def _gather(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
             and eqn.params["slice_sizes"][a] == op_shape[a]
         ):
             return Mapping(ins=(a, None), outs=(dn.offset_dims[window.index(a)],))
+        if side == ("in", 0) and a in dn.collapsed_slice_dims and a in dn.start_index_map:
+            # each result element picks one position of the axis: the chunk holding it supplies
+            # it (``take_along_axis`` over the split axis, ``x[rows, cols]``)
+            return Sink("pick", ins=(a, None))
         raise NoRule("gather indexes along the split axis")
 
     def from_indices(j: int) -> Mapping:

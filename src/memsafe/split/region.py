@@ -234,7 +234,12 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
     produced = {o for i in maps if isinstance(maps[i], Mapping) for o in eqns[i].outvars}
     for var, user in whole_uses:
         if var in produced:
-            raise SplitFailure("a value computed per chunk is needed whole", eqns[user])
+            handed = _hand_back(graph, maps, var, small)
+            if handed is None:
+                raise SplitFailure("a value computed per chunk is needed whole", eqns[user])
+            for p in handed:  # computed once before the loop, sliced where read per chunk
+                del maps[p]
+            produced = {o for i in maps if isinstance(maps[i], Mapping) for o in eqns[i].outvars}
     sliced = {v for v in axis_of if v not in produced}
     whole = {v for v, _ in whole_uses}
     for var in sliced:
@@ -277,6 +282,27 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
     region = Region(seed, axis, size, maps, axis_of, produced, sliced, whole, surviving)
     _assign_stages(graph, region)
     return region
+
+
+def _hand_back(
+    graph: Graph, maps: dict[int, Mapping | Sink], var: Var, small: int
+) -> set[int] | None:
+    """The region equations producing ``var`` from values outside the region, when all their
+    results are small: run before the loop instead, they give ``var`` whole (an index array that
+    one gather reads per chunk and another whole). None if ``var`` needs a sink's result or a
+    large value."""
+    chain: set[int] = set()
+    stack = [var]
+    while stack:
+        v = stack.pop()
+        p = graph.info(v).producer
+        if p is None or p not in maps or p in chain:
+            continue
+        if isinstance(maps[p], Sink) or graph.info(v).bytes > small:
+            return None
+        chain.add(p)
+        stack.extend(a for a in graph.eqns[p].invars if _is_var(a))
+    return chain
 
 
 def region_depends(graph: Graph, maps: dict[int, Any]) -> dict[Var, set[int]]:

@@ -13,7 +13,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import JaxprEqn, bind_eqn
+from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import topk
 from memsafe.split.axis_rules import Sink
 
@@ -38,7 +38,39 @@ def partial(eqn: JaxprEqn, invals: list[Any], sink: Sink, start: Any, size: int)
         axis = eqn.params.get("axis", -1)
         vals, idx = topk.top_k(invals[0], k, axis=axis)
         return vals, idx + lax.convert_element_type(start, idx.dtype)
+    if sink.kind == "pick":
+        return (_pick(eqn, invals, axis, start, size),)
     return tuple(bind_eqn(eqn, invals))
+
+
+def _pick(eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int) -> Any:
+    """A gather indexing the split axis, on one chunk: positions the chunk holds are gathered,
+    the rest are the additive identity (-0.0, 0, False), so adding the chunks' partials is exact.
+    A position outside the whole axis gets the gather's own out-of-bounds result, from chunk 0."""
+    dn = eqn.params["dimension_numbers"]
+    operand, indices = invals
+    length = eqn.invars[0].aval.shape[axis]
+    comp = list(dn.start_index_map).index(axis)
+    global_pos = indices[..., comp]
+    fill = eqn.params["fill_value"]
+    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        global_pos = jnp.clip(global_pos, 0, length - 1)  # clip (promise_in_bounds: any result)
+        fill = 0  # never kept: every position is held by one chunk
+    local = global_pos - lax.convert_element_type(start, global_pos.dtype)
+    held = (local >= 0) & (local < size)
+    outside = ((global_pos < 0) | (global_pos >= length)) & (start == 0)
+    shifted = indices.at[..., comp].set(local)
+    (out,) = bind_eqn_with(
+        eqn, [operand, shifted], mode=lax.GatherScatterMode.FILL_OR_DROP, fill_value=fill
+    )
+    batch_out = [d for d in range(out.ndim) if d not in dn.offset_dims]
+    keep = lax.broadcast_in_dim(held | outside, out.shape, tuple(batch_out))
+    return lax.select(keep, out, jnp.full(out.shape, _identity(out.dtype), out.dtype))
+
+
+def _identity(dtype: Any) -> Any:
+    """The exact additive identity: x + (-0.0) == x for every float x, signed zeros included."""
+    return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
 
 
 def _better(new: Any, best: Any, kind: str) -> Any:
@@ -52,8 +84,10 @@ def _better(new: Any, best: Any, kind: str) -> Any:
 def combine(eqn: JaxprEqn, sink: Sink, acc: Partial, new: Partial) -> Partial:
     """Fold a later chunk's partial into the running result."""
     kind = sink.kind
-    if kind in ("sum", "dot"):
+    if kind in ("sum", "dot") or (kind == "pick" and acc[0].dtype != jnp.bool_):
         return tuple(lax.add(a, b) for a, b in zip(acc, new))
+    if kind == "pick":
+        return tuple(lax.bitwise_or(a, b) for a, b in zip(acc, new))
     if kind == "max":
         return tuple(lax.max(a, b) for a, b in zip(acc, new))
     if kind == "min":
