@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, bind_eqn, bind_eqn_with
@@ -444,6 +445,10 @@ def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     op_b, idx_b = list(dn.operand_batching_dims), list(dn.scatter_indices_batching_dims)
     if side[0] == "out" or side == ("in", 0):
         a = axis
+        if a in dn.inserted_window_dims and a in dn.scatter_dims_to_operand_dims:
+            # every update lands at one position of the axis: each chunk of the operand takes
+            # those it holds (the VJP of a pick sink); indices and updates are read whole
+            return Mapping(ins=(a, None, None), outs=(a,))
         if a not in op_b:
             raise NoRule("scatter along the split axis")
         j = idx_b[op_b.index(a)]
@@ -459,6 +464,28 @@ def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
             raise NoRule("scatter updates split along a non-batch axis")
         a = op_b[idx_b.index(j)]
     return Mapping(ins=(a, j, upd_scatter[j]), outs=(a,))
+
+
+def _rebind_scatter(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    """A chunk of a scatter's operand along an axis the indices address: the positions are made
+    chunk-local and updates landing in other chunks are dropped."""
+    dn = eqn.params["dimension_numbers"]
+    a = m.ins[0]
+    if a is None or m.ins[1] is not None or a not in dn.scatter_dims_to_operand_dims:
+        return bind_eqn(eqn, invals)
+    operand, indices, updates = invals
+    comp = list(dn.scatter_dims_to_operand_dims).index(a)
+    pos = indices[..., comp]
+    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        pos = jnp.clip(pos, 0, _shape(eqn.invars[0])[a] - 1)  # clip; promise_in_bounds: any
+    local = pos - lax.convert_element_type(start, pos.dtype)
+    shifted = indices.at[..., comp].set(local)
+    mode = lax.GatherScatterMode.FILL_OR_DROP
+    return bind_eqn_with(eqn, [operand, shifted, updates], mode=mode)
+
+
+for _name in ("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter"):
+    REBINDERS[_name] = _rebind_scatter
 
 
 def _scatter_window(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | None:
