@@ -193,8 +193,10 @@ def test_scatter_window_axis_mapping():
     eqn = _eqn(fun, (7, 4, 4), prim="scatter-add")
     assert axis_map(eqn, ("in", 0), 0) == Mapping(ins=(0, None, 0), outs=(0,))
     assert axis_map(eqn, ("out", 0), 0) == Mapping(ins=(0, None, 0), outs=(0,))
+    # an indexed axis: each chunk takes the updates whose position it holds (indices whole)
+    assert axis_map(eqn, ("out", 0), 1) == Mapping(ins=(1, None, None), outs=(1,))
     with pytest.raises(NoRule):
-        axis_map(eqn, ("out", 0), 1)  # an indexed axis
+        axis_map(eqn, ("in", 1), 0)  # the index vectors themselves
 
 
 # -- platform-dependent code (jnp.diagonal, lax.platform_dependent) -------------------------

@@ -234,7 +234,7 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
     produced = {o for i in maps if isinstance(maps[i], Mapping) for o in eqns[i].outvars}
     for var, user in whole_uses:
         if var in produced:
-            handed = _hand_back(graph, maps, var, small)
+            handed = _hand_back(graph, maps, var, large)
             if handed is None:
                 raise SplitFailure("a value computed per chunk is needed whole", eqns[user])
             for p in handed:  # computed once before the loop, sliced where read per chunk
@@ -285,12 +285,12 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
 
 
 def _hand_back(
-    graph: Graph, maps: dict[int, Mapping | Sink], var: Var, small: int
+    graph: Graph, maps: dict[int, Mapping | Sink], var: Var, large: int
 ) -> set[int] | None:
-    """The region equations producing ``var`` from values outside the region, when all their
-    results are small: run before the loop instead, they give ``var`` whole (an index array that
-    one gather reads per chunk and another whole). None if ``var`` needs a sink's result or a
-    large value."""
+    """The region equations producing ``var`` from values outside the region, when none of
+    their results is large: run before the loop instead, they give ``var`` whole (normalized
+    rows that one side of ``z @ z.T`` reads per chunk and the other whole, an index array two
+    gathers share). None if ``var`` needs a sink's result or a large value."""
     chain: set[int] = set()
     stack = [var]
     while stack:
@@ -298,7 +298,7 @@ def _hand_back(
         p = graph.info(v).producer
         if p is None or p not in maps or p in chain:
             continue
-        if isinstance(maps[p], Sink) or graph.info(v).bytes > small:
+        if isinstance(maps[p], Sink) or graph.info(v).bytes > large:
             return None
         chain.add(p)
         stack.extend(a for a in graph.eqns[p].invars if _is_var(a))
