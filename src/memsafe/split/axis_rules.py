@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, bind_eqn, bind_eqn_with
-from memsafe.split import topk
+from memsafe.split import random_bits, topk
 
 Axis = int | None
 
@@ -209,6 +209,32 @@ def _rebind_iota(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size:
 
 
 REBINDERS["iota"] = _rebind_iota
+
+
+@register("random_bits")
+def _random_bits(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Random bits are generated chunk by chunk (memsafe.split.random_bits)."""
+    why = random_bits.why_not(eqn.invars[0].aval, tuple(eqn.params["shape"]))
+    if why is not None:
+        raise NoRule(why)
+    return Mapping(ins=(None,), outs=(axis,))
+
+
+def _rebind_random_bits(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    shape, width = tuple(eqn.params["shape"]), int(eqn.params["bit_width"])
+    return [random_bits.chunk_bits(invals[0], shape, width, m.outs[0], start, size)]
+
+
+REBINDERS["random_bits"] = _rebind_random_bits
+
+
+@register("bitcast_convert_type")
+def _bitcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Same-width bitcasts are elementwise; a width change adds or drops a last axis only."""
+    rank_in, rank_out = len(_shape(eqn.invars[0])), len(_shape(eqn.outvars[0]))
+    if axis >= min(rank_in, rank_out):
+        raise NoRule("the split axis is the bytes axis of a bitcast")
+    return Mapping(ins=(axis,), outs=(axis,))
 
 
 def _identity_unless(param_axes: Callable[[JaxprEqn], Sequence[int]], what: str) -> Rule:

@@ -1,0 +1,68 @@
+"""Random bits over a split axis are generated chunk by chunk, equal to the whole result's slice:
+dropout in attention and sampled noise split without the mask ever existing whole."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import memsafe
+from memsafe.split import random_bits
+
+
+@settings(max_examples=20)
+@given(
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    data=st.data(),
+    width=st.sampled_from([8, 16, 32, 64]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_chunk_bits_equal_the_slice_of_the_whole(shape, data, width, seed):
+    shape = tuple(shape)
+    axis = data.draw(st.integers(0, len(shape) - 1))
+    start = data.draw(st.integers(0, shape[axis] - 1))
+    size = data.draw(st.integers(1, shape[axis] - start))
+    key = jax.random.key(seed)
+    with jax.enable_x64(width == 64):
+        dtype = {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint64}[width]
+        whole = jax.random.bits(key, shape, dtype)
+        got = jax.jit(random_bits.chunk_bits, static_argnums=(1, 2, 3, 5))(
+            key, shape, width, axis, start, size
+        )
+        want = jax.lax.slice_in_dim(whole, start, start + size, axis=axis)
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_keys_and_settings_that_cannot_be_chunked_are_refused():
+    aval = jax.typeof(jax.random.key(0))
+    assert random_bits.why_not(aval, (4, 4)) is None
+    rbg = jax.typeof(jax.random.key(0, impl="rbg"))
+    assert "threefry" in random_bits.why_not(rbg, (4, 4))
+    many = jax.typeof(jax.random.split(jax.random.key(0), 3))
+    assert "array of keys" in random_bits.why_not(many, (4, 4))
+
+
+def dropout_attention(q, k, v, key):
+    """Attention with dropout on the weights, as flax's dot_product_attention applies it."""
+    w = jax.nn.softmax(jnp.einsum("qhd,khd->hqk", q, k) / np.sqrt(q.shape[-1]), axis=-1)
+    keep = jax.random.bernoulli(key, 0.9, w.shape)
+    return jnp.einsum("hqk,khd->qhd", jnp.where(keep, w / 0.9, 0.0), v)
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_attention_with_dropout_splits_under_the_limit(grad):
+    rng = np.random.default_rng(0)
+    q, k, v = (jnp.asarray(rng.standard_normal((2048, 4, 32), dtype=np.float32)) for _ in "qkv")
+    key = jax.random.key(7)
+    fun = dropout_attention
+    if grad:
+        fun = jax.grad(lambda q, k, v, key: jnp.sum(dropout_attention(q, k, v, key) ** 2))
+    limit = 24 * 2**20  # the weights alone are 64 MiB
+    ms = memsafe.jit(fun, memory_limit=limit)
+    plan = ms.plan(q, k, v, key)
+    assert plan.before.total >= 4 * limit and plan.after.total <= limit, plan
+    np.testing.assert_allclose(ms(q, k, v, key), jax.jit(fun)(q, k, v, key), rtol=2e-5, atol=2e-6)
