@@ -492,6 +492,20 @@ def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return Mapping(ins=(a, j, upd_scatter[j]), outs=(a,))
 
 
+def chunk_local_indices(
+    eqn: JaxprEqn, indices: Any, comp: int, axis: int, start: Any
+) -> tuple[Any, Any]:
+    """(global positions, indices made chunk-local) for component ``comp`` of a gather's or
+    scatter's index vectors, which addresses operand ``axis``. Clipping modes clip the global
+    position first (promise_in_bounds allows any result out of bounds); the caller then binds in
+    fill-or-drop mode, so positions other chunks hold fall out of bounds."""
+    pos = indices[..., comp]
+    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
+        pos = jnp.clip(pos, 0, _shape(eqn.invars[0])[axis] - 1)
+    local = pos - lax.convert_element_type(start, pos.dtype)
+    return pos, indices.at[..., comp].set(local)
+
+
 def _rebind_scatter(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
     """A chunk of a scatter's operand along an axis the indices address: the positions are made
     chunk-local and updates landing in other chunks are dropped."""
@@ -501,11 +515,7 @@ def _rebind_scatter(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, si
         return bind_eqn(eqn, invals)
     operand, indices, updates = invals
     comp = list(dn.scatter_dims_to_operand_dims).index(a)
-    pos = indices[..., comp]
-    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
-        pos = jnp.clip(pos, 0, _shape(eqn.invars[0])[a] - 1)  # clip; promise_in_bounds: any
-    local = pos - lax.convert_element_type(start, pos.dtype)
-    shifted = indices.at[..., comp].set(local)
+    _, shifted = chunk_local_indices(eqn, indices, comp, a, start)
     mode = lax.GatherScatterMode.FILL_OR_DROP
     return bind_eqn_with(eqn, [operand, shifted, updates], mode=mode)
 

@@ -15,7 +15,7 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import topk
-from memsafe.split.axis_rules import Sink
+from memsafe.split.axis_rules import Sink, chunk_local_indices
 
 Partial = tuple[Any, ...]
 
@@ -51,15 +51,14 @@ def _pick(eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int) ->
     operand, indices = invals
     length = eqn.invars[0].aval.shape[axis]
     comp = list(dn.start_index_map).index(axis)
-    global_pos = indices[..., comp]
-    fill = eqn.params["fill_value"]
-    if eqn.params["mode"] != lax.GatherScatterMode.FILL_OR_DROP:
-        global_pos = jnp.clip(global_pos, 0, length - 1)  # clip (promise_in_bounds: any result)
-        fill = 0  # never kept: every position is held by one chunk
-    local = global_pos - lax.convert_element_type(start, global_pos.dtype)
+    global_pos, shifted = chunk_local_indices(eqn, indices, comp, axis, start)
+    # clipped positions are always held by one chunk: the fill is never kept then
+    fill = (
+        eqn.params["fill_value"] if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else 0
+    )
+    local = shifted[..., comp]
     held = (local >= 0) & (local < size)
     outside = ((global_pos < 0) | (global_pos >= length)) & (start == 0)
-    shifted = indices.at[..., comp].set(local)
     (out,) = bind_eqn_with(
         eqn, [operand, shifted], mode=lax.GatherScatterMode.FILL_OR_DROP, fill_value=fill
     )
