@@ -231,7 +231,10 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
             except NoRule as err:
                 stopped_fwd[var] = SplitFailure(str(err), eqn)
 
-    produced = {o for i in maps if isinstance(maps[i], Mapping) for o in eqns[i].outvars}
+    def mapped_results() -> set[Var]:
+        return {o for i in maps if isinstance(maps[i], Mapping) for o in eqns[i].outvars}
+
+    produced = mapped_results()
     for var, user in whole_uses:
         if var in produced:
             handed = _hand_back(graph, maps, var, large)
@@ -239,7 +242,7 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
                 raise SplitFailure("a value computed per chunk is needed whole", eqns[user])
             for p in handed:  # computed once before the loop, sliced where read per chunk
                 del maps[p]
-            produced = {o for i in maps if isinstance(maps[i], Mapping) for o in eqns[i].outvars}
+            produced = mapped_results()
     sliced = {v for v in axis_of if v not in produced}
     whole = {v for v, _ in whole_uses}
     for var in sliced:
