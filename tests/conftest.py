@@ -1,10 +1,12 @@
-"""Shared test set-up: CPU only, float32 defaults, deterministic hypothesis profile."""
+"""Shared test set-up: CPU only, strict passes, deterministic hypothesis profile."""
 
 from __future__ import annotations
 
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# A pass that raises is a bug in that pass: under the tests it fails instead of being skipped.
+os.environ.setdefault("MEMSAFE_STRICT", "1")
 
 from hypothesis import HealthCheck, settings
 

@@ -3,7 +3,7 @@ impossible limits raise, pytrees and static arguments work, gradients go through
 
 from __future__ import annotations
 
-import sys
+import types
 
 import jax
 import jax.numpy as jnp
@@ -109,25 +109,29 @@ def test_graph_inlines_nested_calls_and_estimates():
     assert g.input_bytes == 50 * 8 * 4
 
 
-def test_a_failing_pass_is_skipped_with_a_warning(monkeypatch):
-    """An optimization pass that breaks on unfamiliar code must not break the program."""
+def _with_broken_pass(monkeypatch) -> None:
+    """Put a pass that always raises in front of the pipeline."""
     import memsafe.passes as passes
 
-    def broken(closed, ctx):
+    def run(closed, ctx):
         raise RuntimeError("boom")
 
-    real = passes.load_pipeline
+    broken = types.SimpleNamespace(__name__="memsafe.passes.broken", run=run)
+    monkeypatch.setattr(passes, "PIPELINE", (broken, *passes.PIPELINE))
 
-    def with_broken():
-        return [("broken", broken), *real()]
 
-    monkeypatch.setattr(sys.modules["memsafe.jit"], "load_pipeline", with_broken)
-
+def _broken_case():
     def f(x, y):
         return jnp.sum(jnp.exp(x @ y.T), axis=1)
 
-    x = jnp.ones((100, 8)) / 10
-    y = jnp.ones((2000, 8)) / 10
+    return f, jnp.ones((100, 8)) / 10, jnp.ones((2000, 8)) / 10
+
+
+def test_a_failing_pass_is_skipped_with_a_warning(monkeypatch):
+    """An optimization pass that breaks on unfamiliar code must not break the user's program."""
+    _with_broken_pass(monkeypatch)
+    monkeypatch.delenv("MEMSAFE_STRICT", raising=False)
+    f, x, y = _broken_case()
     g = memsafe.jit(f, memory_limit=300_000)
     with pytest.warns(RuntimeWarning, match="pass 'broken' failed on f"):
         out = g(x, y)
@@ -135,3 +139,44 @@ def test_a_failing_pass_is_skipped_with_a_warning(monkeypatch):
     plan = g.plan(x, y)
     assert plan.after.total <= 300_000
     assert any(r.pass_name == "broken" for r in plan.passes)
+
+
+def test_a_failing_pass_is_an_error_when_strict(monkeypatch):
+    """Under MEMSAFE_STRICT=1 (the tests) the pass's own exception comes out, with a note."""
+    _with_broken_pass(monkeypatch)
+    monkeypatch.setenv("MEMSAFE_STRICT", "1")
+    f, x, y = _broken_case()
+    with pytest.raises(RuntimeError, match="boom") as info:
+        memsafe.jit(f, memory_limit=300_000)(x, y)
+    assert "memsafe: in pass 'broken' on f (MEMSAFE_STRICT=1)" in info.value.__notes__
+
+
+def test_pipeline_is_the_pass_modules_in_order():
+    from memsafe import passes
+    from memsafe.passes import constants, match_replace, recompute, reorder, schedule, split
+
+    assert (match_replace, reorder, split, schedule, recompute, constants) == passes.PIPELINE
+    names = [name for name, _ in passes.named_passes()]
+    assert names == ["match_replace", "reorder", "split", "schedule", "recompute", "constants"]
+
+
+def test_a_user_error_while_tracing_keeps_its_type():
+    """A user's ValueError comes back as that ValueError, with memsafe's context as a note."""
+
+    def f(x):
+        if x.shape[0] != 3:
+            raise ValueError("needs three rows")
+        return x * 2
+
+    with pytest.raises(ValueError, match="needs three rows") as info:
+        memsafe.jit(f, memory_limit="1MiB")(jnp.ones((4, 2)))
+    assert "memsafe: while tracing f at arguments (float32[4, 2])" in info.value.__notes__
+
+
+def test_a_jax_error_while_tracing_keeps_its_type():
+    def f(x, y):
+        return x @ y
+
+    with pytest.raises(TypeError, match="dot_general") as info:
+        memsafe.jit(f, memory_limit="1MiB")(jnp.ones((3, 4)), jnp.ones((5, 6)))
+    assert any("while tracing f at arguments" in n for n in info.value.__notes__)

@@ -75,6 +75,12 @@ def parse_arg(spec: str) -> Any:
         ) from err
 
 
+def describe_error(err: BaseException) -> str:
+    """An error in one line with memsafe's notes after it (where it was tracing, which pass)."""
+    notes = [n for n in getattr(err, "__notes__", ()) if n.startswith("memsafe")]
+    return "; ".join([f"{type(err).__name__}: {err}", *notes])
+
+
 def parse_kwarg(spec: str) -> tuple[str, Any]:
     name, sep, value = spec.partition("=")
     if not sep or not name.strip().isidentifier():
@@ -184,8 +190,8 @@ def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     options = None if args.xla_defaults else "memsafe"
     try:
         report = inspect(fun, *positional, compiler_options=options, **keywords)
-    except TypeError as err:
-        print(f"memsafe inspect: {err}", file=sys.stderr)
+    except TypeError as err:  # what jax raises for arguments the function cannot take
+        print(f"memsafe inspect: {describe_error(err)}", file=sys.stderr)
         return 1
     print(report)
     try:
@@ -224,8 +230,8 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except memsafe.MemoryLimitError as err:
         print(f"memsafe plan: {err}", file=sys.stderr)
         return 1
-    except TypeError as err:
-        print(f"memsafe plan: {err}", file=sys.stderr)
+    except TypeError as err:  # what jax raises for arguments the function cannot take
+        print(f"memsafe plan: {describe_error(err)}", file=sys.stderr)
         return 1
     return 0
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import inspect as _inspect
+import os
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -15,11 +16,11 @@ from typing import Any
 import jax
 import numpy as np
 
-from memsafe import _jax
+from memsafe import _jax, passes
 from memsafe.errors import MemoryLimitError
 from memsafe.graph import Graph, inline_calls
 from memsafe.limits import format_bytes, parse_limit
-from memsafe.passes import PassContext, load_pipeline
+from memsafe.passes import PassContext
 from memsafe.plan import Attempt, PassRecord, Plan
 from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit
 
@@ -102,9 +103,10 @@ def build_program(
     """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``."""
     try:
         closed, out_tree = _jax.make_closed_jaxpr(flat_fun, avals)
-    except Exception as err:
+    except Exception as err:  # the user's own error, kept as it is, with where memsafe was
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
-        raise TypeError(f"memsafe could not trace {name} at arguments ({shapes}): {err}") from err
+        err.add_note(f"memsafe: while tracing {name} at arguments ({shapes})")
+        raise
     plan = Plan(memory_limit=memory_limit)
     hidden = hidden_constant_bytes(closed.consts)
     original = memsafe_jit(flat_fun, donate_argnums=donate)
@@ -128,7 +130,7 @@ def build_program(
         )
 
     flat = inline_calls(closed)
-    passes = load_pipeline()
+    pipeline = passes.named_passes()
     scale = 1.0
     best: Footprint | None = None
     last_blockers = []
@@ -141,7 +143,7 @@ def build_program(
             chunk_scale=scale,
         )
         program = flat
-        for pass_name, run in passes:
+        for pass_name, run in pipeline:
             program = _run_pass(pass_name, run, program, ctx, name)
         last_blockers = ctx.blockers
         hidden_now = hidden_constant_bytes(program.consts)
@@ -369,10 +371,16 @@ def _algebraic_forward(
     closed, _ = _jax.make_closed_jaxpr(fun, avals)
     program = inline_calls(closed, keep_custom_derivatives=True)
     ctx = PassContext(memory_limit=memory_limit, fixed_bytes=0, plan=Plan(memory_limit))
-    for name, run in load_pipeline():
+    for name, run in passes.named_passes():
         if name in ALGEBRAIC_PASSES:
             program = _run_pass(name, run, program, ctx, getattr(fun, "__name__", "function"))
     return _emit(program), ctx.plan.records
+
+
+def strict() -> bool:
+    """Whether a failing pass is an error (``MEMSAFE_STRICT=1``, as the test suite sets) rather
+    than skipped with a warning."""
+    return os.environ.get("MEMSAFE_STRICT") == "1"
 
 
 def _run_pass(
@@ -380,10 +388,14 @@ def _run_pass(
 ) -> Any:
     """Run one pass; a pass that fails on a program it does not understand is skipped with a
     warning (passes only optimize: the program before it is still correct), and the driver's
-    verification decides whether what remains fits."""
+    verification decides whether what remains fits. Under :func:`strict` the failure is
+    re-raised with a note naming the pass and the function."""
     try:
         return run(program, ctx)
     except Exception as err:  # any failure of an optimization is survivable
+        if strict():
+            err.add_note(f"memsafe: in pass '{pass_name}' on {fun_name} (MEMSAFE_STRICT=1)")
+            raise
         warnings.warn(
             f"memsafe: pass '{pass_name}' failed on {fun_name} and was skipped "
             f"({type(err).__name__}: {err})",

@@ -273,11 +273,9 @@ def inspect(
         jit_kwargs["compiler_options"] = options
     try:
         traced = jax.jit(f, **jit_kwargs).trace(*args, **kwargs)
-    except Exception as err:
-        raise TypeError(
-            f"memsafe.inspect could not trace {name} at arguments ({', '.join(described)}): "
-            f"{type(err).__name__}: {err}"
-        ) from err
+    except Exception as err:  # the user's own error, kept as it is, with where memsafe was
+        err.add_note(f"memsafe.inspect: while tracing {name} at arguments ({', '.join(described)})")
+        raise
     compiled = traced.lower().compile()
     hlo = compiled.as_text()
     graph = build_graph(parse_hlo(hlo))

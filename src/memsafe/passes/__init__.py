@@ -1,35 +1,32 @@
 """The rewriting pipeline, in order: match-and-replace, reorder, split, schedule, recompute,
-constants. Each pass is a module with ``run(closed, ctx) -> closed``."""
+constants. Each pass is a module with ``run(closed, ctx) -> closed``; its name is the module's."""
 
 from __future__ import annotations
 
-import importlib
+from types import ModuleType
 
+from memsafe.passes import (
+    constants,
+    match_replace,
+    recompute,
+    reorder,
+    schedule,
+    split,
+)
 from memsafe.passes.base import Pass, PassContext
 
 #: Pass modules in the order the driver runs them.
-PIPELINE: tuple[str, ...] = (
-    "match_replace",
-    "reorder",
-    "split",
-    "schedule",
-    "recompute",
-    "constants",
-)
+PIPELINE: tuple[ModuleType, ...] = (match_replace, reorder, split, schedule, recompute, constants)
 
 
-def load_pipeline() -> list[tuple[str, Pass]]:
-    """The passes of :data:`PIPELINE` that are present, as (name, run) pairs."""
-    passes: list[tuple[str, Pass]] = []
-    for name in PIPELINE:
-        try:
-            module = importlib.import_module(f"memsafe.passes.{name}")
-        except ModuleNotFoundError as err:
-            if err.name == f"memsafe.passes.{name}":
-                continue
-            raise
-        passes.append((name, module.run))
-    return passes
+def pass_name(module: ModuleType) -> str:
+    """The name a pass is recorded and reported under: its module's last component."""
+    return module.__name__.rsplit(".", 1)[-1]
 
 
-__all__ = ["PIPELINE", "Pass", "PassContext", "load_pipeline"]
+def named_passes() -> tuple[tuple[str, Pass], ...]:
+    """The passes of :data:`PIPELINE` as (name, run) pairs, in order."""
+    return tuple((pass_name(module), module.run) for module in PIPELINE)
+
+
+__all__ = ["PIPELINE", "Pass", "PassContext", "named_passes", "pass_name"]
