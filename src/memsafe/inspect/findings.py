@@ -1,23 +1,22 @@
 """Findings: seed 002's rules of thumb, each a plain function over the compiled kernel graph.
 
-A rule takes a :class:`~memsafe.inspect.report.Report` and returns :class:`Finding` objects with the
-bytes the pattern costs, measured from HLO shapes. Rules are registered in ``RULES`` by name;
-``register`` adds a user's own.
+A finding check takes a report (anything with the fields of
+:class:`~memsafe.inspect.view.ReportView`) and returns :class:`Finding` objects with the bytes the
+pattern costs, measured from HLO shapes. Checks are registered in ``FINDINGS`` by name;
+``register_finding`` adds a user's own.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
 
 from memsafe.inspect.model import Array, Finding, Kernel
+from memsafe.inspect.view import ReportView
 from memsafe.limits import format_bytes
 
-if TYPE_CHECKING:
-    from memsafe.inspect.report import Report
-
-Rule = Callable[["Report"], Iterable[Finding]]
+#: A finding check: what one rule of thumb finds in a report.
+FindingCheck = Callable[[ReportView], Iterable[Finding]]
 
 #: Patterns costing fewer bytes than this are not reported.
 MIN_BYTES = 64 * 1024
@@ -87,43 +86,44 @@ FILL_OPS = frozenset({"parameter", "constant", "broadcast", "bitcast", "reshape"
 #: Ops that move data into another layout.
 TRANSPOSE_OPS = frozenset({"transpose", "copy"})
 
-RULES: dict[str, Rule] = {}
+#: The finding checks ``memsafe.inspect`` runs, by the name their findings carry.
+FINDINGS: dict[str, FindingCheck] = {}
 
 
-def register(name: str) -> Callable[[Rule], Rule]:
-    """Register a finding rule under ``name`` (a decorator)."""
+def register_finding(name: str) -> Callable[[FindingCheck], FindingCheck]:
+    """Register a finding check under ``name`` (a decorator)."""
 
-    def add(rule: Rule) -> Rule:
-        RULES[name] = rule
-        return rule
+    def add(check: FindingCheck) -> FindingCheck:
+        FINDINGS[name] = check
+        return check
 
     return add
 
 
-def find_all(report: Report) -> list[Finding]:
-    """Every registered rule's findings, largest cost first."""
+def find_all(report: ReportView) -> list[Finding]:
+    """Every registered check's findings, largest cost first."""
     found: list[Finding] = []
-    for rule in RULES.values():
-        found.extend(rule(report))
+    for check in FINDINGS.values():
+        found.extend(check(report))
     return sorted(found, key=lambda f: -f.bytes)
 
 
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _ops(report: Report, kernel: Kernel) -> set[str]:
+def _ops(report: ReportView, kernel: Kernel) -> set[str]:
     return {i.opcode for i in report.graph.fused(kernel.name)}
 
 
-def _is_heavy(report: Report, kernel: Kernel) -> bool:
+def _is_heavy(report: ReportView, kernel: Kernel) -> bool:
     return bool(_ops(report, kernel) & HEAVY_OPS)
 
 
-def _is_cheap(report: Report, kernel: Kernel) -> bool:
+def _is_cheap(report: ReportView, kernel: Kernel) -> bool:
     return kernel.opcode in ("fusion", *CHEAP_OPS) and _ops(report, kernel) <= CHEAP_OPS
 
 
-def _reduced_extent(report: Report, kernel: Kernel) -> int | None:
+def _reduced_extent(report: ReportView, kernel: Kernel) -> int | None:
     """Elements each output of a reduction kernel sums over (None if it reduces nothing)."""
     graph = report.graph
     extent = None
@@ -139,11 +139,11 @@ def _reduced_extent(report: Report, kernel: Kernel) -> int | None:
     return extent
 
 
-def _array_inputs(report: Report, kernel: Kernel) -> list[Array]:
+def _array_inputs(report: ReportView, kernel: Kernel) -> list[Array]:
     return [report.graph.arrays[a] for a in kernel.inputs]
 
 
-def _generated(report: Report, array: Array) -> bool:
+def _generated(report: ReportView, array: Array) -> bool:
     """The array is computed by cheap kernels from iota and constants only (no inputs)."""
     graph = report.graph
     if array.producer is None:
@@ -160,7 +160,7 @@ def _generated(report: Report, array: Array) -> bool:
     return True
 
 
-def _initializes_loop(report: Report, array: Array) -> bool:
+def _initializes_loop(report: ReportView, array: Array) -> bool:
     """The array only starts loop state that the loop overwrites (``jnp.zeros_like`` carries)."""
     if not array.consumers:
         return False
@@ -173,7 +173,7 @@ def _initializes_loop(report: Report, array: Array) -> bool:
     return True
 
 
-def _where(report: Report, kernel_name: str | None) -> str:
+def _where(report: ReportView, kernel_name: str | None) -> str:
     if kernel_name is None:
         return ""
     return report.graph.kernels[kernel_name].where
@@ -182,8 +182,8 @@ def _where(report: Report, kernel_name: str | None) -> str:
 # -- rules --------------------------------------------------------------------------------------
 
 
-@register("reduction_barrier")
-def reduction_barrier(report: Report) -> Iterable[Finding]:
+@register_finding("reduction_barrier")
+def reduction_barrier(report: ReportView) -> Iterable[Finding]:
     """A short reduction in its own kernel, whose consumer also reads the reduction's input.
 
     Seed 002's f_sum_jax: ``x * 2 + jnp.sum(kvm * x, axis=1)`` over an axis of 2 becomes a reduce
@@ -226,8 +226,8 @@ def reduction_barrier(report: Report) -> Iterable[Finding]:
                 break
 
 
-@register("large_constant")
-def large_constant(report: Report) -> Iterable[Finding]:
+@register_finding("large_constant")
+def large_constant(report: ReportView) -> Iterable[Finding]:
     """Constants folded into the executable or passed as hidden arguments (seed 002's f_numpy)."""
     for c in report.constants:
         if c.bytes < MIN_BYTES:
@@ -257,8 +257,8 @@ def large_constant(report: Report) -> Iterable[Finding]:
         )
 
 
-@register("loop_invariant_temp")
-def loop_invariant_temp(report: Report) -> Iterable[Finding]:
+@register_finding("loop_invariant_temp")
+def loop_invariant_temp(report: ReportView) -> Iterable[Finding]:
     """A loop carries, unchanged, a value built from iota and constants before the loop.
 
     Seed 002's f_filter_with_temp: a k-mesh computed outside ``fori_loop`` is held as a temporary
@@ -294,7 +294,7 @@ def loop_invariant_temp(report: Report) -> Iterable[Finding]:
             )
 
 
-def _is_transpose(report: Report, kernel: Kernel) -> bool:
+def _is_transpose(report: ReportView, kernel: Kernel) -> bool:
     if kernel.opcode == "transpose":
         return True
     insts = report.graph.fused(kernel.name)
@@ -305,8 +305,8 @@ def _is_transpose(report: Report, kernel: Kernel) -> bool:
     return kernel.opcode == "fusion" and any(i.opcode in TRANSPOSE_OPS for i in insts)
 
 
-@register("fft_transpose")
-def fft_transpose(report: Report) -> Iterable[Finding]:
+@register_finding("fft_transpose")
+def fft_transpose(report: ReportView) -> Iterable[Finding]:
     """Transposes forced around FFTs because the FFT axes are not the last ones (f_fft3d)."""
     graph = report.graph
     transposes: dict[str, Kernel] = {}
@@ -356,8 +356,8 @@ def fft_transpose(report: Report) -> Iterable[Finding]:
     )
 
 
-@register("parallel_branches")
-def parallel_branches(report: Report) -> Iterable[Finding]:
+@register_finding("parallel_branches")
+def parallel_branches(report: ReportView) -> Iterable[Finding]:
     """Independent heavy branches (FFTs, dots) whose results are live at once (f_fft_multi).
 
     XLA may run independent chains side by side and keep each chain's result until a final
@@ -426,8 +426,8 @@ def _independent(a, b, anc: dict[str, set[str]]) -> bool:
     return not (a[3] <= b[3] or b[3] <= a[3])
 
 
-@register("stored_across_barrier")
-def stored_across_barrier(report: Report) -> Iterable[Finding]:
+@register_finding("stored_across_barrier")
+def stored_across_barrier(report: ReportView) -> Iterable[Finding]:
     """A cheap value stored across a reduction and re-read after it (seed 002's f_stored).
 
     Recomputing it in the kernel after the reduction costs a few flops; storing it costs its
@@ -471,8 +471,8 @@ def stored_across_barrier(report: Report) -> Iterable[Finding]:
             )
 
 
-@register("broadcast_materialized")
-def broadcast_materialized(report: Report) -> Iterable[Finding]:
+@register_finding("broadcast_materialized")
+def broadcast_materialized(report: ReportView) -> Iterable[Finding]:
     """A kernel that writes far more than it reads: a broadcast, tile or outer op materialized.
 
     Seed 000's tiled context (``jnp.tile(z[:, None], (1, N, 1))`` fed to an MLP) and the naive

@@ -13,16 +13,13 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import graphviz
 
 from memsafe.inspect.hlo import Source
 from memsafe.inspect.model import Array, Kernel
+from memsafe.inspect.view import ReportView
 from memsafe.limits import format_bytes
-
-if TYPE_CHECKING:
-    from memsafe.inspect.report import Report
 
 #: How many of the largest temporaries the picture highlights.
 HIGHLIGHT = 1
@@ -61,7 +58,7 @@ def _table(headers: list[str], rows: list[list[str]], right: set[int] = frozense
 # -- text ---------------------------------------------------------------------------------------
 
 
-def footprint_lines(report: Report) -> list[str]:
+def footprint_lines(report: ReportView) -> list[str]:
     fp = report.footprint
     lines = [
         f"Footprint: {format_bytes(fp.total)} ({fp.total:,} bytes)",
@@ -78,7 +75,7 @@ def footprint_lines(report: Report) -> list[str]:
     return lines
 
 
-def text(report: Report) -> str:
+def text(report: ReportView) -> str:
     """The report as a readable table."""
     g = report.graph
     out = [
@@ -167,7 +164,7 @@ def _edge_label(a: Array) -> str:
     return f"{a.type}\\n{format_bytes(a.bytes)}"
 
 
-def dot(report: Report) -> str:
+def dot(report: ReportView) -> str:
     """The kernel graph as Graphviz DOT source."""
     g = report.graph
     temps = report.temporaries
@@ -270,7 +267,7 @@ def dot_binary() -> str:
     )
 
 
-def svg(report: Report) -> str:
+def svg(report: ReportView) -> str:
     """The kernel graph rendered to SVG."""
     result = subprocess.run(
         [dot_binary(), "-Tsvg"],
@@ -314,7 +311,7 @@ def _html_table(headers: list[str], rows: list[list[str]], numeric: set[int] = f
     return f"<table><tr>{head}</tr>{body}</table>"
 
 
-def html(report: Report, picture: bool = True) -> str:
+def html(report: ReportView, picture: bool = True) -> str:
     """A self-contained HTML page (also what Jupyter shows)."""
     e = _html.escape
     parts = [

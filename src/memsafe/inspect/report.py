@@ -16,6 +16,8 @@ import jax
 import numpy as np
 
 from memsafe import _jax
+from memsafe.inspect import render
+from memsafe.inspect.findings import find_all
 from memsafe.inspect.graph import ProgramGraph, build_graph
 from memsafe.inspect.hlo import parse_hlo
 from memsafe.inspect.model import Array, Constant, Finding, Kernel, Loop
@@ -92,24 +94,16 @@ class Report:
     # -- renderings ---------------------------------------------------------------------------
 
     def __str__(self) -> str:
-        from memsafe.inspect.render import text
-
-        return text(self)
+        return render.text(self)
 
     def dot(self) -> str:
-        from memsafe.inspect.render import dot
-
-        return dot(self)
+        return render.dot(self)
 
     def svg(self) -> str:
-        from memsafe.inspect.render import svg
-
-        return svg(self)
+        return render.svg(self)
 
     def html(self) -> str:
-        from memsafe.inspect.render import html
-
-        return html(self)
+        return render.html(self)
 
     def _repr_html_(self) -> str:
         return self.html()
@@ -305,8 +299,6 @@ def inspect(
         hlo=hlo,
         graph=graph,
     )
-    from memsafe.inspect.findings import find_all
-
     report.findings = find_all(report)
     return report
 
