@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memsafe.graph import inline_calls
-from memsafe.passes.match_replace import rewrite as match_replace
-from memsafe.rules import builtin_rules, rewrite
+from memsafe.passes.algebraic import rewritten
+from memsafe.passes.match_replace import apply_rules
+from memsafe.rules import builtin_rules
 from memsafe.xla import memsafe_jit
 
 sizes = st.integers(2, 9)
@@ -33,7 +34,7 @@ def _rand(shape, seed, dtype=jnp.float32):
 def fired(f, *args) -> list[str]:
     """Rules that fire on ``f`` at ``args``, checking the rewritten program equals jax.jit."""
     closed = inline_calls(jax.make_jaxpr(f)(*args))
-    new, records = match_replace(closed, builtin_rules(), measure=False)
+    new, records = apply_rules(closed, builtin_rules(), measure=False)
     out = jax.core.eval_jaxpr(new.jaxpr, new.consts, *args)
     ref = jax.jit(f)(*args)
     ref = ref if isinstance(ref, tuple | list) else [ref]
@@ -80,10 +81,10 @@ def test_sqdist_forms_agree_over_shapes(n, m, d, seed):
 
 def test_sqdist_rewrite_is_a_gemm_clamped_at_zero():
     x = _rand((6, 5), 0)
-    closed = rewrite(SQDIST_FORMS["pow"]).jaxpr(x, x)
+    closed = rewritten(SQDIST_FORMS["pow"]).jaxpr(x, x)
     names = [e.primitive.name for e in closed.jaxpr.eqns]
     assert "dot_general" in names and "max" in names and "integer_pow" not in names
-    out = rewrite(SQDIST_FORMS["pow"])(x, x)
+    out = rewritten(SQDIST_FORMS["pow"])(x, x)
     assert float(jnp.min(out)) >= 0.0  # the clamp: cancellation never gives negative distances
 
 
@@ -171,10 +172,10 @@ def test_sqdist_rewrite_removes_the_n_m_d_temporary():
     args = (jax.ShapeDtypeStruct((n, d), jnp.float32), jax.ShapeDtypeStruct((m, d), jnp.float32))
     f = SQDIST_FORMS["pow"]
     naive = memsafe_jit(f).lower(*args).compile().memory_analysis().temp_size_in_bytes
-    new = memsafe_jit(rewrite(f)).lower(*args).compile().memory_analysis().temp_size_in_bytes
+    new = memsafe_jit(rewritten(f)).lower(*args).compile().memory_analysis().temp_size_in_bytes
     assert naive >= n * m * d * 4
     assert new < n * m * 4 * 2
-    rec = rewrite(f).plan(*args).rules[0]
+    rec = rewritten(f).plan(*args).rules[0]
     assert rec.rule == "pairwise_sqdist" and rec.bytes_saved == naive - new
     assert "test_rules_builtin.py" in rec.where
 
@@ -190,7 +191,7 @@ def test_knn_benchmark_form_is_rewritten_to_a_gemm():
         jax.ShapeDtypeStruct((10_000, 64), jnp.float32),
         jax.ShapeDtypeStruct((1_000_000, 64), jnp.float32),
     )
-    closed = rewrite(knn).jaxpr(*args)
+    closed = rewritten(knn).jaxpr(*args)
     names = [e.primitive.name for e in closed.jaxpr.eqns]
     assert "dot_general" in names and "top_k" in names
     big = [e for e in closed.jaxpr.eqns for v in e.outvars if v.aval.ndim == 3]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from examples import hutchinson as H
-from memsafe.rules import rewrite
+from memsafe.passes.algebraic import rewritten
 from memsafe.xla import memsafe_jit
 
 
@@ -18,7 +18,7 @@ def _rand(shape, seed=0):
 
 
 def _rules(f, *args):
-    g = rewrite(f)
+    g = rewritten(f)
     check = lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
     jax.tree_util.tree_map(check, g(*args), jax.jit(f)(*args))
     return [r.rule for r in g.plan(*args).rules]
@@ -56,7 +56,7 @@ def test_hutchinson_at_seed_sizes_temps_fall_measured():
     avals = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), inputs)
     f = H.traces_tiled
     before = memsafe_jit(f).lower(*avals).compile().memory_analysis().temp_size_in_bytes
-    after = memsafe_jit(rewrite(f)).lower(*avals).compile().memory_analysis().temp_size_in_bytes
+    after = memsafe_jit(rewritten(f)).lower(*avals).compile().memory_analysis().temp_size_in_bytes
     concat = 64 * 1000 * 515 * 4
     assert before > 2 * concat
     assert after < before - 2 * concat + 16 * 2**20

@@ -1,4 +1,5 @@
-"""``memsafe.rules.rewrite(f)``: ``f`` with match-and-replace and reordering applied, no limit."""
+"""``rewritten(f)``: ``f`` with the algebraic passes (match-and-replace, then reordering) applied,
+no memory limit involved."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ import jax
 
 from memsafe import _jax
 from memsafe.graph import inline_calls
+from memsafe.passes.match_replace import apply_rules
+from memsafe.passes.reorder import reorder_chains
 from memsafe.plan import Plan, RuleRecord
 from memsafe.rules.pattern import Rule
+from memsafe.rules.registry import active_rules, builtin_rewrites
 
 
 @functools.lru_cache(maxsize=64)
@@ -45,20 +49,12 @@ class Rewritten:
 
         closed, out_tree = _jax.make_closed_jaxpr(flat, avals)
         closed = inline_calls(closed)
-        from memsafe.passes.match_replace import rewrite as match_replace
-        from memsafe.rules.registry import active_rules, builtin_rewrites
-
         rules = active_rules() if self.rules is None else self.rules
         rewrites = builtin_rewrites() if self.rules is None else []
-        closed, records = match_replace(closed, rules, rewrites=rewrites)
+        closed, records = apply_rules(closed, rules, rewrites=rewrites)
         if self.reorder:
-            try:
-                from memsafe.passes.reorder import reorder_chains
-            except ImportError:  # pragma: no cover
-                reorder_chains = None
-            if reorder_chains is not None:
-                closed, more = reorder_chains(closed)
-                records = [*records, *more]
+            closed, more = reorder_chains(closed)
+            records = [*records, *more]
         found = (closed, out_tree, records)
         self._cache[key] = found
         return found
@@ -80,11 +76,11 @@ class Rewritten:
         return plan
 
 
-def rewrite(
+def rewritten(
     fun: Callable[..., Any], *, rules: Sequence[Rule] | None = None, reorder: bool = True
 ) -> Rewritten:
     """``fun`` rewritten by match-and-replace (``rules``, default: registered + built-in) and
     matrix-chain reordering. No memory limit is involved: use it to see or keep the rewrites."""
     if not callable(fun):
-        raise TypeError(f"rewrite expects a callable, got {type(fun).__name__}")
+        raise TypeError(f"rewritten expects a callable, got {type(fun).__name__}")
     return Rewritten(fun, rules, reorder)

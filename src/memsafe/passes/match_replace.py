@@ -20,6 +20,7 @@ from memsafe.plan import RuleRecord
 from memsafe.rules.cost import savings
 from memsafe.rules.ir import IR
 from memsafe.rules.pattern import Match, Rule, Variant
+from memsafe.rules.registry import active_rules, builtin_rewrites
 
 #: Rounds of matching (a rewrite can expose another: tile -> broadcast -> distance).
 MAX_ROUNDS = 4
@@ -124,7 +125,7 @@ def _replace(match: Match, read: Callable[[Any], Any]) -> Any:
     return match.variant.replacement(*match.arguments(read))
 
 
-def rewrite(
+def apply_rules(
     closed: ClosedJaxpr,
     rules: Sequence[Rule],
     measure: bool = True,
@@ -154,9 +155,7 @@ def rewrite(
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """The pipeline entry point: rewrite with the active rules, recording each rewrite."""
-    from memsafe.rules.registry import active_rules, builtin_rewrites
-
-    new, records = rewrite(closed, active_rules(), rewrites=builtin_rewrites())
+    new, records = apply_rules(closed, active_rules(), rewrites=builtin_rewrites())
     for rec in records:
         ctx.record(rec)
     return new

@@ -1,7 +1,7 @@
 """Match-and-replace rules: a pattern and its replacement, both plain JAX functions.
 
-``Rule`` defines one, ``register_rule`` adds it to every ``memsafe.jit``; ``rewrite(f)`` returns
-``f`` with memsafe's rewriting passes (match-and-replace, then reordering) applied.
+``Rule`` defines one, ``register_rule`` adds it to every ``memsafe.jit``;
+``memsafe.passes.algebraic.rewritten(f)`` returns ``f`` with the rules (and reordering) applied.
 """
 
 from memsafe.rules.pattern import Match, Rule
@@ -12,7 +12,6 @@ from memsafe.rules.registry import (
     registered_rules,
     unregister_rule,
 )
-from memsafe.rules.rewrite import rewrite
 
 __all__ = [
     "Match",
@@ -21,6 +20,5 @@ __all__ = [
     "builtin_rules",
     "register_rule",
     "registered_rules",
-    "rewrite",
     "unregister_rule",
 ]

@@ -119,4 +119,5 @@ COSINE = Rule(
     description="normalized rows then x @ y.T -> scale the GEMM by inverse norms (no copies)",
 )
 
-RULES = (L2DIST, SQDIST, PAIRWISE_DOT, COSINE)
+#: The pairwise distance and similarity rules, in the order match-and-replace tries them.
+DISTANCE_RULES = (L2DIST, SQDIST, PAIRWISE_DOT, COSINE)

@@ -49,4 +49,5 @@ SUM = Rule(
     description="sum(A @ B) -> sum(A, 0) . sum(B, 1)",
 )
 
-RULES = (DIAG, TRACE, SUM)
+#: Products read in part: diagonal, trace and sum of a matrix product.
+LINALG_RULES = (DIAG, TRACE, SUM)

@@ -15,7 +15,7 @@ def builtin_rules() -> list[Rule]:
     """memsafe's own pattern rules (distances, products read in part)."""
     from memsafe.rules import distance, linalg
 
-    return [*distance.RULES, *linalg.RULES]
+    return [*distance.DISTANCE_RULES, *linalg.LINALG_RULES]
 
 
 def builtin_rewrites() -> list[Callable[[ClosedJaxpr], list[Any]]]:
