@@ -18,3 +18,6 @@ settings.register_profile(
     derandomize=True,
 )
 settings.load_profile("memsafe")
+
+# Plan snapshots (tests/plan_snapshot.py), inactive unless MEMSAFE_PLAN_SNAPSHOT names a directory.
+pytest_plugins = ["plan_snapshot"]
