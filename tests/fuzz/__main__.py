@@ -18,13 +18,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from .program import generate
 from .report import format_table, write_json
-from .runner import Result, run_case
-
-
-def _run_seed(seed: int) -> Result:
-    return run_case(generate(seed))
+from .runner import Result, run_seed
 
 
 def _results(first: int, cases: int, jobs: int, deadline: float) -> Iterator[Result]:
@@ -35,7 +30,7 @@ def _results(first: int, cases: int, jobs: int, deadline: float) -> Iterator[Res
         for seed in seeds:
             if time.monotonic() > deadline:
                 return
-            yield _run_seed(seed)
+            yield run_seed(seed)
         return
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(jobs, maxtasksperchild=50) as pool:
@@ -43,7 +38,7 @@ def _results(first: int, cases: int, jobs: int, deadline: float) -> Iterator[Res
         for seed in seeds:
             if time.monotonic() > deadline:
                 break
-            pending.append(pool.apply_async(_run_seed, (seed,)))
+            pending.append(pool.apply_async(run_seed, (seed,)))
             while len(pending) >= 2 * jobs:
                 pending[0].wait()
                 while pending and pending[0].ready():

@@ -23,7 +23,7 @@ from memsafe.xla import Footprint, memsafe_jit
 
 from . import accuracy
 from .inputs import make_inputs
-from .program import Case, build, render
+from .program import Case, build, generate, render
 from .wrappers import WRAPPERS
 
 FAILURES = ("wrong", "over", "crash")
@@ -96,6 +96,11 @@ def run_case(case: Case) -> Result:
         result.message = f"harness: {type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
     result.seconds = round(time.perf_counter() - start, 3)
     return result
+
+
+def run_seed(seed: int) -> Result:
+    """Run the case drawn from ``seed`` (a picklable entry point for worker processes)."""
+    return run_case(generate(seed))
 
 
 def _x64(case: Case) -> Any:
