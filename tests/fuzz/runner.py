@@ -47,6 +47,7 @@ class Result:
     blockers: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     message: str = ""
+    inputs_note: str = ""
     seconds: float = 0.0
 
     @property
@@ -59,7 +60,7 @@ class Result:
         lines = [
             render(self.case).rstrip(),
             "",
-            f"# inputs: {make_inputs(self.case).note or self.case.inputs}; "
+            f"# inputs: {self.inputs_note or self.case.inputs}; "
             f"limit {self.limit} B (arguments+outputs {self.fixed} B, jax.jit {self.jit_total} B)",
             f"# memsafe: {wrapper.code}",
             f"# outcome: {self.outcome}: {self.message}",
@@ -112,6 +113,7 @@ def _run(case: Case, result: Result) -> None:
     wrapper = WRAPPERS[case.wrapper]
     with _x64(case):
         inputs = make_inputs(case)
+        result.inputs_note = inputs.note
         args = inputs.args
         compiled = memsafe_jit(wrapper.ref(ns)).lower(*args).compile()
         plain = Footprint.from_compiled(compiled)
