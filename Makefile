@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT := $(wildcard src tests benchmarks examples)
 
-.PHONY: demo test test-slow lint format bench bench-quick clean venv
+.PHONY: demo test test-slow fuzz lint format bench bench-quick clean venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -27,6 +27,13 @@ test: $(STAMP)
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow --timeout=3600
 
+# Differential fuzzing: random programs under memsafe.jit against jax.jit (tests/fuzz/); a table
+# per op family, fuzz-report.json, and a non-zero exit on any wrong answer, footprint over the
+# limit or crash. FUZZ_ARGS="--jobs 2 --seed 5000" to change the run.
+FUZZ_ARGS ?=
+fuzz: $(STAMP)
+	$(BIN)/python -m tests.fuzz --budget 1800 --cases 2000 --quiet $(FUZZ_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check $(LINT)
 
@@ -43,4 +50,4 @@ bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run --size full
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis fuzz-report.json

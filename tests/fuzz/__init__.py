@@ -1,0 +1,11 @@
+"""memsafe's differential fuzzer: random programs run under memsafe.jit and compared with jax.jit.
+
+``program`` draws and renders cases, ``inputs`` makes their arguments, ``wrappers`` says how
+memsafe is applied, ``accuracy`` holds the accuracy rule, ``runner`` runs one case and
+``report`` tallies many. ``python -m tests.fuzz --budget SECONDS --cases N`` runs a campaign.
+"""
+
+from .program import Case, generate, render
+from .runner import FAILURES, OUTCOMES, Result, run_case
+
+__all__ = ["FAILURES", "OUTCOMES", "Case", "Result", "generate", "render", "run_case"]

@@ -1,0 +1,58 @@
+"""Arguments of a case: ``x``, ``y``, ``v`` (floats) and ``labels`` (int32), drawn from its seed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax.numpy as jnp
+import numpy as np
+
+from .program import BATCHED_WRAPPERS, Case, v_rows
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The arguments in the program's dtype (``args``) and a note of injected non-finite values."""
+
+    args: tuple[jnp.ndarray, ...]
+    note: str
+
+    def cast(self, dtype: str) -> tuple[jnp.ndarray, ...]:
+        """The same values with the float arguments cast to ``dtype`` (exact when widening)."""
+        return tuple(
+            jnp.asarray(np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a), dtype)
+            if jnp.issubdtype(a.dtype, jnp.floating)
+            else a
+            for a in self.args
+        )
+
+
+def make_inputs(case: Case) -> Inputs:
+    """Draw the arguments of ``case``: standard normal floats, rounded to a half-integer grid for
+    ``inputs="ties"`` (many equal values), with a NaN or ±inf placed in ``x`` or ``y`` for
+    ``inputs="nan"`` / ``"inf"``; labels uniform in ``[0, m)``."""
+    rng = np.random.default_rng(case.seed)
+    lead = (case.batch,) if case.wrapper in BATCHED_WRAPPERS else ()
+    x = rng.standard_normal((*lead, case.n, case.d))
+    y = rng.standard_normal((case.m, case.d))
+    v = rng.standard_normal((v_rows(case), case.p))
+    labels = rng.integers(0, case.m, (*lead, case.n)).astype(np.int32)
+    note = ""
+    if case.inputs == "ties":
+        x, y, v = (np.round(a * 2) / 2 for a in (x, y, v))
+    elif case.inputs in ("nan", "inf"):
+        value = np.nan if case.inputs == "nan" else float(rng.choice((np.inf, -np.inf)))
+        target = x if rng.random() < 0.5 else y
+        flat = target.reshape(-1)
+        pos = int(rng.integers(0, flat.size))
+        flat[pos] = value
+        name = "x" if target is x else "y"
+        note = f"{name}.flat[{pos}] = {value}"
+    dtype = jnp.dtype(case.dtype)
+    args = (
+        jnp.asarray(x, dtype),
+        jnp.asarray(y, dtype),
+        jnp.asarray(v, dtype),
+        jnp.asarray(labels),
+    )
+    return Inputs(args=args, note=note)

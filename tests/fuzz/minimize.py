@@ -1,0 +1,102 @@
+"""Shrink a failing case to a smaller one that fails the same way.
+
+``python -m tests.fuzz.minimize SEED`` runs the case drawn from SEED and, if it fails, tries
+simplifications one at a time (drop a chain operation or a sink, no control flow, the plain
+wrapper, normal inputs, float32, fewer rows and columns), keeping each that still gives the same
+outcome; it prints the smallest program and the ``dataclasses.replace`` call that rebuilds it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+from . import ops
+from .program import GRAD_WRAPPERS, Case, generate, piece_rows
+from .runner import Result, run_case
+
+
+def valid(case: Case) -> bool:
+    """Whether every chain operation and sink applies to the shape it receives, and gradient
+    wrappers have a float output to differentiate."""
+    rows, cols = piece_rows(case.n, case.control, case.splits), case.m
+    for name in case.chain:
+        op = ops.kind(name)
+        if not op.applies(rows, cols):
+            return False
+        rows, cols = op.shape(rows, cols)
+    if not case.sinks or not all(ops.kind(s).applies(rows, cols) for s in case.sinks):
+        return False
+    return case.wrapper not in GRAD_WRAPPERS or any(ops.kind(s).floats for s in case.sinks)
+
+
+def _candidates(case: Case) -> Iterator[dict[str, Any]]:
+    for i in range(len(case.chain)):
+        yield {"chain": case.chain[:i] + case.chain[i + 1 :]}
+    for i in range(len(case.sinks)):
+        yield {"sinks": case.sinks[:i] + case.sinks[i + 1 :]}
+    yield {"control": "none"}
+    yield {"wrapper": "plain", "batch": 1}
+    yield {"inputs": "normal"}
+    yield {"dtype": "float32"}
+    yield {"n": max(16, case.n // 2 // 4 * 4)}
+    yield {"m": max(64, case.m // 2)}
+    yield {"d": 1}
+
+
+def minimize(case: Case, outcome: str | None = None, log: bool = True) -> tuple[Case, Result]:
+    """The smallest case reachable by single simplifications that keeps ``outcome`` (default:
+    the outcome of ``case`` itself), with its result."""
+    best = run_case(case)
+    outcome = outcome or best.outcome
+    changed = True
+    while changed:
+        changed = False
+        for change in _candidates(case):
+            trial = dataclasses.replace(case, **change)
+            if trial == case or not valid(trial):
+                continue
+            result = run_case(trial)
+            if log:
+                print(f"  {change}: {result.outcome}", flush=True)
+            if result.outcome == outcome:
+                case, best, changed = trial, result, True
+    return case, best
+
+
+def replace_call(case: Case) -> str:
+    """``dataclasses.replace(generate(SEED), ...)`` that rebuilds ``case``."""
+    base = generate(case.seed)
+    diff = {
+        f.name: getattr(case, f.name)
+        for f in dataclasses.fields(case)
+        if getattr(case, f.name) != getattr(base, f.name)
+    }
+    args = "".join(f", {k}={v!r}" for k, v in diff.items())
+    return f"dataclasses.replace(generate({case.seed}){args})"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tests.fuzz.minimize", description=__doc__)
+    parser.add_argument("seeds", type=int, nargs="+")
+    args = parser.parse_args(argv)
+    for seed in args.seeds:
+        case = generate(seed)
+        first = run_case(case)
+        print(f"seed {seed}: {first.outcome} {first.message[:200]}", flush=True)
+        if not first.failed:
+            continue
+        small, result = minimize(case, first.outcome)
+        print("\n" + result.describe())
+        print(f"# rebuild: {replace_call(small)}\n", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""Tally results per op family: a table for the terminal and a JSON report."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .runner import FAILURES, OUTCOMES, Result
+
+
+def tally(results: Iterable[Result]) -> dict[str, Counter]:
+    """Per family (and ``"all"``), the number of programs and of each outcome."""
+    table: dict[str, Counter] = defaultdict(Counter)
+    for r in results:
+        for fam in ["all", *r.families]:
+            table[fam]["programs"] += 1
+            table[fam][r.outcome] += 1
+    return dict(table)
+
+
+def blockers_by_family(results: Iterable[Result]) -> dict[str, Counter]:
+    """Per family, how many refused programs named each blocking operation."""
+    table: dict[str, Counter] = defaultdict(Counter)
+    for r in results:
+        if r.outcome != "refused":
+            continue
+        ops = {op for op, _ in r.blockers} or {"(no blocker named)"}
+        for fam in ["all", *r.families]:
+            table[fam].update(ops)
+    return dict(table)
+
+
+def format_table(results: list[Result]) -> str:
+    """A fixed-width table: one row per family, columns programs and each outcome, plus the
+    refusal rate among programs memsafe did not run unchanged."""
+    counts = tally(results)
+    cols = ("programs", *OUTCOMES)
+    width = max([len("family"), *(len(f) for f in counts)])
+    head = f"{'family':<{width}} " + " ".join(f"{c:>9}" for c in cols) + "  refused%"
+    lines = [head, "-" * len(head)]
+    order = ["all", *sorted(f for f in counts if f != "all")]
+    for fam in order:
+        c = counts[fam]
+        needing = c["programs"] - c["unchanged"]
+        rate = f"{100 * c['refused'] / needing:8.1f}%" if needing else "        -"
+        lines.append(f"{fam:<{width}} " + " ".join(f"{c[k]:>9}" for k in cols) + " " + rate)
+    return "\n".join(lines)
+
+
+def write_json(path: Path, results: list[Result], meta: dict[str, Any]) -> None:
+    """Write the campaign: ``meta`` (arguments, timings), the table, blockers per family and
+    every result (failures with their rendered programs)."""
+    data = {
+        "meta": meta,
+        "table": {f: dict(c) for f, c in tally(results).items()},
+        "blockers": {f: dict(c.most_common()) for f, c in blockers_by_family(results).items()},
+        "failures": [
+            {**r.to_json(), "program": r.describe()} for r in results if r.outcome in FAILURES
+        ],
+        "results": [r.to_json() for r in results],
+    }
+    path.write_text(json.dumps(data, indent=1, default=str))

@@ -1,0 +1,168 @@
+"""Run one case: choose the limit, run memsafe and jax.jit, check footprints and accuracy.
+
+Outcomes: ``unchanged`` (memsafe ran the program as is), ``split`` (rewritten and verified),
+``refused`` (MemoryLimitError, a legitimate answer), and the failures ``wrong`` (a result breaks
+the accuracy rule), ``over`` (a verified or compiled footprint above the limit) and ``crash``
+(any other exception).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import traceback
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import jax
+import numpy as np
+
+import memsafe
+from memsafe.xla import Footprint, memsafe_jit
+
+from . import accuracy
+from .inputs import make_inputs
+from .program import Case, build, generate, render
+from .wrappers import WRAPPERS
+
+FAILURES = ("wrong", "over", "crash")
+OUTCOMES = ("split", "unchanged", "refused", *FAILURES)
+
+
+@dataclass
+class Result:
+    """What happened to one case. ``limit``, ``fixed`` (arguments + outputs) and ``jit_total``
+    (jax.jit's footprint) are bytes; ``ms_total`` is the largest footprint memsafe verified or
+    compiled (None when refused); ``blockers`` lists (operation, reason) of a refusal;
+    ``warnings`` the RuntimeWarnings memsafe emitted (skipped passes)."""
+
+    case: Case
+    outcome: str
+    families: list[str]
+    limit: int = 0
+    fixed: int = 0
+    jit_total: int = 0
+    ms_total: int | None = None
+    blockers: list[tuple[str, str]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    message: str = ""
+    inputs_note: str = ""
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome in FAILURES
+
+    def describe(self) -> str:
+        """The case's source, how it was run and what went wrong, ready to paste in a report."""
+        wrapper = WRAPPERS[self.case.wrapper]
+        lines = [
+            render(self.case).rstrip(),
+            "",
+            f"# inputs: {self.inputs_note or self.case.inputs}; "
+            f"limit {self.limit} B (arguments+outputs {self.fixed} B, jax.jit {self.jit_total} B)",
+            f"# memsafe: {wrapper.code}",
+            f"# outcome: {self.outcome}: {self.message}",
+        ]
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["case"] = self.case.to_json()
+        return d
+
+
+def choose_limit(footprint: Footprint, frac: float) -> tuple[int, int]:
+    """The limit ``frac`` of the way from arguments+outputs to the footprint; returns
+    (limit, arguments + outputs)."""
+    fixed = footprint.arguments + footprint.outputs
+    room = max(footprint.total - fixed, 0)
+    return int(fixed + frac * room) + 1, fixed
+
+
+def run_case(case: Case) -> Result:
+    """Run ``case`` and classify it (never raises for memsafe's failures: they are outcomes)."""
+    start = time.perf_counter()
+    result = Result(case=case, outcome="crash", families=case.families())
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", RuntimeWarning)
+            _run(case, result)
+        result.warnings = sorted(
+            {str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)}
+        )
+    except Exception as err:  # the harness itself failed: report it as a crash
+        result.outcome = "crash"
+        result.message = f"harness: {type(err).__name__}: {err}\n{traceback.format_exc(limit=4)}"
+    result.seconds = round(time.perf_counter() - start, 3)
+    return result
+
+
+def run_seed(seed: int) -> Result:
+    """Run the case drawn from ``seed`` (a picklable entry point for worker processes)."""
+    return run_case(generate(seed))
+
+
+def _x64(case: Case) -> Any:
+    return jax.enable_x64(True) if case.dtype == "float64" else contextlib.nullcontext()
+
+
+def _run(case: Case, result: Result) -> None:
+    ns = build(case)
+    wrapper = WRAPPERS[case.wrapper]
+    with _x64(case):
+        inputs = make_inputs(case)
+        result.inputs_note = inputs.note
+        args = inputs.args
+        compiled = memsafe_jit(wrapper.ref(ns)).lower(*args).compile()
+        plain = Footprint.from_compiled(compiled)
+        result.limit, result.fixed = choose_limit(plain, case.frac)
+        result.jit_total = plain.total
+        jit_out = compiled(*args)
+        try:
+            obj = wrapper.make(ns, result.limit)
+            ms_out = jax.block_until_ready(wrapper.call(obj, args))
+        except memsafe.MemoryLimitError as err:
+            result.outcome = "refused"
+            result.blockers = [(b.operation, b.reason) for b in err.blockers]
+            result.message = str(err).splitlines()[0]
+            return
+        except Exception as err:
+            result.outcome = "crash"
+            result.message = f"{type(err).__name__}: {err}"[:2000]
+            return
+        totals, unchanged = [], True
+        for plan in wrapper.plans(obj, args):
+            fp = plan.after or plan.before
+            totals.append(fp.total if fp is not None else 0)
+            unchanged &= plan.fits_unchanged
+        if wrapper.outer:
+            outer = memsafe_jit(lambda *a: wrapper.call(obj, a)).lower(*args).compile()
+            totals.append(Footprint.from_compiled(outer).total)
+            unchanged = unchanged and bool(totals[:-1])
+    result.ms_total = max(totals) if totals else None
+    if result.ms_total is not None and result.ms_total > result.limit:
+        result.outcome = "over"
+        result.message = f"footprint {result.ms_total} B > limit {result.limit} B ({totals})"
+        return
+    ref, jit_errors = _reference(case, ns, inputs, jit_out)
+    problems = accuracy.check(ms_out, jit_out, ref, jit_errors)
+    if problems:
+        result.outcome = "wrong"
+        result.message = "; ".join(problems)
+        return
+    result.outcome = "unchanged" if unchanged else "split"
+
+
+def _reference(case: Case, ns: dict, inputs: Any, jit_out: Any) -> tuple[Any, list[float] | None]:
+    """The float64 reference of the program, and for float64 programs jax.jit's estimated error
+    (its float32 error scaled by the ratio of machine epsilons; None otherwise)."""
+    ref_fun = WRAPPERS[case.wrapper].ref(ns)
+    if case.dtype == "float64":
+        out32 = memsafe_jit(ref_fun)(*inputs.cast("float32"))
+        ratio = float(np.finfo(np.float64).eps / np.finfo(np.float32).eps)
+        return jit_out, [e * ratio for e in accuracy.max_error(out32, jit_out)]
+    with jax.enable_x64(True):
+        ref = memsafe_jit(ref_fun)(*inputs.cast("float64"))
+        return jax.tree.map(np.asarray, ref), None
