@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT := $(wildcard src tests benchmarks examples)
 
-.PHONY: demo test test-slow lint format bench bench-quick clean venv
+.PHONY: demo test test-slow lint format bench bench-quick docs clean venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -42,5 +42,11 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python -m benchmarks.run --size full
 
+# The documentation site (mkdocs-material, mkdocstrings, tutorials executed at build time) into
+# site/; warnings are errors.
+docs: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis site
