@@ -141,3 +141,43 @@ def test_tutorial_notebook_executes(path, tmp_path):
     outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
     assert outputs
     assert not [o for o in outputs if o.get("output_type") == "error"]
+
+
+# -- a headless browser, where one is installed (slow suite) --------------------------------------
+
+
+def _browser() -> str | None:
+    import shutil
+
+    for name in ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable"):
+        path = shutil.which(name)
+        if path:
+            return path
+    return None
+
+
+@pytest.mark.slow
+@needs_site
+@pytest.mark.skipif(_browser() is None, reason="no headless chromium installed")
+@pytest.mark.parametrize("page", ["index.html", "tutorials/knn/index.html"])
+def test_page_renders_in_a_headless_browser(page, tmp_path):
+    """The browser loads the page and runs its scripts; the rendered DOM has the navigation and,
+    for a tutorial, the executed output; the screenshot is a real image, not a blank one."""
+    import subprocess
+
+    url = (SITE / page).as_uri()
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=5000"]
+    dom = subprocess.run(
+        [_browser(), *flags, "--dump-dom", url], capture_output=True, text=True, timeout=120
+    ).stdout
+    assert "md-nav" in dom and "Getting started" in dom
+    if page.startswith("tutorials/"):
+        assert "memsafe plan (limit" in dom and "Traceback" not in dom
+    shot = tmp_path / "page.png"
+    subprocess.run(
+        [_browser(), *flags, "--window-size=1280,900", f"--screenshot={shot}", url],
+        capture_output=True,
+        timeout=120,
+    )
+    data = shot.read_bytes()
+    assert data.startswith(b"\x89PNG") and len(data) > 20_000, len(data)
