@@ -116,7 +116,11 @@ def test_rendered_tutorial_ran_without_errors(name):
 
 @needs_site
 def test_pipeline_diagram_and_api_reference_are_rendered():
-    assert 'class="mermaid"' in _body(SITE / "how-it-works" / "index.html")
+    pipeline = _body(SITE / "how-it-works" / "index.html")
+    diagram = re.search(r'<div class="graphviz"[^>]*>(<svg.*?</svg>)</div>', pipeline, flags=re.S)
+    assert diagram, "the pipeline diagram was not rendered to SVG"
+    for step in ("match and replace", "split", "schedule", "verify", "MemoryLimitError"):
+        assert step in diagram.group(1)
     api = _body(SITE / "api" / "jit" / "index.html")
     for name in ("memory_limit", "static_argnames", "backward_plan", "MemoryLimitError"):
         assert name in api
