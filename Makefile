@@ -3,7 +3,7 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-LINT := $(wildcard src tests benchmarks examples)
+LINT := $(wildcard src tests benchmarks examples tools)
 
 .PHONY: demo test test-slow lint format bench bench-quick docs clean venv
 
