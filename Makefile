@@ -3,9 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
-LINT := $(wildcard src tests benchmarks examples)
+LINT := $(wildcard src tests benchmarks examples tools)
 
-.PHONY: demo test test-slow fuzz lint format bench bench-quick clean venv
+.PHONY: demo test test-slow fuzz lint format bench bench-quick docs clean venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -49,5 +49,11 @@ bench: $(STAMP)
 	$(BIN)/python -m pip install -q -e ".[bench]"
 	$(BIN)/python -m benchmarks.run --size full
 
+# The documentation site (mkdocs-material, mkdocstrings, tutorials executed at build time) into
+# site/; warnings are errors.
+docs: $(STAMP)
+	$(BIN)/python -m pip install -q -e ".[docs]"
+	$(BIN)/mkdocs build --strict -d site
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis fuzz-report.json
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis fuzz-report.json site
