@@ -16,10 +16,11 @@ from dataclasses import dataclass
 
 from memsafe._jax import Literal, Var
 from memsafe.graph import Graph
-from memsafe.graph.estimate import FUSIBLE, REDUCTIONS, materialized_values
+from memsafe.graph.estimate import materialized_values
+from memsafe.primitives import FOLDS, FUSIBLE, REDUCTIONS
 
 #: Binary elementwise primitives a chain may be built of (the accumulator on either side).
-CHAIN_OPS = frozenset({"add", "add_any", "sub", "mul", "div", "max", "min", "pow", "atan2", "rem"})
+CHAIN_OPS = FOLDS
 
 #: Reductions are heavy (materialize and break fusion) only above this many input bytes.
 HEAVY_REDUCTION_BYTES = 1 << 20
@@ -52,7 +53,7 @@ def is_heavy(graph: Graph, index: int) -> bool:
     if name in REDUCTIONS:
         big = sum(graph.info(v).bytes for v in eqn.invars if isinstance(v, Var))
         return big >= HEAVY_REDUCTION_BYTES
-    return name not in FUSIBLE and name != "stack"
+    return name not in FUSIBLE
 
 
 def _same_aval(a: object, b: object) -> bool:

@@ -35,12 +35,12 @@ from memsafe._jax import (
     source_line,
 )
 from memsafe.graph import Graph, evaluate, inline_calls
-from memsafe.graph.estimate import FUSIBLE
 from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
+from memsafe.primitives import FUSIBLE
 
 #: Primitives cheap enough to recompute inside every loop iteration (fused into the consumer).
-CHEAP = FUSIBLE | {"stack", "iota"}
+CHEAP = FUSIBLE
 
 #: Loop constants smaller than this are left alone (holding them costs nothing worth a rewrite).
 MIN_BYTES = 64 * 1024

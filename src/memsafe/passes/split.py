@@ -13,9 +13,9 @@ from __future__ import annotations
 from memsafe._jax import ClosedJaxpr, Var, source_line
 from memsafe.errors import Blocker
 from memsafe.graph import Graph
-from memsafe.graph.estimate import FUSIBLE
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
+from memsafe.primitives import FUSIBLE
 from memsafe.split import online
 from memsafe.split.emit import emit
 from memsafe.split.region import Region, SplitFailure, grow

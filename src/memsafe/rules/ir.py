@@ -25,36 +25,12 @@ from typing import Any
 import numpy as np
 
 from memsafe._jax import ClosedJaxpr, JaxprEqn, Literal, Var
+from memsafe.primitives import ELEMENTWISE
 
 #: Parameters that do not change what a value is (placement, precision, accumulation hints).
 IGNORED_PARAMS = frozenset(
     {"sharding", "out_sharding", "precision", "preferred_element_type", "accumulation_type"}
 )
-
-#: Elementwise primitives: operands have the output's shape (scalars broadcast).
-ELEMENTWISE = frozenset(
-    {
-        "add", "sub", "mul", "div", "rem", "pow", "integer_pow", "max", "min", "neg", "sign",
-        "floor", "ceil", "round", "is_finite", "exp", "exp2", "log", "log1p", "expm1", "tanh",
-        "logistic", "sin", "cos", "tan", "asin", "acos", "atan", "atan2", "sinh", "cosh",
-        "asinh", "acosh", "atanh", "sqrt", "rsqrt", "cbrt", "abs", "square", "select_n", "clamp",
-        "eq", "ne", "lt", "le", "gt", "ge", "and", "or", "not", "xor", "convert_element_type",
-        "erf", "erfc", "erf_inv", "lgamma", "digamma", "nextafter", "real", "imag", "conj",
-        "complex", "stop_gradient", "reduce_precision",
-    }
-)  # fmt: skip
-
-#: Elementwise primitives whose operands may be swapped.
-COMMUTATIVE = frozenset({"add", "mul", "max", "min", "and", "or", "xor", "eq", "ne"})
-
-#: Reductions over ``axes``.
-REDUCTIONS = frozenset(
-    {"reduce_sum", "reduce_max", "reduce_min", "reduce_prod", "reduce_and", "reduce_or",
-     "argmax", "argmin"}
-)  # fmt: skip
-
-#: Scans along one ``axis``.
-CUMULATIVE = frozenset({"cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"})
 
 
 @dataclass(eq=False)

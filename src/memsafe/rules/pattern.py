@@ -30,13 +30,10 @@ import numpy as np
 
 from memsafe._jax import Var
 from memsafe.graph import Graph, inline_calls
+from memsafe.primitives import COMMUTATIVE, CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from memsafe.rules import symbols as sym
 from memsafe.rules.ir import (
-    COMMUTATIVE,
-    CUMULATIVE,
-    ELEMENTWISE,
     IR,
-    REDUCTIONS,
     Node,
     View,
     numeric_leaves,

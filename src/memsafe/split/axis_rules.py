@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, bind_eqn, bind_eqn_with
+from memsafe.primitives import ELEMENTWISE
 from memsafe.split import random_bits, topk
 
 Axis = int | None
@@ -82,15 +83,6 @@ def _size_at(eqn: JaxprEqn, side: Side, axis: int) -> int:
 
 
 # -- elementwise -----------------------------------------------------------------------------
-
-ELEMENTWISE = (  # noqa: SIM905 (a word list reads better than 70 quoted names)
-    "add add_any sub mul div rem pow integer_pow max min neg sign floor ceil round is_finite exp "
-    "exp2 log log1p expm1 tanh logistic sin cos tan asin acos atan atan2 sinh cosh asinh acosh "
-    "atanh sqrt rsqrt cbrt abs square select_n clamp eq ne lt le gt ge and or not xor "
-    "convert_element_type erf erfc erf_inv lgamma digamma igamma igammac nextafter real imag "
-    "conj complex shift_left shift_right_logical shift_right_arithmetic population_count "
-    "stop_gradient copy copy_p reduce_precision"
-).split()
 
 
 @register(*ELEMENTWISE)

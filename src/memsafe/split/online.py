@@ -34,6 +34,7 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn
 from memsafe.graph import Graph
+from memsafe.primitives import Scaling, facts
 from memsafe.split import peephole
 from memsafe.split import sinks as sink_ops
 from memsafe.split.axis_rules import Mapping, Sink
@@ -42,12 +43,13 @@ from memsafe.split.region import Region, region_depends
 #: Factor trees: ("base", var, power, rank) | ("mul", a, b) | ("op", eqn index, (sub-factors)).
 Factor = tuple
 
-#: Unary operations a factor passes through unchanged (the factor commutes with them).
-_PASS = frozenset({"neg", "convert_element_type", "copy", "copy_p", "reduce_precision"})
-#: Operations whose result is scaled like their (equally scaled) operands.
-_SAME = frozenset({"add", "add_any", "sub", "select_n"})
-#: Layout operations applied to the factor itself.
-_LAYOUT = frozenset({"broadcast_in_dim", "transpose", "squeeze", "expand_dims", "reshape"})
+
+def _scaling(name: str) -> Scaling | None:
+    return facts(name).scaling
+
+
+def _inexact(atom: Any) -> bool:
+    return bool(jnp.issubdtype(atom.aval.dtype, jnp.inexact))
 
 
 class NotOnline(Exception):
@@ -107,6 +109,7 @@ def analyse(graph: Graph, region: Region) -> OnlinePlan:
     for i in sorted(maps):
         eqn, m = eqns[i], maps[i]
         name = eqn.primitive.name
+        scaling = _scaling(name)
         ins = [of(a) for a in eqn.invars]
         if any(k == "post" and ax is not None for k, ax in zip(ins, m.ins)):
             raise NotOnline(f"{name} reads a result of the region split along the axis")
@@ -152,11 +155,11 @@ def analyse(graph: Graph, region: Region) -> OnlinePlan:
             raise NotOnline(f"{name} reads a value computed from the region's results")
         elif name == "mul":
             out = scaled[0] if len(scaled) == 1 else ("mul", scaled[0], scaled[1])
-        elif name in _PASS and not jnp.issubdtype(eqn.outvars[0].aval.dtype, jnp.inexact):
+        elif scaling is Scaling.COMMUTES and not _inexact(eqn.outvars[0]):
             raise NotOnline(f"a rescaled value converted to {eqn.outvars[0].aval.dtype}")
-        elif (name == "div" and not isinstance(ins[1], tuple)) or name in _PASS:
+        elif (name == "div" and not isinstance(ins[1], tuple)) or scaling is Scaling.COMMUTES:
             out = ins[0]
-        elif name in _SAME:
+        elif scaling is Scaling.SAME:
             cases = list(zip(eqn.invars, ins))[1:] if name == "select_n" else zip(eqn.invars, ins)
             if name == "select_n" and isinstance(ins[0], tuple):
                 raise NotOnline("select_n on a rescaled predicate")
@@ -164,7 +167,7 @@ def analyse(graph: Graph, region: Region) -> OnlinePlan:
             if len(trees) != 1 or not isinstance(next(iter(trees)), tuple):
                 raise NotOnline(f"{name} mixes differently scaled values")
             out = trees.pop()
-        elif name in _LAYOUT or name in ("reduce_sum", "dot_general"):
+        elif scaling is Scaling.LAYOUT or name in ("reduce_sum", "dot_general"):
             out = _combine_op(i, ins)
         else:
             raise NotOnline(f"a rescaled value reaches {name}")

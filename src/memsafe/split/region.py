@@ -20,48 +20,8 @@ from typing import Any
 
 from memsafe._jax import JaxprEqn, Literal, Var, source_line
 from memsafe.graph import Graph
+from memsafe.primitives import CHEAP
 from memsafe.split.axis_rules import Mapping, NoRule, Sink, axis_map
-
-#: Producers recomputed per chunk even when their result is small (cheap, fusible, or generators).
-CHEAP = frozenset(
-    {
-        "broadcast_in_dim",
-        "reshape",
-        "squeeze",
-        "expand_dims",
-        "transpose",
-        "iota",
-        "convert_element_type",
-        "slice",
-        "pad",
-        "concatenate",
-        "rev",
-        "select_n",
-        "dynamic_slice",
-        "neg",
-        "add",
-        "sub",
-        "mul",
-        "div",
-        "integer_pow",
-        "exp",
-        "log",
-        "abs",
-        "sqrt",
-        "square",
-        "max",
-        "min",
-        "stop_gradient",
-        "copy",
-        "copy_p",
-        "eq",
-        "ne",
-        "lt",
-        "le",
-        "gt",
-        "ge",
-    }
-)
 
 #: Most loops a region may be staged into (each stage recomputes the region's shared prefix).
 MAX_STAGES = 4

@@ -16,25 +16,14 @@ from dataclasses import dataclass
 
 from memsafe._jax import Var
 from memsafe.graph import Graph
-from memsafe.graph.estimate import FUSIBLE
+from memsafe.primitives import FUSIBLE
 from memsafe.split import topk
-from memsafe.split.axis_rules import ELEMENTWISE, Sink
+from memsafe.split.axis_rules import Sink
 from memsafe.split.region import Region
 from memsafe.split.sinks import min_chunk
 
 #: Operations that read their operands without storing them (elementwise, layout, generators).
-_STREAMING = frozenset(ELEMENTWISE) | {
-    "broadcast_in_dim",
-    "reshape",
-    "squeeze",
-    "expand_dims",
-    "iota",
-    "slice",
-    "pad",
-    "concatenate",
-    "rev",
-    "dynamic_slice",
-}
+_STREAMING = FUSIBLE
 
 
 @dataclass(frozen=True)

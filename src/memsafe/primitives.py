@@ -1,0 +1,205 @@
+"""Facts about JAX primitives, in one table.
+
+Every pass that asks "is this primitive elementwise / fused by XLA / cheap to recompute / a
+reduction?" reads the sets derived here, so adding a primitive is one line in :data:`TABLE`.
+Per-primitive *behaviour* (how a split axis maps through it, how it is re-bound at chunk shape)
+lives in registries next to the code that uses it (``memsafe.split.rules``); this module holds
+only what is true of the primitive itself.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class Kind(enum.Enum):
+    """What a primitive does to the shape of its operands."""
+
+    ELEMENTWISE = "elementwise"  # operands have the result's shape (scalars broadcast)
+    LAYOUT = "layout"  # moves, drops, adds or selects elements without computing on them
+    GENERATOR = "generator"  # makes a value from parameters (iota)
+    REDUCTION = "reduction"  # combines along ``axes``
+    CUMULATIVE = "cumulative"  # scans along one ``axis``
+    OTHER = "other"  # contractions, sorts, library calls, control flow: stored by XLA
+
+
+class Scaling(enum.Enum):
+    """How a factor constant along an axis passes through the primitive (online softmax)."""
+
+    COMMUTES = "commutes"  # unary and homogeneous: f(c * x) == c * f(x)
+    SAME = "same"  # the result is scaled like its (equally scaled) operands: c*x + c*y
+    LAYOUT = "layout"  # the factor itself is moved the same way
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What is known about one primitive.
+
+    Attributes:
+        kind: its shape behaviour.
+        fusible: XLA's CPU and GPU backends fuse it into its consumer: it is never stored on
+            its own, and a chain of such operations streams its inputs.
+        cheap: a split region recomputes it per chunk even when its result is small (layout,
+            generators and cheap arithmetic; not transcendental functions).
+        commutative: a binary operation whose operands may be swapped.
+        fold: a binary arithmetic operation a left fold (a chain of accumulations) is built of.
+        monoid: for reductions, the name of the monoid combining partial results.
+        scaling: how a factor constant along the split axis passes (None: it does not).
+    """
+
+    kind: Kind
+    fusible: bool = False
+    cheap: bool = False
+    commutative: bool = False
+    fold: bool = False
+    monoid: str | None = None
+    scaling: Scaling | None = None
+
+
+def _elementwise(**facts: object) -> Facts:
+    return Facts(Kind.ELEMENTWISE, fusible=True, **facts)  # type: ignore[arg-type]
+
+
+def _layout(**facts: object) -> Facts:
+    return Facts(Kind.LAYOUT, fusible=True, cheap=True, **facts)  # type: ignore[arg-type]
+
+
+def _reduction(monoid: str) -> Facts:
+    return Facts(Kind.REDUCTION, monoid=monoid)
+
+
+_ARITH = _elementwise(cheap=True, fold=True)
+_ARITH_COMM = _elementwise(cheap=True, fold=True, commutative=True)
+_COMPARE = _elementwise(cheap=True)
+_MATH = _elementwise()  # transcendental and special functions: not recomputed per chunk
+_MATH_CHEAP = _elementwise(cheap=True)
+
+TABLE: dict[str, Facts] = {
+    # arithmetic
+    "add": _elementwise(cheap=True, fold=True, commutative=True, scaling=Scaling.SAME),
+    "add_any": _elementwise(cheap=True, fold=True, commutative=True, scaling=Scaling.SAME),
+    "sub": _elementwise(cheap=True, fold=True, scaling=Scaling.SAME),
+    "mul": _ARITH_COMM,
+    "div": _ARITH,
+    "rem": _elementwise(fold=True),
+    "pow": _elementwise(fold=True),
+    "atan2": _elementwise(fold=True),
+    "max": _ARITH_COMM,
+    "min": _ARITH_COMM,
+    "integer_pow": _MATH_CHEAP,
+    "neg": _elementwise(cheap=True, scaling=Scaling.COMMUTES),
+    "abs": _MATH_CHEAP,
+    "square": _MATH_CHEAP,
+    "sqrt": _MATH_CHEAP,
+    "exp": _MATH_CHEAP,
+    "log": _MATH_CHEAP,
+    **dict.fromkeys(
+        [
+            "sign",
+            "floor",
+            "ceil",
+            "round",
+            "is_finite",
+            "exp2",
+            "log1p",
+            "expm1",
+            "tanh",
+            "logistic",
+            "sin",
+            "cos",
+            "tan",
+            "asin",
+            "acos",
+            "atan",
+            "sinh",
+            "cosh",
+            "asinh",
+            "acosh",
+            "atanh",
+            "rsqrt",
+            "cbrt",
+            "clamp",
+            "erf",
+            "erfc",
+            "erf_inv",
+            "lgamma",
+            "digamma",
+            "igamma",
+            "igammac",
+            "nextafter",
+            "real",
+            "imag",
+            "conj",
+            "complex",
+            "population_count",
+        ],
+        _MATH,
+    ),
+    # comparisons, logic, bits
+    "eq": _elementwise(cheap=True, commutative=True),
+    "ne": _elementwise(cheap=True, commutative=True),
+    **dict.fromkeys(["lt", "le", "gt", "ge"], _COMPARE),
+    "and": _elementwise(commutative=True),
+    "or": _elementwise(commutative=True),
+    "xor": _elementwise(commutative=True),
+    **dict.fromkeys(
+        ["not", "shift_left", "shift_right_logical", "shift_right_arithmetic"], _elementwise()
+    ),
+    "select_n": _elementwise(cheap=True, scaling=Scaling.SAME),
+    # conversions and identities
+    "convert_element_type": _elementwise(cheap=True, scaling=Scaling.COMMUTES),
+    "reduce_precision": _elementwise(scaling=Scaling.COMMUTES),
+    "stop_gradient": _elementwise(cheap=True),
+    "copy": _elementwise(cheap=True, scaling=Scaling.COMMUTES),
+    "copy_p": _elementwise(cheap=True, scaling=Scaling.COMMUTES),
+    "bitcast_convert_type": Facts(Kind.LAYOUT, fusible=True),
+    # layout
+    "broadcast_in_dim": _layout(scaling=Scaling.LAYOUT),
+    "reshape": _layout(scaling=Scaling.LAYOUT),
+    "squeeze": _layout(scaling=Scaling.LAYOUT),
+    "expand_dims": _layout(scaling=Scaling.LAYOUT),
+    "transpose": Facts(Kind.LAYOUT, cheap=True, scaling=Scaling.LAYOUT),
+    **dict.fromkeys(["slice", "pad", "concatenate", "stack", "rev", "dynamic_slice"], _layout()),
+    "iota": Facts(Kind.GENERATOR, fusible=True, cheap=True),
+    # reductions and scans
+    "reduce_sum": _reduction("sum"),
+    "reduce_max": _reduction("max"),
+    "reduce_min": _reduction("min"),
+    "reduce_prod": _reduction("prod"),
+    "reduce_and": _reduction("and"),
+    "reduce_or": _reduction("or"),
+    "reduce_xor": _reduction("xor"),
+    "argmax": _reduction("argmax"),
+    "argmin": _reduction("argmin"),
+    **dict.fromkeys(
+        ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"], Facts(Kind.CUMULATIVE)
+    ),
+}
+
+_UNKNOWN = Facts(Kind.OTHER)
+
+
+def facts(name: str) -> Facts:
+    """The facts of primitive ``name`` (an unknown primitive is stored and never recomputed)."""
+    return TABLE.get(name, _UNKNOWN)
+
+
+def _names(pred) -> frozenset[str]:  # type: ignore[no-untyped-def]
+    return frozenset(n for n, f in TABLE.items() if pred(f))
+
+
+#: Elementwise primitives: operands have the result's shape (scalars broadcast).
+ELEMENTWISE = _names(lambda f: f.kind is Kind.ELEMENTWISE)
+#: Primitives XLA fuses into their consumers (elementwise, layout, generators).
+FUSIBLE = _names(lambda f: f.fusible)
+#: Primitives a split region recomputes per chunk even when their result is small.
+CHEAP = _names(lambda f: f.cheap)
+#: Binary elementwise primitives whose operands may be swapped.
+COMMUTATIVE = _names(lambda f: f.commutative)
+#: Binary arithmetic a chain of accumulations is built of.
+FOLDS = _names(lambda f: f.fold)
+#: Reductions over ``axes`` (their monoid in :attr:`Facts.monoid`).
+REDUCTIONS = _names(lambda f: f.kind is Kind.REDUCTION)
+#: Scans along one ``axis``.
+CUMULATIVE = _names(lambda f: f.kind is Kind.CUMULATIVE)
