@@ -15,7 +15,7 @@ from jax.scipy.linalg import solve_triangular
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
-from memsafe.split.axis_rules import Mapping, NoRule, axis_map
+from memsafe.split.registry import Mapping, NoRule, axis_map
 from memsafe.xla import Footprint, memsafe_jit
 
 N, M, D = 3000, 24, 3

@@ -11,7 +11,9 @@ from jax import lax
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
-from memsafe.split.axis_rules import Mapping, NoRule, Sink, axis_map
+from memsafe.split import sinks
+from memsafe.split.registry import Mapping, NoRule, axis_map
+from memsafe.split.sinks import Sink
 from memsafe.xla import Footprint, memsafe_jit
 
 N, M, D = 256, 2048, 8
@@ -75,7 +77,7 @@ def test_rule_mappings():
     a = jnp.ones((4, 6))
     dot = _eqn(lambda a: a @ a.T, a, name="dot_general")
     assert axis_map(dot, ("in", 0), 0) == Mapping(ins=(0, None), outs=(0,))
-    assert axis_map(dot, ("in", 0), 1) == Sink("dot", ins=(1, 0))
+    assert axis_map(dot, ("in", 0), 1) == Sink(sinks.DOT, ins=(1, 0))
     assert axis_map(dot, ("out", 0), 1) == Mapping(ins=(None, 1), outs=(1,))
     bcast = _eqn(lambda a: a[:, None, :] + jnp.zeros((4, 5, 6)), a, name="broadcast_in_dim")
     assert axis_map(bcast, ("out", 0), 2) == Mapping(ins=(1,), outs=(2,))
@@ -85,7 +87,7 @@ def test_rule_mappings():
     with pytest.raises(NoRule, match="merges or splits"):
         axis_map(reshape, ("in", 0), 0)
     topk = _eqn(lambda a: lax.top_k(a, 2), a, name="top_k")
-    assert axis_map(topk, ("in", 0), 1) == Sink("top_k", ins=(1,))
+    assert axis_map(topk, ("in", 0), 1) == Sink(sinks.TOP_K, ins=(1,))
     assert axis_map(topk, ("in", 0), 0) == Mapping(ins=(0,), outs=(0, 0))
     cumsum = _eqn(lambda a: lax.cumsum(a, axis=1), a, name="cumsum")
     with pytest.raises(NoRule, match="along the split axis"):

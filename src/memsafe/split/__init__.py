@@ -6,3 +6,5 @@
 - ``size``: the chunk size from the memory budget.
 - ``emit``: the loops, and the program re-traced around them.
 """
+
+from memsafe.split import prims  # noqa: F401 (registers the split rules)

@@ -22,9 +22,9 @@ from jax import lax
 from memsafe._jax import ClosedJaxpr, Literal, Var, bind_eqn, make_closed_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import online, peephole
-from memsafe.split import sinks as sink_ops
-from memsafe.split.axis_rules import Mapping, Sink
 from memsafe.split.region import Region
+from memsafe.split.registry import Mapping
+from memsafe.split.sinks import Sink
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def _run_loop(
             ]
             if isinstance(m, Sink):
                 if i in loop.sinks:
-                    partials.append(sink_ops.partial(eqn, invals, m, start, n))
+                    partials.append(m.reducer.partial(eqn, invals, m.axis, start, n))
                 continue
             outs = peephole.bind_mapped(peep, i, eqn, invals, m, read, local, eqns, start, n)
             for var, val in zip(eqn.outvars, outs):
@@ -120,7 +120,7 @@ def _run_loop(
     sinks = [(eqns[i], region.maps[i]) for i in loop.sinks]
 
     def fold(acc: list, new: list) -> list:
-        return [sink_ops.combine(e, s, a, b) for (e, s), a, b in zip(sinks, acc, new)]
+        return [s.reducer.fold(e, a, b) for (e, s), a, b in zip(sinks, acc, new)]
 
     def write(bufs: list, vals: list, start: Any) -> list:
         return [
@@ -150,7 +150,7 @@ def _run_loop(
         acc, bufs = fold(acc, new), write(bufs, vals, start)
     results: list[Any] = []
     for (_, s), a in zip(sinks, acc):
-        results.extend(sink_ops.finish(s, a))
+        results.extend(s.reducer.finish(a))
     return results + list(bufs)
 
 

@@ -37,8 +37,9 @@ from memsafe.graph import Graph
 from memsafe.primitives import Scaling, facts
 from memsafe.split import peephole
 from memsafe.split import sinks as sink_ops
-from memsafe.split.axis_rules import Mapping, Sink
 from memsafe.split.region import Region, region_depends
+from memsafe.split.registry import Mapping
+from memsafe.split.sinks import Sink
 
 #: Factor trees: ("base", var, power, rank) | ("mul", a, b) | ("op", eqn index, (sub-factors)).
 Factor = tuple
@@ -91,7 +92,7 @@ def analyse(graph: Graph, region: Region) -> OnlinePlan:
     maps = region.maps
     depends = region_depends(graph, maps)
     sinks = region.sinks
-    max_sinks = {i for i, s in sinks.items() if s.kind == "max"}
+    max_sinks = {i for i, s in sinks.items() if s.reducer is sink_ops.MAX}
     kind: dict[Var, Any] = {}  # region value -> "plain" | "shifted" | Factor
     shifts: dict[Var, None] = {}
     late: dict[Var, None] = {}
@@ -121,7 +122,7 @@ def analyse(graph: Graph, region: Region) -> OnlinePlan:
             if "post" in ins:
                 raise NotOnline(f"{name} reads a value computed from the region's results")
             if scaled:
-                if m.kind not in ("sum", "dot"):
+                if not m.reducer.rescalable:
                     raise NotOnline(f"a rescaled value reaches a {m.kind} sink")
                 factors[i] = _combine_op(i, ins)
             continue
@@ -445,12 +446,12 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
                 for k, (a, ax) in enumerate(zip(eqn.invars, m.ins))
             ]
             if isinstance(m, Sink):
-                part = sink_ops.partial(eqn, invals, m, start, n)
+                part = m.reducer.partial(eqn, invals, m.axis, start, n)
                 if i in plan.sources:
                     k = sources.index(i)
-                    part = part if old is None else sink_ops.combine(eqn, m, old[k], part)
+                    part = part if old is None else m.reducer.fold(eqn, old[k], part)
                     running[i] = part
-                    full.update(zip(eqn.outvars, sink_ops.finish(m, part)))
+                    full.update(zip(eqn.outvars, m.reducer.finish(part)))
                 else:
                     partials[i] = part
                 continue
@@ -483,7 +484,7 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
                 if scale is not None:
                     scale = scale.astype(acc[0].dtype)
                     acc = tuple(jnp.where(scale == 0, jnp.zeros_like(a), a * scale) for a in acc)
-            out.append(sink_ops.combine(eqns[i], s, acc, part))
+            out.append(s.reducer.fold(eqns[i], acc, part))
         return out
 
     def write(bufs: list, vals: list, start: Any) -> list:
@@ -515,6 +516,6 @@ def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> l
     results: list[Any] = []
     finals = dict(zip(sources, maxes)) | dict(zip(others, accs))
     for i in sorted(region.sinks):
-        got = sink_ops.finish(region.maps[i], finals[i])
+        got = region.maps[i].reducer.finish(finals[i])
         results.extend([got[0]] if i in plan.deferred else got)
     return results + list(bufs)

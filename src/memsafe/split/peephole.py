@@ -30,8 +30,8 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, Var
 from memsafe.graph import Graph
-from memsafe.split.axis_rules import Mapping, rebind
 from memsafe.split.region import Region
+from memsafe.split.registry import Mapping, rebind
 
 Read = Callable[[Any, Any], Any]  # (atom, axis or None) -> value in the chunk body
 

@@ -21,7 +21,8 @@ from typing import Any
 from memsafe._jax import JaxprEqn, Literal, Var, source_line
 from memsafe.graph import Graph
 from memsafe.primitives import CHEAP
-from memsafe.split.axis_rules import Mapping, NoRule, Sink, axis_map
+from memsafe.split.registry import Mapping, NoRule, axis_map
+from memsafe.split.sinks import Sink
 
 #: Most loops a region may be staged into (each stage recomputes the region's shared prefix).
 MAX_STAGES = 4

@@ -1,117 +1,291 @@
-"""How each sink combines its results across chunks (the monoid of the reduction).
+"""Sinks: equations that consume the split axis, and how their results combine across chunks.
 
-A sink is an equation that consumes the split axis. Each chunk computes a *partial* result at
-chunk shape; partials are folded left to right, so ties keep the earlier (lower) index as
+A :class:`Sink` names the equation's :class:`Reducer`, a small object owning everything about
+that kind of result: the partial result of one chunk, the fold of a later chunk's partial into
+the running one (the monoid), the finished value, the smallest chunk it can work with, the bytes
+it holds per chunk beyond its operands, whether its accumulator can be rescaled by a factor
+(online softmax), and the combine of the partials of several devices (sharding).
+
+Partials are folded left to right, so ties keep the earlier (lower) index as
 ``argmax``/``argmin``/``top_k`` do on the whole axis. No identity elements are needed: the first
 chunk's partial is the initial carry.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import topk
-from memsafe.split.axis_rules import Sink, chunk_local_indices
+from memsafe.split.indices import chunk_local_indices
 
+#: The running result of a sink: a tuple of arrays.
 Partial = tuple[Any, ...]
+Axis = int | None
 
 
-def min_chunk(eqn: JaxprEqn, sink: Sink) -> int:
-    """Smallest chunk the sink can work with (top_k needs k elements in the first chunk)."""
-    return int(eqn.params["k"]) if sink.kind == "top_k" else 1
+class Reducer:
+    """How the results of one kind of sink combine across chunks of the split axis.
+
+    Subclasses override :meth:`fold` (the monoid) and, where the chunk's result is not the
+    equation's own result, :meth:`partial` and :meth:`finish`.
+    """
+
+    #: Name shown in plans and records.
+    name: ClassVar[str] = "sink"
+    #: Whether the running result may be multiplied by a factor constant along the axis (the
+    #: online-softmax rescale): true of sums and contractions, linear in their operand.
+    rescalable: ClassVar[bool] = False
+
+    def min_chunk(self, eqn: JaxprEqn) -> int:
+        """Smallest chunk the sink can work with."""
+        return 1
+
+    def partial(
+        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+    ) -> Partial:
+        """The sink's result on one chunk of ``size`` starting at ``start`` along ``axis``."""
+        return tuple(bind_eqn(eqn, invals))
+
+    def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
+        """A later chunk's partial ``new`` folded into the running ``acc``."""
+        raise NotImplementedError
+
+    def finish(self, acc: Partial) -> list[Any]:
+        """The equation's results from the folded partials."""
+        return list(acc)
+
+    def extra_bytes_per_unit(self, operand_bytes: int, size: int) -> int:
+        """Bytes per unit of the axis the sink stores beyond the chunk values it reads."""
+        return 0
+
+    def chunk_bytes(self, eqn: JaxprEqn, axis: int, chunk: int) -> int:
+        """Bytes the sink allocates per chunk that do not scale with the axis (candidates)."""
+        return 0
+
+    def across(self, eqn: JaxprEqn, part: Partial, axis_name: str) -> Partial:
+        """The partials of every device along mesh axis ``axis_name`` combined, device order
+        (inside ``shard_map``): gathered and folded as consecutive chunks, so ties and NaN keep
+        the single-device answer. Monoids with a collective of their own override this."""
+        gathered = [lax.all_gather(p, axis_name) for p in part]
+        acc = tuple(g[0] for g in gathered)
+        for d in range(1, gathered[0].shape[0]):
+            acc = self.fold(eqn, acc, tuple(g[d] for g in gathered))
+        return acc
+
+    def __repr__(self) -> str:
+        return self.name
 
 
-def partial(eqn: JaxprEqn, invals: list[Any], sink: Sink, start: Any, size: int) -> Partial:
-    """The sink's result on one chunk (indices made global by adding ``start``)."""
-    axis = sink.ins[0]
-    if sink.kind in ("argmax", "argmin"):
+class _Monoid(Reducer):
+    """A sink whose chunk result is the equation's own result, folded elementwise by ``op``."""
+
+    op: ClassVar[Any]
+    collective: ClassVar[Any] = None
+
+    def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
+        return tuple(type(self).op(a, b) for a, b in zip(acc, new))
+
+    def across(self, eqn: JaxprEqn, part: Partial, axis_name: str) -> Partial:
+        if type(self).collective is None:
+            return super().across(eqn, part, axis_name)
+        return tuple(type(self).collective(p, axis_name) for p in part)
+
+
+class Sum(_Monoid):
+    name = "sum"
+    rescalable = True
+    op = staticmethod(lax.add)
+    collective = staticmethod(lax.psum)
+
+
+class Dot(Sum):
+    """A contraction over the split axis: partial products add up."""
+
+    name = "dot"
+
+
+class Max(_Monoid):
+    name = "max"
+    op = staticmethod(lax.max)
+    collective = staticmethod(lax.pmax)
+
+
+class Min(_Monoid):
+    name = "min"
+    op = staticmethod(lax.min)
+    collective = staticmethod(lax.pmin)
+
+
+class Prod(_Monoid):
+    name = "prod"
+    op = staticmethod(lax.mul)
+
+
+class And(_Monoid):
+    name = "and"
+    op = staticmethod(lax.bitwise_and)
+
+
+class Or(_Monoid):
+    name = "or"
+    op = staticmethod(lax.bitwise_or)
+
+
+class Xor(_Monoid):
+    name = "xor"
+    op = staticmethod(lax.bitwise_xor)
+
+
+class ArgBest(Reducer):
+    """``argmax``/``argmin``: the best value and its global index; a strictly better later value
+    wins, NaN wins once (like ``jnp.argmax``)."""
+
+    def partial(
+        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+    ) -> Partial:
         (idx,) = bind_eqn(eqn, invals)
-        operand = invals[0]
-        val = jnp.take_along_axis(operand, jnp.expand_dims(idx, axis), axis=axis)
+        val = jnp.take_along_axis(invals[0], jnp.expand_dims(idx, axis), axis=axis)
         return jnp.squeeze(val, axis), idx + lax.convert_element_type(start, idx.dtype)
-    if sink.kind == "top_k":
-        k = min(int(eqn.params["k"]), size)
-        axis = eqn.params.get("axis", -1)
-        vals, idx = topk.top_k(invals[0], k, axis=axis)
-        return vals, idx + lax.convert_element_type(start, idx.dtype)
-    if sink.kind == "pick":
-        return (_pick(eqn, invals, axis, start, size),)
-    return tuple(bind_eqn(eqn, invals))
 
+    def beats(self, new: Any, best: Any) -> Any:
+        raise NotImplementedError
 
-def _pick(eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int) -> Any:
-    """A gather indexing the split axis, on one chunk: positions the chunk holds are gathered,
-    the rest are the additive identity (-0.0, 0, False), so adding the chunks' partials is exact.
-    A position outside the whole axis gets the gather's own out-of-bounds result, from chunk 0."""
-    dn = eqn.params["dimension_numbers"]
-    operand, indices = invals
-    length = eqn.invars[0].aval.shape[axis]
-    comp = list(dn.start_index_map).index(axis)
-    global_pos, shifted = chunk_local_indices(eqn, indices, comp, axis, start)
-    # clipped positions are always held by one chunk: the fill is never kept then
-    fill = (
-        eqn.params["fill_value"] if eqn.params["mode"] == lax.GatherScatterMode.FILL_OR_DROP else 0
-    )
-    local = shifted[..., comp]
-    held = (local >= 0) & (local < size)
-    outside = ((global_pos < 0) | (global_pos >= length)) & (start == 0)
-    (out,) = bind_eqn_with(
-        eqn, [operand, shifted], mode=lax.GatherScatterMode.FILL_OR_DROP, fill_value=fill
-    )
-    batch_out = [d for d in range(out.ndim) if d not in dn.offset_dims]
-    keep = lax.broadcast_in_dim(held | outside, out.shape, tuple(batch_out))
-    return lax.select(keep, out, jnp.full(out.shape, _identity(out.dtype), out.dtype))
-
-
-def _identity(dtype: Any) -> Any:
-    """The exact additive identity: x + (-0.0) == x for every float x, signed zeros included."""
-    return -0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0
-
-
-def _better(new: Any, best: Any, kind: str) -> Any:
-    """Whether ``new`` strictly beats ``best`` (NaN wins once, like jnp.argmax)."""
-    beats = new > best if kind == "argmax" else new < best
-    if jnp.issubdtype(new.dtype, jnp.inexact):
-        beats = beats | (jnp.isnan(new) & ~jnp.isnan(best))
-    return beats
-
-
-def combine(eqn: JaxprEqn, sink: Sink, acc: Partial, new: Partial) -> Partial:
-    """Fold a later chunk's partial into the running result."""
-    kind = sink.kind
-    if kind in ("sum", "dot") or (kind == "pick" and acc[0].dtype != jnp.bool_):
-        return tuple(lax.add(a, b) for a, b in zip(acc, new))
-    if kind == "pick":
-        return tuple(lax.bitwise_or(a, b) for a, b in zip(acc, new))
-    if kind == "max":
-        return tuple(lax.max(a, b) for a, b in zip(acc, new))
-    if kind == "min":
-        return tuple(lax.min(a, b) for a, b in zip(acc, new))
-    if kind == "prod":
-        return tuple(lax.mul(a, b) for a, b in zip(acc, new))
-    if kind == "and":
-        return tuple(lax.bitwise_and(a, b) for a, b in zip(acc, new))
-    if kind == "or":
-        return tuple(lax.bitwise_or(a, b) for a, b in zip(acc, new))
-    if kind in ("argmax", "argmin"):
+    def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
         (bv, bi), (nv, ni) = acc, new
-        take = _better(nv, bv, kind)
+        take = self.beats(nv, bv)
+        if jnp.issubdtype(nv.dtype, jnp.inexact):
+            take = take | (jnp.isnan(nv) & ~jnp.isnan(bv))
         return lax.select(take, nv, bv), lax.select(take, ni, bi)
-    if kind == "top_k":
+
+    def finish(self, acc: Partial) -> list[Any]:
+        return [acc[1]]
+
+
+class ArgMax(ArgBest):
+    name = "argmax"
+
+    def beats(self, new: Any, best: Any) -> Any:
+        return new > best
+
+
+class ArgMin(ArgBest):
+    name = "argmin"
+
+    def beats(self, new: Any, best: Any) -> Any:
+        return new < best
+
+
+class TopK(Reducer):
+    """``top_k`` along the split axis: each chunk's k best (through block maxima where the chunk
+    is long), merged with the running k best by a top_k of both (earlier chunk first on ties)."""
+
+    name = "top_k"
+
+    def min_chunk(self, eqn: JaxprEqn) -> int:
+        return int(eqn.params["k"])  # the first chunk must hold k elements
+
+    def partial(
+        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+    ) -> Partial:
+        k = min(int(eqn.params["k"]), size)
+        vals, idx = topk.top_k(invals[0], k, axis=eqn.params.get("axis", -1))
+        return vals, idx + lax.convert_element_type(start, idx.dtype)
+
+    def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
         axis = eqn.params.get("axis", -1) % len(eqn.invars[0].aval.shape)
         vals = lax.concatenate([acc[0], new[0]], axis)
         idx = lax.concatenate([acc[1], new[1]], axis)
         top, pos = lax.top_k(vals, int(eqn.params["k"]), axis=axis)
         return top, jnp.take_along_axis(idx, pos, axis=axis)
-    raise ValueError(f"unknown sink kind {kind!r}")
+
+    def extra_bytes_per_unit(self, operand_bytes: int, size: int) -> int:
+        return -(-operand_bytes // size // 4)  # the block maxima's keys: a quarter at most
+
+    def chunk_bytes(self, eqn: JaxprEqn, axis: int, chunk: int) -> int:
+        """The candidates a chunk's block-maxima top_k gathers: per row k blocks of the chosen
+        block length, values and indices, gathered and selected."""
+        k = int(eqn.params["k"])
+        g = topk.block_size(chunk, k)
+        if g is None:
+            return 0
+        aval = eqn.invars[0].aval
+        elems = math.prod(aval.shape)
+        rows = elems // max(aval.shape[axis], 1)
+        return 2 * rows * (k * g + g) * (aval.dtype.itemsize + 4)
 
 
-def finish(sink: Sink, acc: Partial) -> list[Any]:
-    """The sink equation's results from the folded partials."""
-    if sink.kind in ("argmax", "argmin"):
-        return [acc[1]]
-    return list(acc)
+class Pick(Reducer):
+    """A gather indexing the split axis one position at a time: each chunk gathers the positions
+    it holds and the additive identity (-0.0, 0, False) elsewhere, so summing (or or-ing) the
+    chunks' partials is exact. A position outside the whole axis gets the gather's own
+    out-of-bounds result, from chunk 0."""
+
+    name = "pick"
+
+    def partial(
+        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+    ) -> Partial:
+        dn = eqn.params["dimension_numbers"]
+        operand, indices = invals
+        length = eqn.invars[0].aval.shape[axis]
+        comp = list(dn.start_index_map).index(axis)
+        global_pos, shifted = chunk_local_indices(eqn, indices, comp, axis, start)
+        fill_or_drop = lax.GatherScatterMode.FILL_OR_DROP
+        # clipped positions are always held by one chunk: the fill is never kept then
+        fill = eqn.params["fill_value"] if eqn.params["mode"] == fill_or_drop else 0
+        local = shifted[..., comp]
+        held = (local >= 0) & (local < size)
+        outside = ((global_pos < 0) | (global_pos >= length)) & (start == 0)
+        (out,) = bind_eqn_with(eqn, [operand, shifted], mode=fill_or_drop, fill_value=fill)
+        batch_out = [d for d in range(out.ndim) if d not in dn.offset_dims]
+        keep = lax.broadcast_in_dim(held | outside, out.shape, tuple(batch_out))
+        return (lax.select(keep, out, jnp.full(out.shape, _additive_identity(out.dtype))),)
+
+    def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
+        op = lax.bitwise_or if acc[0].dtype == jnp.bool_ else lax.add
+        return tuple(op(a, b) for a, b in zip(acc, new))
+
+
+def _additive_identity(dtype: Any) -> Any:
+    """The exact additive identity: x + (-0.0) == x for every float x, signed zeros included."""
+    return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
+
+
+SUM, DOT, MAX, MIN, PROD = Sum(), Dot(), Max(), Min(), Prod()
+AND, OR, XOR = And(), Or(), Xor()
+ARGMAX, ARGMIN, TOP_K, PICK = ArgMax(), ArgMin(), TopK(), Pick()
+
+#: The reducer of each reduction monoid named in ``memsafe.primitives``.
+BY_MONOID: dict[str, Reducer] = {
+    r.name: r for r in (SUM, MAX, MIN, PROD, AND, OR, XOR, ARGMAX, ARGMIN)
+}
+
+
+@dataclass(frozen=True)
+class Sink:
+    """The equation consumes the split axis; ``reducer`` combines its results across chunks.
+
+    Attributes:
+        reducer: how the chunks' results combine.
+        ins: the split axis in each operand (None: the operand is used whole).
+    """
+
+    reducer: Reducer
+    ins: tuple[Axis, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.reducer.name
+
+    @property
+    def axis(self) -> int:
+        """The split axis in the sink's first operand."""
+        axis = self.ins[0]
+        assert axis is not None
+        return axis

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 from memsafe._jax import Var
 from memsafe.graph import Graph
 from memsafe.primitives import FUSIBLE
-from memsafe.split import topk
-from memsafe.split.axis_rules import Sink
 from memsafe.split.region import Region
-from memsafe.split.sinks import min_chunk
+from memsafe.split.sinks import TOP_K, Sink
 
 #: Operations that read their operands without storing them (elementwise, layout, generators).
 _STREAMING = FUSIBLE
@@ -111,8 +109,8 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
     fixed = 0
     for i, sink in region.sinks.items():
         fixed += 3 * sum(graph.info(o).bytes for o in eqns[i].outvars)  # acc, partial, result
-        if sink.kind == "top_k":  # the block maxima's keys: at most a quarter of the operand
-            per_unit += -(-graph.info(eqns[i].invars[0]).bytes // region.size // 4)
+        operand = graph.info(eqns[i].invars[0]).bytes
+        per_unit += sink.reducer.extra_bytes_per_unit(operand, region.size)
     for v in region.surviving:
         if not graph.info(v).is_output:
             fixed += graph.info(v).bytes
@@ -125,28 +123,16 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
     return per_unit, fixed
 
 
-def _top_k_candidates(graph: Graph, region: Region, chunk: int) -> int:
-    """Bytes of the candidates a chunk's block-maxima top_k gathers (memsafe.split.topk): per row
-    k blocks of the chosen block length, values and indices, gathered and selected."""
-    total = 0
-    for i, sink in region.sinks.items():
-        eqn = graph.eqns[i]
-        if sink.kind != "top_k":
-            continue
-        k = int(eqn.params["k"])
-        g = topk.block_size(chunk, k)
-        if g is None:
-            continue
-        info = graph.info(eqn.invars[0])
-        elems = math.prod(info.shape)
-        rows = elems // max(info.shape[sink.ins[0]], 1)
-        total += 2 * rows * (k * g + g) * (info.bytes // max(elems, 1) + 4)
-    return total
+def _chunk_bytes(graph: Graph, region: Region, chunk: int) -> int:
+    """Bytes the region's sinks allocate per chunk beyond what scales with it (top_k's
+    candidates)."""
+    sinks = region.sinks.items()
+    return sum(s.reducer.chunk_bytes(graph.eqns[i], s.axis, chunk) for i, s in sinks)
 
 
 def _lowest(graph: Graph, region: Region) -> int:
     """The smallest chunk every sink of the region can work with."""
-    return max([1, *(min_chunk(graph.eqns[i], s) for i, s in region.sinks.items())])
+    return max([1, *(s.reducer.min_chunk(graph.eqns[i]) for i, s in region.sinks.items())])
 
 
 def _evened(size: int, chunk: int, lowest: int) -> tuple[int, int]:
@@ -166,7 +152,7 @@ def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
         return None
     chunk = min(region.size, room // max(per_unit, 1))
     for _ in range(3):  # the candidates shrink with the chunk: settle the two
-        fits = (room - _top_k_candidates(graph, region, chunk)) // max(per_unit, 1)
+        fits = (room - _chunk_bytes(graph, region, chunk)) // max(per_unit, 1)
         if fits >= chunk:
             break
         chunk = max(fits, lowest)
@@ -206,7 +192,7 @@ def _has_gemm(graph: Graph, region: Region) -> bool:
 
 def speed_cap(graph: Graph, region: Region, plan: ChunkPlan) -> ChunkPlan:
     """``plan`` with its chunk lowered to SPEED_CHUNK_BYTES of modelled values, where that helps."""
-    if any(s.kind == "top_k" for s in region.sinks.values()) or _has_gemm(graph, region):
+    if any(s.reducer is TOP_K for s in region.sinks.values()) or _has_gemm(graph, region):
         return plan
     cap = max(SPEED_CHUNK_BYTES // max(plan.per_unit, 1), 1)
     if plan.chunk <= cap:

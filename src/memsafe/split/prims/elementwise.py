@@ -1,0 +1,18 @@
+"""Elementwise primitives (from the primitive table) and same-width bitcasts."""
+
+from __future__ import annotations
+
+from memsafe._jax import JaxprEqn
+from memsafe.primitives import ELEMENTWISE
+from memsafe.split.registry import Mapping, NoRule, Side, elementwise, shape, split_rule
+
+elementwise(*ELEMENTWISE)
+
+
+@split_rule("bitcast_convert_type")
+def _bitcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Same-width bitcasts are elementwise; a width change adds or drops a last axis only."""
+    rank_in, rank_out = len(shape(eqn.invars[0])), len(shape(eqn.outvars[0]))
+    if axis >= min(rank_in, rank_out):
+        raise NoRule("the split axis is the bytes axis of a bitcast")
+    return Mapping(ins=(axis,), outs=(axis,))

@@ -1,0 +1,135 @@
+"""Gathers and scatters along batch dimensions, and gathers picking positions of the axis."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jax import lax
+
+from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
+from memsafe.split import sinks
+from memsafe.split.indices import chunk_local_indices
+from memsafe.split.registry import Mapping, NoRule, Side, shape, split_rule
+from memsafe.split.sinks import Sink
+
+SCATTERS = ("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter")
+
+
+def _rebind_gather(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    a = m.ins[0]
+    if a is not None and eqn.params["slice_sizes"][a] != 1:
+        sizes = list(eqn.params["slice_sizes"])
+        sizes[a] = size
+        return bind_eqn_with(eqn, invals, slice_sizes=tuple(sizes))
+    return bind_eqn(eqn, invals)
+
+
+def _rebind_scatter(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
+    """A chunk of a scatter's operand along an axis the indices address: the positions are made
+    chunk-local and updates landing in other chunks are dropped."""
+    dn = eqn.params["dimension_numbers"]
+    a = m.ins[0]
+    if a is None or m.ins[1] is not None or a not in dn.scatter_dims_to_operand_dims:
+        return bind_eqn(eqn, invals)
+    operand, indices, updates = invals
+    comp = list(dn.scatter_dims_to_operand_dims).index(a)
+    _, shifted = chunk_local_indices(eqn, indices, comp, a, start)
+    mode = lax.GatherScatterMode.FILL_OR_DROP
+    return bind_eqn_with(eqn, [operand, shifted, updates], mode=mode)
+
+
+@split_rule("gather", rebind=_rebind_gather)
+def _gather(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Batch dimensions of a gather (``take_along_axis`` rows, embedding lookups by a chunked
+    index array) and full-size offset dimensions pass; an operand axis indexed one position at a
+    time by whole indices is a ``pick`` sink; other indexed dimensions stop the axis."""
+    dn = eqn.params["dimension_numbers"]
+    op_shape, idx_shape = shape(eqn.invars[0]), shape(eqn.invars[1])
+    out_rank = len(shape(eqn.outvars[0]))
+    batch_out = [d for d in range(out_rank) if d not in dn.offset_dims]
+    window = [
+        d
+        for d in range(len(op_shape))
+        if d not in dn.collapsed_slice_dims and d not in dn.operand_batching_dims
+    ]
+
+    def from_operand(a: int) -> Mapping:
+        if a in dn.operand_batching_dims:
+            j = dn.start_indices_batching_dims[list(dn.operand_batching_dims).index(a)]
+            return Mapping(ins=(a, j), outs=(batch_out[j],))
+        if (
+            a in window
+            and a not in dn.start_index_map
+            and eqn.params["slice_sizes"][a] == op_shape[a]
+        ):
+            return Mapping(ins=(a, None), outs=(dn.offset_dims[window.index(a)],))
+        if side == ("in", 0) and a in dn.collapsed_slice_dims and a in dn.start_index_map:
+            # each result element picks one position of the axis: the chunk holding it supplies
+            # it (``take_along_axis`` over the split axis, ``x[rows, cols]``)
+            return Sink(sinks.PICK, ins=(a, None))
+        raise NoRule("gather indexes along the split axis")
+
+    def from_indices(j: int) -> Mapping:
+        if j == len(idx_shape) - 1:
+            raise NoRule("gather index vectors cannot be split")
+        if j in dn.start_indices_batching_dims:
+            a = dn.operand_batching_dims[list(dn.start_indices_batching_dims).index(j)]
+            return Mapping(ins=(a, j), outs=(batch_out[j],))
+        return Mapping(ins=(None, j), outs=(batch_out[j],))
+
+    if side == ("in", 0):
+        return from_operand(axis)
+    if side == ("in", 1):
+        return from_indices(axis)
+    if axis in dn.offset_dims:
+        return from_operand(window[list(dn.offset_dims).index(axis)])
+    return from_indices(batch_out.index(axis))
+
+
+@split_rule(*SCATTERS, rebind=_rebind_scatter)
+def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Scatters pass the axis along their batching dimensions (the VJP of a batched gather) and
+    along full-size window dimensions no index addresses (the VJP of a gather's offset axis)."""
+    window = _scatter_window(eqn, side, axis)
+    if window is not None:
+        return window
+    dn = eqn.params["dimension_numbers"]
+    upd_rank = len(shape(eqn.invars[2]))
+    upd_scatter = [d for d in range(upd_rank) if d not in dn.update_window_dims]
+    op_b, idx_b = list(dn.operand_batching_dims), list(dn.scatter_indices_batching_dims)
+    if side[0] == "out" or side == ("in", 0):
+        a = axis
+        if a in dn.inserted_window_dims and a in dn.scatter_dims_to_operand_dims:
+            # every update lands at one position of the axis: each chunk of the operand takes
+            # those it holds (the VJP of a pick sink); indices and updates are read whole
+            return Mapping(ins=(a, None, None), outs=(a,))
+        if a not in op_b:
+            raise NoRule("scatter along the split axis")
+        j = idx_b[op_b.index(a)]
+    elif side == ("in", 1):
+        if axis not in idx_b:
+            raise NoRule("scatter indices split along a non-batch axis")
+        j, a = axis, op_b[idx_b.index(axis)]
+    else:
+        if axis not in upd_scatter:
+            raise NoRule("scatter updates split along a window axis")
+        j = upd_scatter.index(axis)
+        if j not in idx_b:
+            raise NoRule("scatter updates split along a non-batch axis")
+        a = op_b[idx_b.index(j)]
+    return Mapping(ins=(a, j, upd_scatter[j]), outs=(a,))
+
+
+def _scatter_window(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | None:
+    """The mapping when the axis is a window dimension of the scatter spanning the whole operand
+    axis, which no index vector addresses (so every chunk scatters into its own slice at 0)."""
+    dn = eqn.params["dimension_numbers"]
+    op_shape, upd_shape = shape(eqn.invars[0]), shape(eqn.invars[2])
+    skipped = set(dn.inserted_window_dims) | set(dn.operand_batching_dims)
+    op_window = [d for d in range(len(op_shape)) if d not in skipped]
+    pairs = list(zip(op_window, dn.update_window_dims))
+    for a, u in pairs:
+        hit = axis == (u if side == ("in", 2) else a) and side != ("in", 1)
+        if hit and a not in dn.scatter_dims_to_operand_dims and upd_shape[u] == op_shape[a]:
+            return Mapping(ins=(a, None, u), outs=(a,))
+    return None

@@ -1,0 +1,163 @@
+"""The split rule of each primitive: how a split axis maps through it, and how it is re-bound.
+
+A :class:`SplitRule` is registered per primitive name, the way JAX registers a batching rule.
+Its ``axis_map``, given one operand or result of an equation that carries the split axis at
+position ``axis``, answers with a :class:`Mapping` (where the axis sits in every operand and
+result; ``None`` for one that does not carry it and is used whole), a
+:class:`~memsafe.split.sinks.Sink` (the equation consumes the axis; its reducer combines the
+chunks' results), or raises :class:`NoRule` naming why the axis cannot pass. Its ``rebind``
+evaluates the equation on chunk-shaped operands: most primitives have no shape in their params
+and are bound unchanged; those that do (broadcast_in_dim, reshape, iota, slice, ...) get the
+chunk's size written in, and iota along the axis is offset by the chunk's start.
+
+The rules themselves live in ``memsafe.split.prims``, one module per family of primitives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from memsafe._jax import JaxprEqn, bind_eqn
+from memsafe.split.sinks import Sink
+
+Axis = int | None
+
+
+@dataclass(frozen=True)
+class Mapping:
+    """The split axis in each operand and result of an equation (None: does not carry it)."""
+
+    ins: tuple[Axis, ...]
+    outs: tuple[Axis, ...]
+
+
+class NoRule(Exception):
+    """The split axis cannot pass through this equation (the message says why)."""
+
+
+#: Side of the equation the known axis is on: ("in", operand index) or ("out", result index).
+Side = tuple[str, int]
+#: How the axis maps through an equation, given it sits at ``axis`` of ``side``.
+AxisMap = Callable[[JaxprEqn, Side, int], "Mapping | Sink"]
+#: The equation on chunk-shaped operands: (eqn, operand values, mapping, chunk start, chunk size).
+Rebind = Callable[[JaxprEqn, list[Any], Mapping, Any, int], list[Any]]
+
+
+def bind_unchanged(
+    eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int
+) -> list[Any]:
+    """Re-bind an equation whose params hold no shape: the same equation on the chunk."""
+    return bind_eqn(eqn, invals)
+
+
+@dataclass(frozen=True)
+class SplitRule:
+    """How one primitive takes part in a split region.
+
+    Attributes:
+        axis_map: where the split axis goes through an equation of the primitive.
+        rebind: the equation evaluated on one chunk.
+    """
+
+    axis_map: AxisMap
+    rebind: Rebind = bind_unchanged
+
+
+#: Split rules by primitive name.
+SPLIT_RULES: dict[str, SplitRule] = {}
+
+
+def split_rule(*names: str, rebind: Rebind = bind_unchanged) -> Callable[[AxisMap], AxisMap]:
+    """Register the decorated axis map, with ``rebind``, as the split rule of ``names``."""
+
+    def deco(axis_map: AxisMap) -> AxisMap:
+        for n in names:
+            SPLIT_RULES[n] = SplitRule(axis_map, rebind)
+        return axis_map
+
+    return deco
+
+
+def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+    """Where the split axis goes through ``eqn``, given it sits at ``axis`` of ``side``."""
+    rule = SPLIT_RULES.get(eqn.primitive.name)
+    if rule is None:
+        raise NoRule(f"no splitting rule for primitive '{eqn.primitive.name}'")
+    return rule.axis_map(eqn, side, axis)
+
+
+def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:
+    """Evaluate ``eqn`` on chunk-shaped ``invals`` (chunk of ``size`` starting at ``start``)."""
+    return SPLIT_RULES[eqn.primitive.name].rebind(eqn, invals, mapping, start, size)
+
+
+# -- helpers the rules share -----------------------------------------------------------------
+
+
+def shape(atom: Any) -> tuple[int, ...]:
+    return tuple(getattr(atom.aval, "shape", ()))
+
+
+def size_at(eqn: JaxprEqn, side: Side, axis: int) -> int:
+    atoms = eqn.invars if side[0] == "in" else eqn.outvars
+    return shape(atoms[side[1]])[axis]
+
+
+def passing(eqn: JaxprEqn, axis: int) -> Mapping:
+    """The axis at the same position in every operand of the result's rank and every result."""
+    rank = len(shape(eqn.outvars[0]))
+    ins = tuple(axis if len(shape(a)) == rank else None for a in eqn.invars)
+    return Mapping(ins=ins, outs=tuple(axis for _ in eqn.outvars))
+
+
+# -- families --------------------------------------------------------------------------------
+
+
+def _elementwise_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    out_shape = shape(eqn.outvars[0])
+    size = size_at(eqn, side, axis)
+    rank = len(out_shape)
+
+    def carries(atom: Any) -> Axis:
+        s = shape(atom)
+        if len(s) == rank and s[axis] == size and size > 1:
+            return axis
+        if (len(s) == rank and s[axis] in (1, size)) or len(s) == 0:
+            return None
+        raise NoRule(f"{eqn.primitive.name}: operand shape {s} does not align with the axis")
+
+    return Mapping(ins=tuple(carries(a) for a in eqn.invars), outs=tuple(axis for _ in eqn.outvars))
+
+
+def elementwise(*names: str) -> None:
+    """Register elementwise primitives: the axis passes at the same position (size-1 and scalar
+    operands are used whole)."""
+    split_rule(*names)(_elementwise_map)
+
+
+def identity_unless(
+    names: Sequence[str], acting_axes: Callable[[JaxprEqn], Sequence[int]], what: str
+) -> None:
+    """Register primitives acting along ``acting_axes`` (scans, sorts, ...): the split axis
+    passes unchanged if it is not among them; ``what`` says what they do along it."""
+
+    def rule(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+        if axis in tuple(acting_axes(eqn)):
+            raise NoRule(f"{eqn.primitive.name} {what} along the split axis")
+        return passing(eqn, axis)
+
+    split_rule(*names)(rule)
+
+
+def batch_only(name: str, what: str) -> None:
+    """Register a one-operand matrix primitive acting on its last two axes: batch axes pass."""
+
+    def rule(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+        rank = len(shape(eqn.invars[0]))
+        if axis >= rank - 2:
+            raise NoRule(f"{eqn.primitive.name} {what} along the split axis")
+        return Mapping(ins=(axis,), outs=tuple(axis for _ in eqn.outvars))
+
+    split_rule(name)(rule)
