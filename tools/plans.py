@@ -59,7 +59,7 @@ def load(directory: Path) -> dict[Key, dict[str, Any]]:
             if not line.strip():
                 continue
             rec = json.loads(line)
-            base = (rec["node"], rec["function"], tuple(rec["avals"]), int(rec["limit"]))
+            base = (rec["node"], norm(rec["function"]), tuple(rec["avals"]), int(rec["limit"]))
             occ = counts.get(base, 0)
             counts[base] = occ + 1
             key = (*base, occ)
@@ -75,9 +75,13 @@ _LINE = re.compile(r"(\.py):\d+(?::\d+)?")
 _ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
 
 
+_TMP = re.compile(r"/tmp/pytest-of-[^/]+/pytest-\d+/")
+
+
 def norm(text: str) -> str:
-    """``text`` without source line/column numbers (``knn.py:12:9`` -> ``knn.py``) or addresses."""
-    return _ADDRESS.sub("0x?", _LINE.sub(r"\1", text))
+    """``text`` without source line/column numbers (``knn.py:12:9`` -> ``knn.py``), addresses
+    or pytest's numbered temporary directories."""
+    return _TMP.sub("/tmp/pytest/", _ADDRESS.sub("0x?", _LINE.sub(r"\1", text)))
 
 
 def format_bytes(n: float | None) -> str:
