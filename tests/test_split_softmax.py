@@ -155,8 +155,9 @@ def test_online_structure_is_detected_on_the_jaxpr(fun, online_ok):
             args.append(jnp.arange(8) * 7)
     graph, region = _region_along(fun, args, axis)
     assert region.n_stages >= 2
-    assert online.merge(graph, region) is online_ok
-    assert region.n_stages == (1 if online_ok else region.n_stages)
+    split = split_pass.strategy(graph, region)
+    assert isinstance(split, online.OnlineSplit) is online_ok
+    assert split.region.n_stages == (1 if online_ok else region.n_stages)
 
 
 # -- end to end under memsafe.jit -------------------------------------------------------------
@@ -166,7 +167,7 @@ def test_online_structure_is_detected_on_the_jaxpr(fun, online_ok):
 def test_attention_along_keys_runs_one_online_loop(fun, monkeypatch):
     """Few queries, many keys (decoding against a long cache), the chooser told to prefer the
     online split: the keys split in one online loop."""
-    monkeypatch.setattr(split_pass, "ONLINE_WEIGHT", 0.5)
+    monkeypatch.setattr(online.OnlineSplit, "cost_weight", 0.5)
     args = _attention_args()
     limit = 2_000_000
     f = memsafe.jit(fun, memory_limit=limit)
@@ -181,7 +182,7 @@ def test_attention_along_keys_runs_one_online_loop(fun, monkeypatch):
 def test_attention_gradient_with_online_forward(fun, monkeypatch):
     """jax.grad through memsafe.jit: the forward split along keys (online), the VJP program split
     by the pass on its own; gradients equal jax.jit's."""
-    monkeypatch.setattr(split_pass, "ONLINE_WEIGHT", 0.5)  # prefer the online split
+    monkeypatch.setattr(online.OnlineSplit, "cost_weight", 0.5)  # prefer the online split
     args = _attention_args(lq=64, lk=6000, heads=2, d=8, seed=1)
     limit = 4_000_000
 
@@ -201,7 +202,7 @@ def test_attention_gradient_with_online_forward(fun, monkeypatch):
 def test_logsumexp_over_a_large_vocabulary(fun, monkeypatch):
     """Along the vocabulary (the chooser told to prefer the online split): one loop; the gradient
     program splits on its own."""
-    monkeypatch.setattr(split_pass, "ONLINE_WEIGHT", 0.5)
+    monkeypatch.setattr(online.OnlineSplit, "cost_weight", 0.5)
     h, w = _data((64, 16), (16, 20_000), seed=2)
     limit = 4_000_000
     f = memsafe.jit(fun, memory_limit=limit)
@@ -253,12 +254,11 @@ def test_online_loop_emits_one_scan():
     """The emitted program of a 3-stage softmax region has one scan, the staged one three."""
     args = _attention_args(lq=8, lk=1000)
     closed = inline_calls(jax.make_jaxpr(attention)(*args))
-    _, staged = _region_along(attention, args, 2, closed)
-    graph, merged = _region_along(attention, args, 2, closed)
-    assert online.merge(graph, merged)
-    from memsafe.split.emit import emit
+    graph, region = _region_along(attention, args, 2, closed)
+    from memsafe.split.emit import StagedSplit, emit
 
-    scans = [str(emit(closed, r, 96).jaxpr).count("scan[") for r in (staged, merged)]
+    splits = (StagedSplit(region), online.plan(graph, region))
+    scans = [str(emit(closed, graph, s, 96).jaxpr).count("scan[") for s in splits]
     assert scans == [3, 1]
 
 

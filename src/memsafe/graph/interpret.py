@@ -7,7 +7,9 @@ edits jaxpr objects by hand; it says what to compute instead, and JAX builds the
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -31,16 +33,39 @@ from memsafe._jax import (
 Override = Callable[[int, JaxprEqn, list[Any]], Sequence[Any] | None]
 
 
+@dataclass(frozen=True)
+class Group:
+    """Equations evaluated together by one callable (a split region's loop).
+
+    Attributes:
+        eqns: indices of the equations it replaces (none of them is evaluated on its own).
+        needs: values it reads.
+        gives: values (or private keys) it defines, in the order ``run`` returns them.
+        position: where it runs among equations that do not depend on each other: the equation
+            index it takes the place of.
+        run: the values of ``gives`` from those of ``needs``.
+    """
+
+    eqns: frozenset[int]
+    needs: tuple[Any, ...]
+    gives: tuple[Any, ...]
+    position: int
+    run: Callable[[list[Any]], list[Any]]
+
+
 def evaluate(
     closed: ClosedJaxpr,
     args: Sequence[Any],
     override: Override | None = None,
     env: dict[Any, Any] | None = None,
+    groups: Sequence[Group] = (),
 ) -> list[Any]:
     """Evaluate ``closed`` on ``args`` (concrete or traced), applying ``override`` per equation.
 
     ``env`` may pre-bind variables (used by splitting to substitute chunk values); it is updated
-    in place so callers can read intermediate values back.
+    in place so callers can read intermediate values back. ``groups`` replace sets of equations
+    by one callable each; equations and groups then run in a dependency order that keeps program
+    order wherever dependencies allow.
     """
     jaxpr = closed.jaxpr
     env = {} if env is None else env
@@ -52,7 +77,11 @@ def evaluate(
         env.setdefault(var, val)
     for var, val in zip(jaxpr.invars, args):
         env.setdefault(var, val)
-    for index, eqn in enumerate(jaxpr.eqns):
+    for node in _order(jaxpr.eqns, groups):
+        if isinstance(node, Group):
+            env.update(zip(node.gives, node.run([env[v] for v in node.needs])))
+            continue
+        index, eqn = node, jaxpr.eqns[node]
         if all(out in env for out in eqn.outvars):
             continue  # pre-bound by the caller
         invals = [read(a) for a in eqn.invars]
@@ -62,6 +91,49 @@ def evaluate(
         for var, val in zip(eqn.outvars, outs):
             env[var] = val
     return [read(a) for a in jaxpr.outvars]
+
+
+def _order(eqns: Sequence[JaxprEqn], groups: Sequence[Group]) -> list[int | Group]:
+    """Equations (by index) and groups in a dependency order, program order first."""
+    if not groups:
+        return list(range(len(eqns)))
+    grouped = frozenset().union(*(g.eqns for g in groups))
+    nodes: list[int | Group] = [i for i in range(len(eqns)) if i not in grouped]
+    nodes += list(groups)
+
+    def needs(n: int | Group) -> list[Any]:
+        return list(n.needs) if isinstance(n, Group) else list(eqns[n].invars)
+
+    def gives(n: int | Group) -> tuple[Any, ...]:
+        return n.gives if isinstance(n, Group) else tuple(eqns[n].outvars)
+
+    def position(k: int) -> int:
+        n = nodes[k]
+        return n.position if isinstance(n, Group) else n
+
+    producer = {v: k for k, n in enumerate(nodes) for v in gives(n)}
+    deps = [{producer[v] for v in needs(n) if _hashable(v) and v in producer} for n in nodes]
+    users: list[list[int]] = [[] for _ in nodes]
+    for k, d in enumerate(deps):
+        for j in d:
+            users[j].append(k)
+    ready = [(position(k), k) for k, d in enumerate(deps) if not d]
+    heapq.heapify(ready)
+    order: list[int | Group] = []
+    while ready:
+        _, k = heapq.heappop(ready)
+        order.append(nodes[k])
+        for u in users[k]:
+            deps[u].discard(k)
+            if not deps[u]:
+                heapq.heappush(ready, (position(u), u))
+    if len(order) != len(nodes):
+        raise RuntimeError("memsafe: the grouped equations form a dependency cycle")
+    return order
+
+
+def _hashable(atom: Any) -> bool:
+    return not isinstance(atom, Literal)
 
 
 def retrace(closed: ClosedJaxpr, override: Override | None = None) -> ClosedJaxpr:

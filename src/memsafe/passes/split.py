@@ -17,7 +17,7 @@ from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
 from memsafe.split import online
-from memsafe.split.emit import emit
+from memsafe.split.emit import Split, StagedSplit, emit
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.size import ChunkPlan, choose_chunk, speed_cap
 
@@ -27,8 +27,6 @@ SHARE = 4
 SMALL = 8
 #: Most regions one run of the pass emits.
 MAX_REGIONS = 16
-#: Weight of an online-softmax loop's iterations when choosing between axes.
-ONLINE_WEIGHT = 1.25
 #: Axes whose loop counts are within this factor of the fewest count as equally cheap; among
 #: them a plain split beats an online-softmax one, then the thickest slab wins. A 67-row slab of
 #: a 10k x 1M kNN ran 1.7x slower than a 6,850-column one with nearly the same loop count (150
@@ -63,45 +61,58 @@ def candidates(graph: Graph, budget: int) -> list[Var]:
     return [vi.var for vi in out]
 
 
+def strategy(graph: Graph, region: Region) -> Split:
+    """How ``region`` runs: staged max-shifted exp-sums as one online loop where that applies,
+    else one loop per stage."""
+    try:
+        return online.plan(graph, region)
+    except online.NotOnline:
+        return StagedSplit(region)
+
+
+def _option(graph: Graph, var: Var, axis: int, budget: int) -> tuple[Split, ChunkPlan]:
+    """The split of ``var`` along ``axis`` and its chunk; raises SplitFailure."""
+    region = grow(graph, var, axis, max(1, budget // SMALL), max(1, budget // 2))
+    split = strategy(graph, region)
+    chunk = choose_chunk(graph, split, budget)
+    if chunk is None:
+        raise SplitFailure("even one element per chunk exceeds the memory budget")
+    if chunk.loops < 2:
+        raise SplitFailure("splitting along this axis saves nothing")
+    return split, chunk
+
+
 def best_split(
     graph: Graph, var: Var, budget: int
-) -> tuple[Region, ChunkPlan] | list[tuple[int, SplitFailure]]:
+) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """The cheapest way to split ``var`` (fewest loop iterations), or why each axis failed."""
-    options: list[tuple[Region, ChunkPlan]] = []
+    options: list[tuple[Split, ChunkPlan]] = []
     failures: list[tuple[int, SplitFailure]] = []
     for axis, n in enumerate(graph.info(var).shape):
         if n < 2:
             continue
         try:
-            region = grow(graph, var, axis, max(1, budget // SMALL), max(1, budget // 2))
+            options.append(_option(graph, var, axis, budget))
         except SplitFailure as failure:
             failures.append((axis, failure))
-            continue
-        online.merge(graph, region)  # staged max-shifted exp-sums -> one loop, if it applies
-        chunk = choose_chunk(graph, region, budget)
-        if chunk is None:
-            failures.append(
-                (axis, SplitFailure("even one element per chunk exceeds the memory budget"))
-            )
-            continue
-        if chunk.loops < 2:
-            failures.append((axis, SplitFailure("splitting along this axis saves nothing")))
-            continue
-        options.append((region, chunk))
     if not options:
         return failures
     fewest = min(_cost(*o) for o in options)
     close = [o for o in options if _cost(*o) <= SIMILAR_COST * fewest]
     return min(
-        close, key=lambda o: (o[0].online is not None, -o[1].chunk, _cost(*o), o[0].seed_axis)
+        close,
+        key=lambda o: (
+            not isinstance(o[0], StagedSplit),
+            -o[1].chunk,
+            _cost(*o),
+            o[0].region.seed_axis,
+        ),
     )
 
 
-def _cost(region: Region, chunk: ChunkPlan) -> float:
-    """Loop iterations, an online-softmax loop weighted by ONLINE_WEIGHT (it rescales and
-    rewrites its accumulators every chunk; on CPU it measured as fast as the split along the
-    other axis, so a plain split wins unless the online one needs clearly fewer iterations)."""
-    return chunk.iterations * (ONLINE_WEIGHT if region.online is not None else 1.0)
+def _cost(split: Split, chunk: ChunkPlan) -> float:
+    """Loop iterations, weighted by the strategy (an online loop rescales its accumulators)."""
+    return chunk.iterations * split.cost_weight
 
 
 def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
@@ -128,7 +139,7 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                 continue
             got = best_split(graph, var, budget)
             if isinstance(got, tuple):
-                chosen = (var, *got, absorbed(graph, got[0], var, budget))
+                chosen = (var, *got, absorbed(graph, got[0].region, var, budget))
                 break
             failed.add(_key(graph, var))
             info = graph.info(var)
@@ -146,15 +157,16 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                 )
         if chosen is None:
             return closed
-        var, region, chunk, merged = chosen
+        var, split, chunk, merged = chosen
+        region = split.region
         chunk = speed_cap(graph, region, chunk)
-        new = emit(closed, region, chunk.chunk)
+        new = emit(closed, graph, split, chunk.chunk)
         eqns = graph.eqns
         sinks = sorted({m.kind for m in region.sinks.values()})
         if any(graph.info(v).is_output for v in region.surviving):
             sinks.append("output")
-        if region.online is not None:
-            sinks.append("online_softmax")
+        if split.label is not None:
+            sinks.append(split.label)
         ctx.record(
             SplitRecord(
                 value=" + ".join(_describe(graph, v) for v in [var, *merged]),

@@ -17,16 +17,15 @@ memory-efficient attention): each chunk updates the running max, recomputes ``u`
 rescales every accumulator by ``exp(u_old - u_new)`` carried to the accumulator's layout.
 Multiplicative factors computed after the loop are applied to the finished accumulators.
 
-A factor is an expression tree over *bases* (a shift ``u`` or a late factor ``L`` with a power)
-and the equations that carried it to a value, evaluated on arrays that have size 1 along the
-split axis and along every axis the factor is constant on.
+A :class:`Factor` is an expression tree over *bases* (a shift ``u`` or a late factor ``L`` with a
+power) and the equations that carried it to a value, evaluated on arrays that have size 1 along
+the split axis and along every axis the factor is constant on.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -34,27 +33,135 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn
 from memsafe.graph import Graph
+from memsafe.graph.interpret import Group
 from memsafe.primitives import Scaling, facts
+from memsafe.split import loop as chunk_loop
 from memsafe.split import peephole
 from memsafe.split import sinks as sink_ops
+from memsafe.split.loop import Carry, ChunkEnv, Written
 from memsafe.split.region import Region, region_depends
-from memsafe.split.registry import Mapping
 from memsafe.split.sinks import Sink
 
-#: Factor trees: ("base", var, power, rank) | ("mul", a, b) | ("op", eqn index, (sub-factors)).
-Factor = tuple
+#: Weight of an online loop's iterations when choosing between axes: it rescales and rewrites
+#: its accumulators every chunk; on CPU it measured as fast as the split along the other axis,
+#: so a plain split wins unless the online one needs clearly fewer iterations.
+ONLINE_WEIGHT = 1.25
 
 
-def _scaling(name: str) -> Scaling | None:
-    return facts(name).scaling
+class NotOnline(Exception):
+    """The region does not have the online-softmax structure (the message says why)."""
+
+
+def _rank(atom: Any) -> int:
+    return len(getattr(atom.aval, "shape", ()))
 
 
 def _inexact(atom: Any) -> bool:
     return bool(jnp.issubdtype(atom.aval.dtype, jnp.inexact))
 
 
-class NotOnline(Exception):
-    """The region does not have the online-softmax structure (the message says why)."""
+# -- factors -------------------------------------------------------------------------------------
+
+
+class Factor:
+    """A multiplicative factor constant along the split axis, as an expression over bases."""
+
+    def value(self, graph: Graph, bases: dict[Var, Any]) -> Any | None:
+        """The factor's array from the base arrays given (a missing base counts as one; None:
+        the factor is one)."""
+        raise NotImplementedError
+
+    def bases(self) -> set[Var]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Base(Factor):
+    """A shift ``u`` (as ``exp(-u)``'s rescale) or a late factor, to ``power``, at ``rank``."""
+
+    var: Var
+    power: int
+    rank: int
+
+    def value(self, graph: Graph, bases: dict[Var, Any]) -> Any | None:
+        b = bases.get(self.var)
+        if b is None:
+            return None
+        if b.ndim != self.rank:
+            b = jnp.reshape(b, (1,) * self.rank)
+        return b if self.power == 1 else lax.integer_pow(b, self.power)
+
+    def bases(self) -> set[Var]:
+        return {self.var}
+
+
+@dataclass(frozen=True)
+class Product(Factor):
+    a: Factor
+    b: Factor
+
+    def value(self, graph: Graph, bases: dict[Var, Any]) -> Any | None:
+        a, b = self.a.value(graph, bases), self.b.value(graph, bases)
+        return b if a is None else a if b is None else a * b
+
+    def bases(self) -> set[Var]:
+        return self.a.bases() | self.b.bases()
+
+
+@dataclass(frozen=True)
+class Through(Factor):
+    """Factors of the operands of equation ``index``, carried through it (layout, sums)."""
+
+    index: int
+    operands: tuple[Factor | None, ...]
+
+    def value(self, graph: Graph, bases: dict[Var, Any]) -> Any | None:
+        vals = [None if f is None else f.value(graph, bases) for f in self.operands]
+        if all(v is None for v in vals):
+            return None
+        return _apply(graph.eqns[self.index], vals)
+
+    def bases(self) -> set[Var]:
+        return set().union(*(f.bases() for f in self.operands if f is not None))
+
+
+class Plain:
+    """A region value not touched by a shift."""
+
+
+class Shifted:
+    """``x - u``: a value shifted by a running maximum, allowed only into ``exp``."""
+
+
+class Post:
+    """An outside value computed from the region's results."""
+
+
+PLAIN, SHIFTED, POST = Plain(), Shifted(), Post()
+#: How a value relates to the online structure.
+Role = Plain | Shifted | Post | Factor
+
+
+def _through(i: int, ins: list[Role]) -> Through:
+    return Through(i, tuple(k if isinstance(k, Factor) else None for k in ins))
+
+
+def _times(scaled: Role, base: Base) -> Factor:
+    return base if isinstance(scaled, Plain) else Product(scaled, base)  # type: ignore[arg-type]
+
+
+def _is_zero(graph: Graph, atom: Any) -> bool:
+    """A literal zero or a broadcast of one (``jnp.where(mask, e, 0)``)."""
+    if isinstance(atom, Literal):
+        return bool(jnp.all(jnp.asarray(atom.val) == 0))
+    p = graph.info(atom).producer
+    if p is None:
+        return False
+    eqn = graph.eqns[p]
+    return eqn.primitive.name == "broadcast_in_dim" and _is_zero(graph, eqn.invars[0])
+
+
+# -- the analysis ------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -71,144 +178,141 @@ class OnlinePlan:
     whole: tuple[Var, ...]  # outside values the loop reads whole (region and chain)
 
 
-def _rank(atom: Any) -> int:
-    return len(getattr(atom.aval, "shape", ()))
+@dataclass
+class _Analysis:
+    """The walk over a region's equations that assigns each value its :data:`Role`."""
 
+    graph: Graph
+    region: Region
+    depends: dict[Var, set[int]]
+    role: dict[Var, Role] = field(default_factory=dict)
+    shifts: dict[Var, None] = field(default_factory=dict)
+    late: dict[Var, None] = field(default_factory=dict)
+    passthrough: dict[int, int] = field(default_factory=dict)
+    factors: dict[int, Factor] = field(default_factory=dict)
 
-def _is_zero(graph: Graph, atom: Any) -> bool:
-    """A literal zero or a broadcast of one (``jnp.where(mask, e, 0)``)."""
-    if isinstance(atom, Literal):
-        return bool(jnp.all(jnp.asarray(atom.val) == 0))
-    p = graph.info(atom).producer
-    if p is None:
-        return False
-    eqn = graph.eqns[p]
-    return eqn.primitive.name == "broadcast_in_dim" and _is_zero(graph, eqn.invars[0])
+    def of(self, atom: Any) -> Role:
+        if isinstance(atom, Literal) or atom not in self.region.produced:
+            post = isinstance(atom, Var) and not isinstance(atom, Literal)
+            return POST if post and self.depends.get(atom) else PLAIN
+        return self.role[atom]
+
+    def visit(self, i: int) -> None:
+        eqn, m = self.graph.eqns[i], self.region.maps[i]
+        name = eqn.primitive.name
+        ins = [self.of(a) for a in eqn.invars]
+        if any(k is POST and ax is not None for k, ax in zip(ins, m.ins)):
+            raise NotOnline(f"{name} reads a result of the region split along the axis")
+        if SHIFTED in ins and name != "exp":
+            raise NotOnline(f"a shifted value reaches {name}, not exp")
+        if isinstance(m, Sink):
+            self.sink(i, m, ins)
+            return
+        out = self.mapped(i, eqn, ins)
+        for o in eqn.outvars:
+            self.role[o] = out
+
+    def sink(self, i: int, m: Sink, ins: list[Role]) -> None:
+        if POST in ins:
+            raise NotOnline(f"{m.kind} reads a value computed from the region's results")
+        if any(isinstance(k, Factor) for k in ins):
+            if not m.reducer.rescalable:
+                raise NotOnline(f"a rescaled value reaches a {m.kind} sink")
+            self.factors[i] = _through(i, ins)
+
+    def mapped(self, i: int, eqn: JaxprEqn, ins: list[Role]) -> Role:
+        name = eqn.primitive.name
+        m = self.region.maps[i]
+        scaled = [k for k in ins if isinstance(k, Factor)]
+        if not scaled and POST not in ins and SHIFTED not in ins:
+            return PLAIN
+        if name == "sub" and ins == [PLAIN, POST] and m.ins[1] is None:
+            return self.shift(eqn.invars[1])
+        if name == "exp" and ins == [SHIFTED]:
+            u = self.graph.eqns[self.graph.info(eqn.invars[0]).producer].invars[1]
+            return Base(u, 1, _rank(eqn.outvars[0]))
+        if POST in ins:
+            return self.late_factor(i, eqn, ins)
+        return self.scaled(i, eqn, ins, scaled)
+
+    def shift(self, u: Var) -> Role:
+        max_sinks = {i for i, s in self.region.sinks.items() if s.reducer is sink_ops.MAX}
+        if not self.depends[u] <= max_sinks:
+            raise NotOnline("an exp is shifted by a value that is not a running max")
+        self.shifts[u] = None
+        return SHIFTED
+
+    def late_factor(self, i: int, eqn: JaxprEqn, ins: list[Role]) -> Role:
+        """A product with, or a division by, a value computed from the region's results."""
+        name, rank = eqn.primitive.name, _rank(eqn.outvars[0])
+        if name == "mul" and ins.count(POST) == 1:
+            j = ins.index(POST)
+            kept = 1 - j
+        elif name == "div" and ins[1] is POST and ins[0] is not POST:
+            if self.region.maps[i].ins[1] is not None:
+                raise NotOnline("a division by a value split along the axis")
+            j, kept = 1, 0
+        else:
+            raise NotOnline(f"{name} reads a value computed from the region's results")
+        self.late[eqn.invars[j]] = None
+        self.passthrough[i] = kept
+        return _times(ins[kept], Base(eqn.invars[j], 1 if name == "mul" else -1, rank))
+
+    def scaled(self, i: int, eqn: JaxprEqn, ins: list[Role], scaled: list[Factor]) -> Role:
+        """A value computed from rescaled values: the factor it carries."""
+        name = eqn.primitive.name
+        scaling = facts(name).scaling
+        if name == "mul":
+            return scaled[0] if len(scaled) == 1 else Product(scaled[0], scaled[1])
+        if scaling is Scaling.COMMUTES and not _inexact(eqn.outvars[0]):
+            raise NotOnline(f"a rescaled value converted to {eqn.outvars[0].aval.dtype}")
+        if (name == "div" and not isinstance(ins[1], Factor)) or scaling is Scaling.COMMUTES:
+            return ins[0]
+        if scaling is Scaling.SAME:
+            return self.same(eqn, ins)
+        if scaling is Scaling.LAYOUT or name in ("reduce_sum", "dot_general"):
+            return _through(i, ins)
+        raise NotOnline(f"a rescaled value reaches {name}")
+
+    def same(self, eqn: JaxprEqn, ins: list[Role]) -> Role:
+        """Sums and selections: every non-zero case must carry the same factor."""
+        name = eqn.primitive.name
+        cases = list(zip(eqn.invars, ins))
+        if name == "select_n":
+            if isinstance(ins[0], Factor):
+                raise NotOnline("select_n on a rescaled predicate")
+            cases = cases[1:]
+        trees = {k for a, k in cases if not _is_zero(self.graph, a) or isinstance(k, Factor)}
+        if len(trees) != 1 or not isinstance(next(iter(trees)), Factor):
+            raise NotOnline(f"{name} mixes differently scaled values")
+        return trees.pop()
 
 
 def analyse(graph: Graph, region: Region) -> OnlinePlan:
     """The online plan of a staged region; raises :class:`NotOnline`."""
-    eqns = graph.eqns
-    maps = region.maps
-    depends = region_depends(graph, maps)
-    sinks = region.sinks
-    max_sinks = {i for i, s in sinks.items() if s.reducer is sink_ops.MAX}
-    kind: dict[Var, Any] = {}  # region value -> "plain" | "shifted" | Factor
-    shifts: dict[Var, None] = {}
-    late: dict[Var, None] = {}
-    passthrough: dict[int, int] = {}
-    factors: dict[int, Factor] = {}
-
-    def post(atom: Any) -> bool:
-        return isinstance(atom, Var) and not isinstance(atom, Literal) and bool(depends.get(atom))
-
-    def of(atom: Any) -> Any:
-        if isinstance(atom, Literal) or atom not in region.produced:
-            return "post" if post(atom) else "plain"
-        return kind[atom]
-
-    for i in sorted(maps):
-        eqn, m = eqns[i], maps[i]
-        name = eqn.primitive.name
-        scaling = _scaling(name)
-        ins = [of(a) for a in eqn.invars]
-        if any(k == "post" and ax is not None for k, ax in zip(ins, m.ins)):
-            raise NotOnline(f"{name} reads a result of the region split along the axis")
-        scaled = [k for k in ins if isinstance(k, tuple)]
-        rank = _rank(eqn.outvars[0])
-        if "shifted" in ins and name != "exp":
-            raise NotOnline(f"a shifted value reaches {name}, not exp")
-        if isinstance(m, Sink):
-            if "post" in ins:
-                raise NotOnline(f"{name} reads a value computed from the region's results")
-            if scaled:
-                if not m.reducer.rescalable:
-                    raise NotOnline(f"a rescaled value reaches a {m.kind} sink")
-                factors[i] = _combine_op(i, ins)
-            continue
-        out: Any
-        if not scaled and "post" not in ins and "shifted" not in ins:
-            out = "plain"
-        elif name == "sub" and ins == ["plain", "post"] and m.ins[1] is None:
-            u = eqn.invars[1]
-            if not depends[u] <= max_sinks:
-                raise NotOnline("an exp is shifted by a value that is not a running max")
-            shifts[u] = None
-            out = "shifted"
-        elif name == "exp" and ins == ["shifted"]:
-            u = eqns[graph.info(eqn.invars[0]).producer].invars[1]
-            out = ("base", u, 1, rank)
-        elif name == "mul" and "post" in ins:
-            if ins.count("post") != 1:
-                raise NotOnline("a product of two values computed from the region's results")
-            j = ins.index("post")
-            other = 1 - j
-            late[eqn.invars[j]] = None
-            passthrough[i] = other
-            base = ("base", eqn.invars[j], 1, rank)
-            out = base if ins[other] == "plain" else ("mul", ins[other], base)
-        elif name == "div" and ins[1] == "post" and ins[0] != "post" and m.ins[1] is None:
-            late[eqn.invars[1]] = None
-            passthrough[i] = 0
-            base = ("base", eqn.invars[1], -1, rank)
-            out = base if ins[0] == "plain" else ("mul", ins[0], base)
-        elif "post" in ins:
-            raise NotOnline(f"{name} reads a value computed from the region's results")
-        elif name == "mul":
-            out = scaled[0] if len(scaled) == 1 else ("mul", scaled[0], scaled[1])
-        elif scaling is Scaling.COMMUTES and not _inexact(eqn.outvars[0]):
-            raise NotOnline(f"a rescaled value converted to {eqn.outvars[0].aval.dtype}")
-        elif (name == "div" and not isinstance(ins[1], tuple)) or scaling is Scaling.COMMUTES:
-            out = ins[0]
-        elif scaling is Scaling.SAME:
-            cases = list(zip(eqn.invars, ins))[1:] if name == "select_n" else zip(eqn.invars, ins)
-            if name == "select_n" and isinstance(ins[0], tuple):
-                raise NotOnline("select_n on a rescaled predicate")
-            trees = {k for a, k in cases if not _is_zero(graph, a) or isinstance(k, tuple)}
-            if len(trees) != 1 or not isinstance(next(iter(trees)), tuple):
-                raise NotOnline(f"{name} mixes differently scaled values")
-            out = trees.pop()
-        elif scaling is Scaling.LAYOUT or name in ("reduce_sum", "dot_general"):
-            out = _combine_op(i, ins)
-        else:
-            raise NotOnline(f"a rescaled value reaches {name}")
-        for o in eqn.outvars:
-            kind[o] = out
-
-    if not shifts:
+    depends = region_depends(graph, region.maps)
+    walk = _Analysis(graph, region, depends)
+    for i in sorted(region.maps):
+        walk.visit(i)
+    if not walk.shifts:
         raise NotOnline("no exp shifted by a running max")
-    for v in region.surviving:
-        if kind.get(v) != "plain":
-            raise NotOnline("a rescaled value is needed outside the region")
-    sources = sorted(set().union(*(depends[u] for u in shifts)))
-    for i in sources:
-        if of(eqns[i].invars[0]) != "plain":
-            raise NotOnline("a running max of a rescaled value")
-    chain = _chain(graph, maps, depends, list(shifts))
-    deferred = tuple(i for i, f in factors.items() if _has_late(f, late))
-    for v in late:
-        if depends[v] & set(deferred):
-            raise NotOnline("a late factor needs another late-scaled result")
+    if any(walk.role.get(v) is not PLAIN for v in region.surviving):
+        raise NotOnline("a rescaled value is needed outside the region")
+    sources = sorted(set().union(*(depends[u] for u in walk.shifts)))
+    if any(walk.of(graph.eqns[i].invars[0]) is not PLAIN for i in sources):
+        raise NotOnline("a running max of a rescaled value")
+    chain = _chain(graph, region.maps, depends, list(walk.shifts))
+    late = set(walk.late)
+    deferred = tuple(i for i, f in walk.factors.items() if f.bases() & late)
+    if any(depends[v] & set(deferred) for v in walk.late):
+        raise NotOnline("a late factor needs another late-scaled result")
     whole = _whole_inputs(graph, region, chain, depends)
     plan = OnlinePlan(
-        tuple(sources), chain, tuple(shifts), passthrough, tuple(late), factors, deferred, whole
-    )
+        tuple(sources), chain, tuple(walk.shifts), walk.passthrough, tuple(walk.late),
+        walk.factors, deferred, whole,
+    )  # fmt: skip
     _check_shapes(graph, plan)
     return plan
-
-
-def _combine_op(i: int, ins: list[Any]) -> Factor:
-    return ("op", i, tuple(k if isinstance(k, tuple) else None for k in ins))
-
-
-def _has_late(f: Factor | None, late: dict[Var, None]) -> bool:
-    if f is None:
-        return False
-    if f[0] == "base":
-        return f[1] in late
-    if f[0] == "mul":
-        return _has_late(f[1], late) or _has_late(f[2], late)
-    return any(_has_late(s, late) for s in f[2])
 
 
 def _chain(graph: Graph, maps: dict, depends: dict[Var, set[int]], shifts: list[Var]) -> tuple:
@@ -251,29 +355,6 @@ def _whole_inputs(graph: Graph, region: Region, chain: tuple, depends: dict) -> 
 
 
 # -- evaluating factors ------------------------------------------------------------------------
-
-
-def evaluate(graph: Graph, f: Factor | None, bases: dict[Var, Any]) -> Any | None:
-    """The factor's array from the base arrays given (a missing base counts as one; None: one)."""
-    if f is None:
-        return None
-    tag = f[0]
-    if tag == "base":
-        _, var, power, rank = f
-        b = bases.get(var)
-        if b is None:
-            return None
-        if b.ndim != rank:
-            b = jnp.reshape(b, (1,) * rank)
-        return b if power == 1 else lax.integer_pow(b, power)
-    if tag == "mul":
-        a, b = evaluate(graph, f[1], bases), evaluate(graph, f[2], bases)
-        return b if a is None else a if b is None else a * b
-    _, i, subs = f
-    vals = [evaluate(graph, s, bases) for s in subs]
-    if all(v is None for v in vals):
-        return None
-    return _apply(graph.eqns[i], vals)
 
 
 def _apply(eqn: JaxprEqn, vals: list[Any]) -> Any:
@@ -328,7 +409,7 @@ def _check_shapes(graph: Graph, plan: OnlinePlan) -> None:
 
     def run(vals: list) -> list:
         b = dict(zip(names, vals))
-        return [evaluate(graph, f, b) for f in plan.factors.values()]
+        return [f.value(graph, b) for f in plan.factors.values()]
 
     try:
         jax.eval_shape(run, structs)
@@ -338,19 +419,7 @@ def _check_shapes(graph: Graph, plan: OnlinePlan) -> None:
         raise NotOnline(f"factor shapes do not line up: {err}") from err
 
 
-def merge(graph: Graph, region: Region) -> bool:
-    """Turn a staged region into one online loop when it has the structure; True if it did."""
-    if region.n_stages < 2:
-        return False
-    try:
-        region.online = analyse(graph, region)
-    except NotOnline:
-        return False
-    region.stage = dict.fromkeys(region.maps, 0)
-    return True
-
-
-# -- running the loop -------------------------------------------------------------------------
+# -- running the loop ----------------------------------------------------------------------------
 
 
 def raw_key(i: int) -> tuple[str, int]:
@@ -358,164 +427,177 @@ def raw_key(i: int) -> tuple[str, int]:
     return ("online-raw", i)
 
 
-def loop_io(graph: Graph, region: Region) -> tuple[list, list, list, list]:
-    """(loop inputs, loop outputs, finish inputs, finish outputs) of an online region."""
-    plan: OnlinePlan = region.online
-    eqns = graph.eqns
-    ins = [*region.sliced, *plan.whole]
-    outs: list[Any] = []
-    for i in sorted(region.sinks):
-        outs.extend([raw_key(i)] if i in plan.deferred else eqns[i].outvars)
-    outs.extend(v for v in region.surviving)
-    fin_in = [raw_key(i) for i in plan.deferred] + list(plan.late)
-    fin_out = [o for i in plan.deferred for o in eqns[i].outvars]
-    return ins, outs, fin_in, fin_out
+@dataclass(frozen=True)
+class Rescale(Carry):
+    """Running maxima (the body folds them) and accumulators rescaled to each new shift.
 
+    The state is (running max partials, shifts, other sinks' partials)."""
 
-def finish(graph: Graph, region: Region, env: dict[Any, Any]) -> list[Any]:
-    """Deferred sinks' results: their accumulators times their late factors."""
-    plan: OnlinePlan = region.online
-    bases = {v: env[v] for v in plan.late}
-    out = []
-    for i in plan.deferred:
-        acc = env[raw_key(i)]
-        f = evaluate(graph, plan.factors[i], bases)
-        out.append(acc if f is None else acc * f.astype(acc.dtype))
-    return out
+    graph: Graph
+    region: Region
+    plan: OnlinePlan
+    others: tuple[int, ...]
 
+    def feed(self, state: tuple) -> Any:
+        return state[0]
 
-def run_loop(graph: Graph, region: Region, chunk: int, env: dict[Any, Any]) -> list[Any]:
-    """All chunks of an online region; values in the order of ``loop_io``'s loop outputs."""
-    plan: OnlinePlan = region.online
-    eqns = graph.eqns
-    axis_of = region.axis_of
-    sliced = list(region.sliced)
-    sliced_vals = [env[v] for v in sliced]
-    whole_vals = [env[v] for v in plan.whole]
-    chain = set(plan.chain)
-    order = sorted(set(region.maps) | chain)
-    sources = list(plan.sources)
-    others = [i for i in sorted(region.sinks) if i not in plan.sources]
-    surviving = list(region.surviving)
-    region_eqns = [i for i in order if i in region.maps and i not in plan.passthrough]
-    peep = peephole.plan(graph, region, region_eqns, chunk)
-
-    def body(start: Any, n: int, sl: list, wh: list, old: list | None) -> tuple:
-        local: dict[Any, Any] = {}
-        outer = dict(zip(plan.whole, wh))
-        for v, val in zip(sliced, sl):
-            local[v] = lax.dynamic_slice_in_dim(val, start, n, axis_of[v])
-
-        full: dict[Any, Any] = {}  # whole-shape values of the shift chains
-
-        def read(atom: Any, ax: Any) -> Any:
-            if isinstance(atom, Literal):
-                return atom.val
-            if ax is not None:
-                return local[atom]
-            return full[atom] if atom in full else outer[atom]
-
-        def read_full(atom: Any) -> Any:
-            if isinstance(atom, Literal):
-                return atom.val
-            return full[atom] if atom in full else outer[atom]
-
-        running: dict[int, Any] = {}
-        partials: dict[int, Any] = {}
-        for i in order:
-            eqn = eqns[i]
-            if i in peep.skip and i not in chain:
-                continue
-            if i in chain:
-                full.update(zip(eqn.outvars, bind_eqn(eqn, [read_full(a) for a in eqn.invars])))
-                if i not in region.maps:
-                    continue
-            m = region.maps[i]
-            if i in plan.passthrough:
-                pos = plan.passthrough[i]
-                val = read(eqn.invars[pos], m.ins[pos])
-                shape = list(eqn.outvars[0].aval.shape)
-                shape[m.outs[0]] = n
-                local[eqn.outvars[0]] = jnp.broadcast_to(val, shape).astype(
-                    eqn.outvars[0].aval.dtype
-                )
-                continue
-            moved = peep.norm.get(i, {})
-            invals = [
-                None if k in moved else read(a, ax)
-                for k, (a, ax) in enumerate(zip(eqn.invars, m.ins))
-            ]
-            if isinstance(m, Sink):
-                part = m.reducer.partial(eqn, invals, m.axis, start, n)
-                if i in plan.sources:
-                    k = sources.index(i)
-                    part = part if old is None else m.reducer.fold(eqn, old[k], part)
-                    running[i] = part
-                    full.update(zip(eqn.outvars, m.reducer.finish(part)))
-                else:
-                    partials[i] = part
-                continue
-            assert isinstance(m, Mapping)
-            outs = peephole.bind_mapped(peep, i, eqn, invals, m, read, local, eqns, start, n)
-            local.update(zip(eqn.outvars, outs))
-        return (
-            [running[i] for i in sources],
-            [full[u] for u in plan.shifts],
-            [partials[i] for i in others],
-            [local[v] for v in surviving],
-        )
-
-    def chunk_fn(n: int) -> Callable[..., tuple]:
-        return jax.checkpoint(lambda start, sl, wh, old: body(start, n, sl, wh, old))
-
-    def first_fn(n: int) -> Callable[..., tuple]:
-        return jax.checkpoint(lambda start, sl, wh: body(start, n, sl, wh, None))
-
-    def fold(accs: list, parts: list, u_old: list, u_new: list) -> list:
-        r = {
+    def fold(self, state: tuple, parts: tuple) -> tuple:
+        _, u_old, accs = state
+        maxes, u_new, new = parts
+        ratio = {
             u: jnp.where(a == b, jnp.ones_like(a), jnp.exp(a - b))
-            for u, a, b in zip(plan.shifts, u_old, u_new)
+            for u, a, b in zip(self.plan.shifts, u_old, u_new)
         }
         out = []
-        for i, acc, part in zip(others, accs, parts):
-            s = region.maps[i]
-            if i in plan.factors:
-                scale = evaluate(graph, plan.factors[i], r)
-                if scale is not None:
-                    scale = scale.astype(acc[0].dtype)
-                    acc = tuple(jnp.where(scale == 0, jnp.zeros_like(a), a * scale) for a in acc)
-            out.append(s.reducer.fold(eqns[i], acc, part))
+        for i, acc, part in zip(self.others, accs, new):
+            factor = self.plan.factors.get(i)
+            scale = None if factor is None else factor.value(self.graph, ratio)
+            if scale is not None:
+                scale = scale.astype(acc[0].dtype)
+                acc = tuple(jnp.where(scale == 0, jnp.zeros_like(a), a * scale) for a in acc)
+            out.append(self.region.maps[i].reducer.fold(self.graph.eqns[i], acc, part))
+        return maxes, u_new, out
+
+    def results(self, state: tuple) -> list[Any]:
+        finals = dict(zip(self.plan.sources, state[0])) | dict(zip(self.others, state[2]))
+        out: list[Any] = []
+        for i in sorted(self.region.sinks):
+            got = self.region.maps[i].reducer.finish(finals[i])
+            out.extend([got[0]] if i in self.plan.deferred else got)
         return out
 
-    def write(bufs: list, vals: list, start: Any) -> list:
-        return [
-            lax.dynamic_update_slice_in_dim(b, v, start, axis_of[var])
-            for b, v, var in zip(bufs, vals, surviving)
-        ]
 
-    size = region.size
-    n_full, rem = divmod(size, chunk)
-    maxes, us, accs, first = first_fn(chunk)(jnp.int32(0), sliced_vals, whole_vals)
-    bufs = write([jnp.zeros(v.aval.shape, v.aval.dtype) for v in surviving], first, jnp.int32(0))
-    full_fn = chunk_fn(chunk)
+@dataclass(frozen=True)
+class OnlineSplit:
+    """A staged region whose stages merge into one loop with running rescaling."""
 
-    def step(carry: tuple, i: Any) -> tuple[tuple, None]:
-        maxes, us, accs, bufs, start = carry[0], carry[1], carry[2], carry[3], i * chunk
-        new_max, new_us, parts, vals = full_fn(start, sliced_vals, whole_vals, maxes)
-        accs = fold(accs, parts, us, new_us)
-        return (new_max, new_us, accs, write(bufs, vals, start)), None
+    region: Region
+    plan: OnlinePlan
+    cost_weight: ClassVar[float] = ONLINE_WEIGHT
+    label: ClassVar[str | None] = "online_softmax"
 
-    if n_full > 1:
-        init = (maxes, us, accs, bufs)
-        (maxes, us, accs, bufs), _ = lax.scan(step, init, jnp.arange(1, n_full, dtype=jnp.int32))
-    if rem:
-        start = jnp.int32(n_full * chunk)
-        new_max, new_us, parts, vals = chunk_fn(rem)(start, sliced_vals, whole_vals, maxes)
-        accs = fold(accs, parts, us, new_us)
-        maxes, bufs = new_max, write(bufs, vals, start)
-    results: list[Any] = []
-    finals = dict(zip(sources, maxes)) | dict(zip(others, accs))
-    for i in sorted(region.sinks):
-        got = region.maps[i].reducer.finish(finals[i])
-        results.extend([got[0]] if i in plan.deferred else got)
-    return results + list(bufs)
+    def fixed_bytes(self, graph: Graph) -> int:
+        """Running shifts: old, new and the rescale factor."""
+        return 3 * sum(graph.info(u).bytes for u in self.plan.shifts)
+
+    def groups(self, graph: Graph, chunk: int) -> list[Group]:
+        """The loop over every chunk, and the late factors applied after it."""
+        return [self._loop(graph, chunk), self._finish(graph)]
+
+    def _loop(self, graph: Graph, chunk: int) -> Group:
+        region, plan = self.region, self.plan
+        sliced = tuple(region.sliced)
+        order = sorted(set(region.maps) | set(plan.chain))
+        others = tuple(i for i in sorted(region.sinks) if i not in plan.sources)
+        carry = Rescale(graph, region, plan, others)
+        mapped = [i for i in order if i in region.maps and i not in plan.passthrough]
+        peep = peephole.plan(graph, region, mapped, chunk)
+        body = _OnlineBody(graph, region, plan, sliced, order, others, peep)
+        written = Written(
+            tuple(region.surviving), tuple(region.axis_of[v] for v in region.surviving)
+        )
+        gives: list[Any] = []
+        for i in sorted(region.sinks):
+            gives.extend([raw_key(i)] if i in plan.deferred else graph.eqns[i].outvars)
+
+        def run_loop(operands: list[Any]) -> list[Any]:
+            results, bufs = chunk_loop.run(body, region.size, chunk, operands, carry, written)
+            return results + bufs
+
+        return Group(
+            eqns=frozenset(region.maps),
+            needs=(*sliced, *plan.whole),
+            gives=(*gives, *region.surviving),
+            position=min(region.maps),
+            run=run_loop,
+        )
+
+    def _finish(self, graph: Graph) -> Group:
+        """Deferred sinks' results: their accumulators times their late factors."""
+        plan = self.plan
+
+        def run_finish(vals: list[Any]) -> list[Any]:
+            accs, late = vals[: len(plan.deferred)], vals[len(plan.deferred) :]
+            bases = dict(zip(plan.late, late))
+            out = []
+            for i, acc in zip(plan.deferred, accs):
+                f = plan.factors[i].value(graph, bases)
+                out.append(acc if f is None else acc * f.astype(acc.dtype))
+            return out
+
+        return Group(
+            eqns=frozenset(),
+            needs=(*(raw_key(i) for i in plan.deferred), *plan.late),
+            gives=tuple(o for i in plan.deferred for o in graph.eqns[i].outvars),
+            position=max(self.region.maps),
+            run=run_finish,
+        )
+
+
+@dataclass(frozen=True)
+class _OnlineBody:
+    """One chunk of an online region: shift chains at full shape, running maxima folded."""
+
+    graph: Graph
+    region: Region
+    plan: OnlinePlan
+    sliced: tuple[Var, ...]
+    order: list[int]
+    others: tuple[int, ...]
+    peep: peephole.Peepholes
+
+    def __call__(self, start: Any, n: int, ops: list[Any], old: list | None) -> tuple:
+        region, plan, eqns = self.region, self.plan, self.graph.eqns
+        k = len(self.sliced)
+        peep = self.peep
+        whole = dict(zip(plan.whole, ops[k:]))
+        env = ChunkEnv.slice_in(
+            self.graph, region, peep, start, n, list(zip(self.sliced, ops[:k])), whole
+        )
+        running: dict[int, Any] = {}
+        partials: dict[int, Any] = {}
+        for i in self.order:
+            if i in plan.chain:
+                outs = bind_eqn(eqns[i], [env.read(a, None) for a in eqns[i].invars])
+                env.whole.update(zip(eqns[i].outvars, outs))
+                if i not in region.maps:
+                    continue
+            if i in peep.skip:
+                continue
+            m = region.maps[i]
+            if i in plan.passthrough:
+                self._pass_through(env, i, n)
+            elif not isinstance(m, Sink):
+                env.bind(i)
+            elif i in plan.sources:
+                part = env.partial(i)
+                if old is not None:
+                    part = m.reducer.fold(eqns[i], old[plan.sources.index(i)], part)
+                running[i] = part
+                env.whole.update(zip(eqns[i].outvars, m.reducer.finish(part)))
+            else:
+                partials[i] = env.partial(i)
+        parts = (
+            [running[i] for i in plan.sources],
+            [env.whole[u] for u in plan.shifts],
+            [partials[i] for i in self.others],
+        )
+        return parts, [env.local[v] for v in region.surviving]
+
+    def _pass_through(self, env: ChunkEnv, i: int, n: int) -> None:
+        """A product with (or division by) a late factor: the kept operand, broadcast."""
+        eqn, m = self.graph.eqns[i], self.region.maps[i]
+        pos = self.plan.passthrough[i]
+        val = env.read(eqn.invars[pos], m.ins[pos])
+        out = eqn.outvars[0]
+        shape = list(out.aval.shape)
+        shape[m.outs[0]] = n
+        env.local[out] = jnp.broadcast_to(val, shape).astype(out.aval.dtype)
+
+
+def plan(graph: Graph, region: Region) -> OnlineSplit:
+    """The region as one online loop; raises :class:`NotOnline` where it does not apply."""
+    if region.n_stages < 2:
+        raise NotOnline("the region runs in one stage already")
+    online = analyse(graph, region)
+    return OnlineSplit(region.one_stage(), online)

@@ -14,6 +14,7 @@ shared work the same way).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,21 +48,24 @@ class SplitFailure(Exception):
         return f"{self.operation}: {self.reason}"
 
 
-@dataclass
+@dataclass(frozen=True)
 class Region:
-    """Equations that run chunk by chunk along a split dimension of length ``size``."""
+    """Equations that run chunk by chunk along a split dimension of length ``size``.
+
+    Built once by :func:`grow` and never changed: planning returns new objects
+    (:meth:`one_stage`, the split strategies of memsafe.split.emit and memsafe.split.online).
+    """
 
     seed: Var
     seed_axis: int
     size: int
     maps: dict[int, Mapping | Sink]  # region equation index -> how the axis maps through it
     axis_of: dict[Var, int]  # split axis of every region value and sliced leaf
-    produced: set[Var]  # values computed inside the region
-    sliced: set[Var]  # outside values sliced per chunk
-    whole: set[Var]  # outside values used whole
-    surviving: list[Var]  # region values needed outside: written chunk by chunk into full buffers
-    stage: dict[int, int] = field(default_factory=dict)
-    online: Any = None  # memsafe.split.online.OnlinePlan when the stages merge into one loop
+    produced: frozenset[Var]  # values computed inside the region
+    sliced: frozenset[Var]  # outside values sliced per chunk
+    whole: frozenset[Var]  # outside values used whole
+    surviving: tuple[Var, ...]  # region values needed outside: written chunk by chunk
+    stage: dict[int, int]  # region equation index -> the loop (stage) that evaluates it
 
     @property
     def eqns(self) -> list[int]:
@@ -74,6 +78,10 @@ class Region:
     @property
     def n_stages(self) -> int:
         return 1 + max(self.stage.values(), default=0)
+
+    def one_stage(self) -> Region:
+        """The same region evaluated by a single loop."""
+        return dataclasses.replace(self, stage=dict.fromkeys(self.maps, 0))
 
     def stage_eqns(self, graph: Graph, k: int) -> list[int]:
         """Equations loop ``k`` evaluates: its sinks and surviving outputs, and their ancestors."""
@@ -99,23 +107,106 @@ class Region:
                         stack.append(p)
         return sorted(need)
 
-    def stage_outputs(self, graph: Graph, k: int) -> list[Var]:
-        """Values loop ``k`` hands to the rest of the program."""
-        eqns = graph.eqns
-        surviving = set(self.surviving)
-        outs: list[Var] = []
-        for i in sorted(self.maps):
-            if self.stage[i] != k:
-                continue
-            if isinstance(self.maps[i], Sink):
-                outs.extend(eqns[i].outvars)
-            else:
-                outs.extend(o for o in eqns[i].outvars if o in surviving)
-        return outs
-
 
 def _is_var(atom: Any) -> bool:
     return isinstance(atom, Var) and not isinstance(atom, Literal)
+
+
+@dataclass
+class _Growth:
+    """The state of :func:`grow` while the axis propagates (one region's worth of dicts)."""
+
+    graph: Graph
+    size: int
+    small: int
+    maps: dict[int, Mapping | Sink] = field(default_factory=dict)
+    axis_of: dict[Var, int] = field(default_factory=dict)
+    whole_uses: list[tuple[Var, int]] = field(default_factory=list)
+    queue: deque[Var] = field(default_factory=deque)
+    stopped_back: dict[Var, SplitFailure] = field(default_factory=dict)
+    stopped_fwd: dict[Var, SplitFailure] = field(default_factory=dict)
+
+    def assign(self, atom: Any, ax: int | None, user: int) -> None:
+        """``atom`` carries the axis at ``ax`` (None: ``user`` reads it whole)."""
+        eqn = self.graph.eqns[user]
+        if not _is_var(atom):
+            if ax is not None:
+                raise SplitFailure("a literal cannot carry the split axis", eqn)
+            return
+        if ax is None:
+            self.whole_uses.append((atom, user))
+            return
+        prev = self.axis_of.get(atom)
+        if prev is None:
+            if self.graph.info(atom).shape[ax] != self.size:
+                raise SplitFailure("axis sizes do not match", eqn)
+            self.axis_of[atom] = ax
+            self.queue.append(atom)
+        elif prev != ax:
+            raise SplitFailure(f"a value is needed split along axes {prev} and {ax} at once", eqn)
+
+    def add(self, index: int, m: Mapping | Sink) -> None:
+        """Equation ``index`` joins the region, mapping the axis as ``m`` says."""
+        eqn = self.graph.eqns[index]
+        if index in self.maps:
+            if self.maps[index] != m:
+                raise SplitFailure("the axis reaches this operation in two ways", eqn)
+            return
+        self.maps[index] = m
+        for atom, ax in zip(eqn.invars, m.ins):
+            self.assign(atom, ax, index)
+        if isinstance(m, Mapping):
+            for atom, ax in zip(eqn.outvars, m.outs):
+                if ax is None:
+                    raise SplitFailure("a result loses the split axis", eqn)
+                self.assign(atom, ax, index)
+
+    def propagate(self) -> None:
+        """Carry the axis to producers (cheap or large ones) and consumers until it stops."""
+        eqns = self.graph.eqns
+        while self.queue:
+            var = self.queue.popleft()
+            ax = self.axis_of[var]
+            info = self.graph.info(var)
+            p = info.producer
+            if p is not None and p not in self.maps and self._pulls(p, info.bytes):
+                side = ("out", list(eqns[p].outvars).index(var))
+                self._try(p, side, ax, self.stopped_back, var)
+            for c in info.consumers:
+                if c not in self.maps:
+                    pos = next(k for k, a in enumerate(eqns[c].invars) if a is var)
+                    self._try(c, ("in", pos), ax, self.stopped_fwd, var)
+
+    def _pulls(self, producer: int, nbytes: int) -> bool:
+        """Whether the producer of a region value joins: cheap to recompute, or its result is
+        too large to keep whole."""
+        return self.graph.eqns[producer].primitive.name in CHEAP or nbytes > self.small
+
+    def _try(self, i: int, side: tuple[str, int], ax: int, stopped: dict, var: Var) -> None:
+        eqn = self.graph.eqns[i]
+        try:
+            self.add(i, axis_map(eqn, side, ax))
+        except NoRule as err:
+            stopped[var] = SplitFailure(str(err), eqn)
+
+    def mapped_results(self) -> set[Var]:
+        eqns = self.graph.eqns
+        return {o for i, m in self.maps.items() if isinstance(m, Mapping) for o in eqns[i].outvars}
+
+    def hand_back(self, large: int) -> set[Var]:
+        """Region values needed whole are computed before the loop where they are small."""
+        produced = self.mapped_results()
+        for var, user in self.whole_uses:
+            if var in produced:
+                handed = _hand_back(self.graph, self.maps, var, large)
+                if handed is None:
+                    raise SplitFailure(
+                        "a value computed per chunk is needed whole", self.graph.eqns[user]
+                    )
+                for p in handed:  # computed once before the loop, sliced where read per chunk
+                    del self.maps[p]
+                produced = self.mapped_results()
+        return produced
 
 
 def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
@@ -126,126 +217,68 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
     Every consumer of a sliced input joins the region when the axis can pass through it, so
     values that read the same input along the same axis share one loop.
     """
-    eqns = graph.eqns
-    size = graph.info(seed).shape[axis]
-    maps: dict[int, Mapping | Sink] = {}
-    axis_of: dict[Var, int] = {}
-    whole_uses: list[tuple[Var, int]] = []
-    queue: deque[Var] = deque()
-    stopped_back: dict[Var, SplitFailure] = {}
-    stopped_fwd: dict[Var, SplitFailure] = {}
+    g = _Growth(graph, graph.info(seed).shape[axis], small)
+    g.assign(seed, axis, graph.info(seed).producer or 0)
+    g.propagate()
+    produced = g.hand_back(large)
+    sliced = {v for v in g.axis_of if v not in produced}
+    whole = {v for v, _ in g.whole_uses}
+    _check_inputs(g, sliced, whole, large)
+    surviving = _surviving(g, produced, large)
+    _check_saves(g, seed, produced, surviving)
+    stage = _assign_stages(graph, g.maps, frozenset(produced))
+    return Region(
+        seed, axis, g.size, g.maps, g.axis_of, frozenset(produced), frozenset(sliced),
+        frozenset(whole), tuple(surviving), stage,
+    )  # fmt: skip
 
-    def assign(atom: Any, ax: int | None, user: int) -> None:
-        if not _is_var(atom):
-            if ax is not None:
-                raise SplitFailure("a literal cannot carry the split axis", eqns[user])
-            return
-        if ax is None:
-            whole_uses.append((atom, user))
-            return
-        prev = axis_of.get(atom)
-        if prev is None:
-            if graph.info(atom).shape[ax] != size:
-                raise SplitFailure("axis sizes do not match", eqns[user])
-            axis_of[atom] = ax
-            queue.append(atom)
-        elif prev != ax:
-            raise SplitFailure(
-                f"a value is needed split along axes {prev} and {ax} at once", eqns[user]
-            )
 
-    def add(index: int, m: Mapping | Sink) -> None:
-        if index in maps:
-            if maps[index] != m:
-                raise SplitFailure("the axis reaches this operation in two ways", eqns[index])
-            return
-        maps[index] = m
-        eqn = eqns[index]
-        for atom, ax in zip(eqn.invars, m.ins):
-            assign(atom, ax, index)
-        if isinstance(m, Mapping):
-            for atom, ax in zip(eqn.outvars, m.outs):
-                if ax is None:
-                    raise SplitFailure("a result loses the split axis", eqn)
-                assign(atom, ax, index)
-
-    assign(seed, axis, graph.info(seed).producer or 0)
-    while queue:
-        var = queue.popleft()
-        ax = axis_of[var]
-        info = graph.info(var)
-        p = info.producer
-        if p is not None and p not in maps:
-            eqn = eqns[p]
-            if eqn.primitive.name in CHEAP or info.bytes > small:
-                try:
-                    add(p, axis_map(eqn, ("out", list(eqn.outvars).index(var)), ax))
-                except NoRule as err:
-                    stopped_back[var] = SplitFailure(str(err), eqn)
-        for c in info.consumers:
-            if c in maps:
-                continue
-            eqn = eqns[c]
-            pos = next(k for k, a in enumerate(eqn.invars) if a is var)
-            try:
-                add(c, axis_map(eqn, ("in", pos), ax))
-            except NoRule as err:
-                stopped_fwd[var] = SplitFailure(str(err), eqn)
-
-    def mapped_results() -> set[Var]:
-        return {o for i in maps if isinstance(maps[i], Mapping) for o in eqns[i].outvars}
-
-    produced = mapped_results()
-    for var, user in whole_uses:
-        if var in produced:
-            handed = _hand_back(graph, maps, var, large)
-            if handed is None:
-                raise SplitFailure("a value computed per chunk is needed whole", eqns[user])
-            for p in handed:  # computed once before the loop, sliced where read per chunk
-                del maps[p]
-            produced = mapped_results()
-    sliced = {v for v in axis_of if v not in produced}
-    whole = {v for v, _ in whole_uses}
+def _check_inputs(g: _Growth, sliced: set[Var], whole: set[Var], large: int) -> None:
+    """Values computed outside and read by the region must be small."""
+    eqns = g.graph.eqns
     for var in sliced:
-        info = graph.info(var)
+        info = g.graph.info(var)
         if info.producer is not None and info.bytes > large:
-            why = stopped_back.get(var) or SplitFailure(
+            raise g.stopped_back.get(var) or SplitFailure(
                 "a large value outside the region would be read in full", eqns[info.producer]
             )
-            raise why
     for var in whole:
-        info = graph.info(var)
+        info = g.graph.info(var)
         if info.producer is not None and info.bytes > large:
             raise SplitFailure(
                 f"needs a large value whole ({info.bytes} bytes)", eqns[info.producer]
             )
-    surviving: list[Var] = []
-    for var in sorted(produced, key=lambda v: graph.info(v).producer or 0):
-        info = graph.info(var)
-        outside = [c for c in info.consumers if c not in maps]
+
+
+def _surviving(g: _Growth, produced: set[Var], large: int) -> list[Var]:
+    """Region values needed outside it (written chunk by chunk); large ones only as outputs."""
+    out: list[Var] = []
+    for var in sorted(produced, key=lambda v: g.graph.info(v).producer or 0):
+        info = g.graph.info(var)
+        outside = [c for c in info.consumers if c not in g.maps]
         if not outside and not info.is_output:
             continue
         if info.bytes > large and not info.is_output:
-            raise stopped_fwd.get(var) or SplitFailure(
-                "a large result is needed outside the region", eqns[outside[0]]
+            raise g.stopped_fwd.get(var) or SplitFailure(
+                "a large result is needed outside the region", g.graph.eqns[outside[0]]
             )
-        surviving.append(var)
-    for v in [seed]:
-        if v not in produced:
-            raise stopped_back.get(v) or SplitFailure(
-                "its producer cannot run in chunks", eqns[graph.info(v).producer or 0]
-            )
-    written = sum(graph.info(v).bytes for v in surviving if not graph.info(v).is_output)
-    for v in [seed]:
-        if v in surviving or written >= graph.info(v).bytes:
-            info = graph.info(v)
-            users = [c for c in info.consumers if c not in maps] or [info.producer or 0]
-            raise stopped_fwd.get(v) or SplitFailure(
-                "the value is needed whole, splitting saves nothing", eqns[users[0]]
-            )
-    region = Region(seed, axis, size, maps, axis_of, produced, sliced, whole, surviving)
-    _assign_stages(graph, region)
-    return region
+        out.append(var)
+    return out
+
+
+def _check_saves(g: _Growth, seed: Var, produced: set[Var], surviving: list[Var]) -> None:
+    """The seed must be computed in chunks, and splitting must save memory."""
+    eqns, info = g.graph.eqns, g.graph.info(seed)
+    if seed not in produced:
+        raise g.stopped_back.get(seed) or SplitFailure(
+            "its producer cannot run in chunks", eqns[info.producer or 0]
+        )
+    written = sum(g.graph.info(v).bytes for v in surviving if not g.graph.info(v).is_output)
+    if seed in surviving or written >= info.bytes:
+        users = [c for c in info.consumers if c not in g.maps] or [info.producer or 0]
+        raise g.stopped_fwd.get(seed) or SplitFailure(
+            "the value is needed whole, splitting saves nothing", eqns[users[0]]
+        )
 
 
 def _hand_back(
@@ -287,10 +320,11 @@ def region_depends(graph: Graph, maps: dict[int, Any]) -> dict[Var, set[int]]:
     return depends
 
 
-def _assign_stages(graph: Graph, region: Region) -> None:
+def _assign_stages(
+    graph: Graph, maps: dict[int, Mapping | Sink], produced: frozenset[Var]
+) -> dict[int, int]:
     """Stage of each region equation: one more than any region result its outside inputs need."""
     eqns = graph.eqns
-    maps = region.maps
     depends = region_depends(graph, maps)
     stage: dict[int, int] = {}
     for i in sorted(maps):
@@ -298,7 +332,7 @@ def _assign_stages(graph: Graph, region: Region) -> None:
         for atom in eqns[i].invars:
             if not _is_var(atom):
                 continue
-            if atom in region.produced:
+            if atom in produced:
                 p = graph.info(atom).producer
                 if p is not None and p in maps:
                     s = max(s, stage[p])
@@ -308,4 +342,4 @@ def _assign_stages(graph: Graph, region: Region) -> None:
         if s >= MAX_STAGES:
             raise SplitFailure(f"needs more than {MAX_STAGES} passes over the axis", eqns[i])
         stage[i] = s
-    region.stage = stage
+    return stage

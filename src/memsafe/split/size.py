@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from memsafe._jax import Var
 from memsafe.graph import Graph
 from memsafe.primitives import FUSIBLE
+from memsafe.split.emit import Split
 from memsafe.split.region import Region
 from memsafe.split.sinks import TOP_K, Sink
 
@@ -118,8 +119,6 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
         info = graph.info(v)
         if info.producer is not None and not info.is_output:
             fixed += info.bytes
-    if region.online is not None:  # running shifts: old, new and the rescale factor
-        fixed += 3 * sum(graph.info(u).bytes for u in region.online.shifts)
     return per_unit, fixed
 
 
@@ -142,10 +141,12 @@ def _evened(size: int, chunk: int, lowest: int) -> tuple[int, int]:
     return chunk, -(-size // chunk)
 
 
-def choose_chunk(graph: Graph, region: Region, budget: int) -> ChunkPlan | None:
+def choose_chunk(graph: Graph, split: Split, budget: int) -> ChunkPlan | None:
     """The largest chunk whose modelled bytes fit ``budget``, evened out over the loop count;
     None if even the smallest chunk does not fit."""
+    region = split.region
     per_unit, fixed = bytes_model(graph, region)
+    fixed += split.fixed_bytes(graph)
     lowest = _lowest(graph, region)
     room = budget - fixed
     if room < per_unit * lowest:

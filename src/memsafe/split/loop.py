@@ -1,0 +1,187 @@
+"""The chunk loop: one driver for every split region, with a pluggable carry.
+
+A loop runs a *chunk body* (the region's equations at chunk shape) over the split axis: the first
+chunk on its own (its partial results start the carry, so no identity elements are needed), a
+``lax.scan`` over the remaining full chunks, and one evaluation at the remainder's own static
+shape (no padding, so nothing foreign reaches a max or a top_k). Chunk bodies are wrapped in
+``jax.checkpoint`` so that differentiating the emitted program does not store every chunk's
+intermediates. Values the region hands back along the axis are written into full buffers with
+``dynamic_update_slice``.
+
+What the loop carries between chunks is a :class:`Carry`: :class:`Fold` folds each sink's
+partials with its reducer; the online-softmax carry (``memsafe.split.online``) also keeps running
+maxima the body reads and rescales its accumulators.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from collections.abc import Mapping as Mapping_
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from memsafe._jax import JaxprEqn, Literal, Var
+from memsafe.graph import Graph
+from memsafe.split import peephole
+from memsafe.split.region import Region
+from memsafe.split.registry import Mapping
+from memsafe.split.sinks import Partial, Sink
+
+#: A chunk body: (chunk start, chunk length, operands, what it reads of the carry) ->
+#: (partials of the chunk, values written along the axis).
+Body = Callable[[Any, int, list[Any], Any], tuple[Any, list[Any]]]
+
+
+class Carry:
+    """What a loop keeps between chunks, and how a chunk's partials update it."""
+
+    def feed(self, state: Any) -> Any:
+        """What the chunk body reads of the running state (None: nothing)."""
+        return None
+
+    def start(self, parts: Any) -> Any:
+        """The state after the first chunk."""
+        return parts
+
+    def fold(self, state: Any, parts: Any) -> Any:
+        """The state after a later chunk."""
+        raise NotImplementedError
+
+    def results(self, state: Any) -> list[Any]:
+        """The loop's sink results from the final state."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Fold(Carry):
+    """Each sink's partials folded by its reducer (the plain loop)."""
+
+    sinks: tuple[tuple[JaxprEqn, Sink], ...]
+
+    def fold(self, state: list[Partial], parts: list[Partial]) -> list[Partial]:
+        return [s.reducer.fold(e, a, b) for (e, s), a, b in zip(self.sinks, state, parts)]
+
+    def results(self, state: list[Partial]) -> list[Any]:
+        return [r for (_, s), a in zip(self.sinks, state) for r in s.reducer.finish(a)]
+
+
+@dataclass(frozen=True)
+class Written:
+    """Values the loop writes chunk by chunk into full buffers."""
+
+    values: tuple[Var, ...]
+    axes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, values: Sequence[Var], axis_of: Mapping_[Var, int]) -> Written:
+        return cls(tuple(values), tuple(axis_of[v] for v in values))
+
+    def empty(self) -> list[Any]:
+        return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in self.values]
+
+    def write(self, bufs: list[Any], vals: list[Any], start: Any) -> list[Any]:
+        return [
+            lax.dynamic_update_slice_in_dim(b, v, start, ax)
+            for b, v, ax in zip(bufs, vals, self.axes)
+        ]
+
+
+def run(
+    body: Body,
+    size: int,
+    chunk: int,
+    operands: list[Any],
+    carry: Carry,
+    written: Written,
+) -> tuple[list[Any], list[Any]]:
+    """Run ``body`` over ``size`` in chunks of ``chunk``; (sink results, written buffers)."""
+
+    def at(n: int) -> Callable[..., tuple[Any, list[Any]]]:
+        return jax.checkpoint(lambda start, ops, fed: body(start, n, ops, fed))
+
+    full = at(chunk)
+    parts, vals = full(jnp.int32(0), operands, None)
+    state, bufs = carry.start(parts), written.write(written.empty(), vals, jnp.int32(0))
+    n_full, rem = divmod(size, chunk)
+    if n_full > 1:
+
+        def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
+            state, bufs = c
+            start = i * chunk
+            parts, vals = full(start, operands, carry.feed(state))
+            return (carry.fold(state, parts), written.write(bufs, vals, start)), None
+
+        steps = jnp.arange(1, n_full, dtype=jnp.int32)
+        (state, bufs), _ = lax.scan(step, (state, bufs), steps)
+    if rem:
+        start = jnp.int32(n_full * chunk)
+        parts, vals = at(rem)(start, operands, carry.feed(state))
+        state, bufs = carry.fold(state, parts), written.write(bufs, vals, start)
+    return carry.results(state), bufs
+
+
+# -- evaluating region equations at chunk shape --------------------------------------------------
+
+
+@dataclass
+class ChunkEnv:
+    """The values of one chunk body: chunk-shaped region values and values read whole."""
+
+    graph: Graph
+    region: Region
+    peep: peephole.Peepholes
+    start: Any
+    n: int
+    local: dict[Any, Any]
+    whole: dict[Any, Any]
+
+    @classmethod
+    def slice_in(
+        cls,
+        graph: Graph,
+        region: Region,
+        peep: peephole.Peepholes,
+        start: Any,
+        n: int,
+        sliced: Sequence[tuple[Var, Any]],
+        whole: dict[Any, Any],
+    ) -> ChunkEnv:
+        """A body's environment with chunk ``[start, start + n)`` of each sliced input."""
+        local = {v: lax.dynamic_slice_in_dim(val, start, n, region.axis_of[v]) for v, val in sliced}
+        return cls(graph, region, peep, start, n, local, whole)
+
+    def read(self, atom: Any, ax: int | None) -> Any:
+        if isinstance(atom, Literal):
+            return atom.val
+        return self.whole[atom] if ax is None else self.local[atom]
+
+    def invals(self, i: int) -> list[Any]:
+        """Operands of region equation ``i`` (None where a peephole moved the operand)."""
+        eqn, m = self.graph.eqns[i], self.region.maps[i]
+        moved = self.peep.norm.get(i, {})
+        return [
+            None if k in moved else self.read(a, ax)
+            for k, (a, ax) in enumerate(zip(eqn.invars, m.ins))
+        ]
+
+    def partial(self, i: int) -> Partial:
+        """The partial result of sink ``i`` on this chunk."""
+        sink = self.region.maps[i]
+        assert isinstance(sink, Sink)
+        return sink.reducer.partial(
+            self.graph.eqns[i], self.invals(i), sink.axis, self.start, self.n
+        )
+
+    def bind(self, i: int) -> None:
+        """Evaluate mapped equation ``i`` at chunk shape into ``local``."""
+        eqn, m = self.graph.eqns[i], self.region.maps[i]
+        assert isinstance(m, Mapping)
+        outs = peephole.bind_mapped(
+            self.peep, i, eqn, self.invals(i), m, self.read, self.local, self.graph.eqns,
+            self.start, self.n,
+        )  # fmt: skip
+        self.local.update(zip(eqn.outvars, outs))
