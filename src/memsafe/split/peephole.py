@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax.numpy as jnp
@@ -109,97 +109,118 @@ def _carry(eqn: JaxprEqn, k: int, f: Any) -> Any:
     return lax.dot_general(fa, fb, ((lc, rc), (lb, rb)))
 
 
-def plan(graph: Graph, region: Region, idx: list[int] | tuple[int, ...], chunk: int) -> Peepholes:
-    """The moves that apply among the loop body's equations ``idx``."""
-    eqns = graph.eqns
-    members = set(idx)
-    maps = region.maps
-    surviving = set(region.surviving)
+@dataclass
+class _Finder:
+    """The search for peepholes among a loop body's equations."""
 
-    def once(var: Any) -> int | None:
+    graph: Graph
+    region: Region
+    members: set[int]
+    chunk: int
+    scale: dict[int, Scale] = field(default_factory=dict)
+    norm: dict[int, dict[int, Norm]] = field(default_factory=dict)
+    skip: set[int] = field(default_factory=set)
+
+    def once(self, var: Any) -> int | None:
         """The single in-loop consumer of a region value used nowhere else, or None."""
-        info = graph.info(var)
-        if var in surviving or info.is_output or len(info.consumers) != 1:
+        info = self.graph.info(var)
+        if var in self.region.surviving or info.is_output or len(info.consumers) != 1:
             return None
         c = info.consumers[0]
-        return c if c in members else None
+        return c if c in self.members else None
 
-    def dot(i: int) -> bool:
+    def is_dot(self, i: int) -> bool:
+        eqn = self.graph.eqns[i]
         return (
-            i in members
-            and eqns[i].primitive.name == "dot_general"
-            and isinstance(maps[i], Mapping)
-            and len(eqns[i].outvars) == 1
+            eqn.primitive.name == "dot_general"
+            and isinstance(self.region.maps[i], Mapping)
+            and len(eqn.outvars) == 1
         )
 
-    def elems(i: int, k: int) -> float:
-        atom = eqns[i].invars[k]
+    def elems(self, i: int, k: int) -> float:
+        atom = self.graph.eqns[i].invars[k]
         n = float(math.prod(atom.aval.shape))
-        return n * chunk / region.size if maps[i].ins[k] is not None else n
+        return n * self.chunk / self.region.size if self.region.maps[i].ins[k] is not None else n
 
-    scale: dict[int, Scale] = {}
-    norm: dict[int, dict[int, Norm]] = {}
-    skip: set[int] = set()
-    for i in idx:
-        eqn = eqns[i]
-        if not dot(i):
-            continue
-        (lc, rc), _ = eqn.params["dimension_numbers"]
-        # factors of the operands, constant along the contraction
+    def operand_factors(self, i: int) -> None:
+        """Factors of dot ``i``'s operands constant along the contraction (``(x / f) @ v``)."""
+        eqns = self.graph.eqns
+        (lc, rc), _ = eqns[i].params["dimension_numbers"]
         for k, contracted in ((0, lc), (1, rc)):
-            y = eqn.invars[k]
-            if not isinstance(y, Var) or isinstance(y, Literal) or y not in region.produced:
+            y = eqns[i].invars[k]
+            if not isinstance(y, Var) or isinstance(y, Literal) or y not in self.region.produced:
                 continue
-            p = graph.info(y).producer
-            if p is None or p not in members or once(y) != i or p in skip:
+            p = self.graph.info(y).producer
+            if p is None or p not in self.members or self.once(y) != i or p in self.skip:
                 continue
-            s = eqns[p]
-            if s.primitive.name not in ("mul", "div") or s.outvars[0].aval.dtype != y.aval.dtype:
-                continue
-            shape = tuple(y.aval.shape)
-            sides = [(0, 1)] if s.primitive.name == "div" else [(0, 1), (1, 0)]
-            for xi, fi in sides:
+            found = self._factor_of(p, y, contracted)
+            if found is not None:
+                xi, fi = found
+                s, sm = eqns[p], self.region.maps[p]
                 x, f = s.invars[xi], s.invars[fi]
-                if isinstance(x, Literal) or isinstance(f, Literal):
-                    continue
-                fshape = tuple(f.aval.shape)
-                if tuple(x.aval.shape) != shape or len(fshape) not in (0, len(shape)):
-                    continue
-                if fshape and any(fshape[d] != 1 for d in contracted):
-                    continue
-                if not jnp.issubdtype(f.aval.dtype, jnp.floating):
-                    continue
-                sm = maps[p]
-                norm.setdefault(i, {})[k] = Norm(
-                    p, k, x, sm.ins[xi], f, sm.ins[fi], s.primitive.name
-                )
-                skip.add(p)
-                break
-        # a scalar multiplying the product
-        j = once(eqn.outvars[0])
-        if j is None or j in skip:
-            continue
+                nm = Norm(p, k, x, sm.ins[xi], f, sm.ins[fi], s.primitive.name)
+                self.norm.setdefault(i, {})[k] = nm
+                self.skip.add(p)
+
+    def _factor_of(self, p: int, y: Any, contracted: Any) -> tuple[int, int] | None:
+        """(value, factor) operand positions of ``y = x * f`` or ``x / f`` with ``f`` a float
+        scalar or an array constant along ``contracted``; None if ``y`` is not such a product."""
+        s = self.graph.eqns[p]
+        if s.primitive.name not in ("mul", "div") or s.outvars[0].aval.dtype != y.aval.dtype:
+            return None
+        shape = tuple(y.aval.shape)
+        for xi, fi in [(0, 1)] if s.primitive.name == "div" else [(0, 1), (1, 0)]:
+            x, f = s.invars[xi], s.invars[fi]
+            if isinstance(x, Literal) or isinstance(f, Literal):
+                continue
+            fshape = tuple(f.aval.shape)
+            if tuple(x.aval.shape) != shape or len(fshape) not in (0, len(shape)):
+                continue
+            if fshape and any(fshape[d] != 1 for d in contracted):
+                continue
+            if jnp.issubdtype(f.aval.dtype, jnp.floating):
+                return xi, fi
+        return None
+
+    def product_scalar(self, i: int) -> None:
+        """A scalar multiplying (or dividing) dot ``i``'s product, moved to a smaller operand."""
+        eqns, maps = self.graph.eqns, self.region.maps
+        eqn = eqns[i]
+        j = self.once(eqn.outvars[0])
+        if j is None or j in self.skip:
+            return
         s = eqns[j]
         if s.primitive.name not in ("mul", "div") or s.outvars[0].aval != eqn.outvars[0].aval:
-            continue
+            return
         pos = list(s.invars).index(eqn.outvars[0])
-        if s.primitive.name == "div" and pos != 0:
-            continue
         c = s.invars[1 - pos]
-        if len(getattr(c.aval, "shape", ())) != 0 or not jnp.issubdtype(c.aval.dtype, jnp.floating):
-            continue
-        if isinstance(c, Var) and not isinstance(c, Literal) and c in region.produced:
-            continue
+        if (s.primitive.name == "div" and pos != 0) or not _invariant_float_scalar(c, self.region):
+            return
         # the operand sliced per chunk (its scaling fuses with the slice, no new whole buffer),
         # else the smaller one; only when it is much smaller than the product
-        out_elems = math.prod(eqn.outvars[0].aval.shape) * chunk / region.size
-        sides = sorted((0, 1), key=lambda k: (maps[i].ins[k] is None, elems(i, k)))
-        sides = [k for k in sides if k not in norm.get(i, {}) and 8 * elems(i, k) <= out_elems]
-        if not sides:
-            continue
-        scale[i] = Scale(j, sides[0], c, s.primitive.name)
-        skip.add(j)
-    return Peepholes(scale, norm, skip)
+        out_elems = math.prod(eqn.outvars[0].aval.shape) * self.chunk / self.region.size
+        sides = sorted((0, 1), key=lambda k: (maps[i].ins[k] is None, self.elems(i, k)))
+        moved = self.norm.get(i, {})
+        sides = [k for k in sides if k not in moved and 8 * self.elems(i, k) <= out_elems]
+        if sides:
+            self.scale[i] = Scale(j, sides[0], c, s.primitive.name)
+            self.skip.add(j)
+
+
+def _invariant_float_scalar(c: Any, region: Region) -> bool:
+    if len(getattr(c.aval, "shape", ())) != 0 or not jnp.issubdtype(c.aval.dtype, jnp.floating):
+        return False
+    return not (isinstance(c, Var) and not isinstance(c, Literal) and c in region.produced)
+
+
+def plan(graph: Graph, region: Region, idx: list[int] | tuple[int, ...], chunk: int) -> Peepholes:
+    """The moves that apply among the loop body's equations ``idx``."""
+    finder = _Finder(graph, region, set(idx), chunk)
+    for i in idx:
+        if finder.is_dot(i):
+            finder.operand_factors(i)
+            finder.product_scalar(i)
+    return Peepholes(finder.scale, finder.norm, finder.skip)
 
 
 def bind_mapped(
