@@ -91,7 +91,7 @@ def reported(build: Callable[..., Program]) -> Callable[..., Program]:
             except MemoryLimitError:
                 log.note(logging.INFO, "%s: no plan fits (%.2f s)", name, watch.elapsed)
                 raise
-        log.finished(name, len(program.plan.attempts), True, watch.elapsed)
+            log.finished(name, len(program.plan.attempts), True, watch.elapsed)
         return program
 
     return run

@@ -39,21 +39,21 @@ class ProgressLine:
     Args:
         name: the function being planned, shown first.
         stream: where to draw (stderr by default).
-        delay: seconds before the first draw.
-        interval: seconds between redraws.
+        delay: seconds before the first draw (default :data:`DELAY`).
+        interval: seconds between redraws (default :data:`INTERVAL`).
     """
 
     def __init__(
         self,
         name: str,
         stream: TextIO | None = None,
-        delay: float = DELAY,
-        interval: float = INTERVAL,
+        delay: float | None = None,
+        interval: float | None = None,
     ) -> None:
         self.name = name
         self.stream = stream if stream is not None else sys.stderr
-        self.delay = delay
-        self.interval = interval
+        self.delay = DELAY if delay is None else delay
+        self.interval = INTERVAL if interval is None else interval
         self.status = "tracing"
         self.shown = False
         self._watch = log.Stopwatch()
