@@ -105,6 +105,8 @@ class Compiled(_Stage):
         return tuple(full), kwargs
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):  # not JAX's: no recursion while half-built (copy, pickle)
+            raise AttributeError(name)
         return getattr(self._program.compiled, name)
 
     def __repr__(self) -> str:
@@ -125,6 +127,8 @@ class Lowered(_Stage):
         return self._program.jitted.lower(*self._program.avals)
 
     def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self.lowered, name)
 
     def __repr__(self) -> str:
