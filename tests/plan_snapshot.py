@@ -122,6 +122,7 @@ class Recorder:
             memory_limit: int,
             donate: tuple[int, ...] = (),
             name: str = "function",
+            **options: Any,  # compiler_options, progress
         ) -> Any:
             record: dict[str, Any] = {
                 "node": self.key,
@@ -132,7 +133,7 @@ class Recorder:
             }
             start = time.perf_counter()
             try:
-                program = original(flat_fun, avals, memory_limit, donate, name)
+                program = original(flat_fun, avals, memory_limit, donate, name, **options)
             except Exception as err:
                 record["error"] = {
                     "type": type(err).__name__,

@@ -1,9 +1,10 @@
 """memsafe: run ordinary JAX programs under a memory limit, and see where their memory goes."""
 
-from memsafe.errors import Blocker, MemoryLimitError
+from memsafe.errors import Blocker, ForwardModeError, MemoryLimitError
 from memsafe.inspect import Report, inspect  # the function shadows the subpackage's name
 from memsafe.jit import MemsafeFunction, jit
 from memsafe.limits import format_bytes, parse_limit
+from memsafe.log import set_verbosity
 from memsafe.plan import Plan, RuleRecord, SplitRecord
 from memsafe.rules import Rule, register_rule
 from memsafe.xla import Footprint
@@ -13,6 +14,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Blocker",
     "Footprint",
+    "ForwardModeError",
     "MemoryLimitError",
     "MemsafeFunction",
     "Plan",
@@ -25,4 +27,5 @@ __all__ = [
     "jit",
     "parse_limit",
     "register_rule",
+    "set_verbosity",
 ]

@@ -113,6 +113,18 @@ def is_tracer(x: Any) -> bool:
     return isinstance(x, _public_core.Tracer)
 
 
+def is_forward_mode_tracer(x: Any) -> bool:
+    """Whether ``x`` is traced by forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``).
+
+    Reverse mode (``jax.grad``, ``jax.vjp``) traces with JAX's linearize trace when
+    ``jax_use_direct_linearize`` is on (the default since jax 0.7), so a JVP tracer then means
+    forward mode; with the flag off reverse mode traces JVP tracers too and this returns False.
+    """
+    from jax._src.interpreters import ad
+
+    return bool(jax.config.jax_use_direct_linearize) and isinstance(x, ad.JVPTracer)
+
+
 def bind_eqn_with(eqn: JaxprEqn, invals: Sequence[Any], **params: Any) -> list[Any]:
     """Like :func:`bind_eqn` with some of ``eqn``'s params replaced (re-binding at a new shape)."""
     return bind_eqn(eqn.replace(params={**eqn.params, **params}), invals)

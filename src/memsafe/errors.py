@@ -58,3 +58,21 @@ class MemoryLimitError(MemoryError):
                 f"  smallest limit known to work: {format_bytes(minimum)} ({minimum} bytes)"
             )
         super().__init__("\n".join(lines))
+
+
+class ForwardModeError(TypeError):
+    """Forward-mode differentiation (``jax.jvp``, ``jax.jacfwd``) was applied through a memsafe
+    function, which is differentiated in reverse mode only; the message gives the workaround."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(
+            f"memsafe: forward-mode differentiation (jax.jvp, jax.jacfwd, jax.linearize) cannot go "
+            f"through {name}: memsafe functions are differentiated in reverse mode, with a "
+            "backward program verified under the memory limit.\n"
+            "  Use reverse mode (jax.grad, jax.vjp, jax.jacrev), or apply memsafe.jit to the "
+            "function that calls jax.jvp, so that the forward-mode computation is one program "
+            "rewritten and verified under the limit:\n"
+            "      memsafe.jit(lambda x, t: jax.jvp(f, (x,), (t,)), memory_limit=...)\n"
+            "  where f is the plain function (not the memsafe one)."
+        )

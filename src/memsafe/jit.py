@@ -6,22 +6,24 @@ The driver only orders passes and verifies; the passes do the rewriting (memsafe
 from __future__ import annotations
 
 import functools
-import inspect as _inspect
+import logging
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 
-from memsafe import _jax, passes
-from memsafe.errors import MemoryLimitError
-from memsafe.graph import Graph, inline_calls
+from memsafe import _jax, log, passes, stages
+from memsafe.arguments import ArgSpec, Call
+from memsafe.errors import ForwardModeError, MemoryLimitError
+from memsafe.graph import Graph, estimate, inline_calls
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.passes import PassContext
 from memsafe.plan import Attempt, PassRecord, Plan
+from memsafe.progress import display as progress_display
+from memsafe.progress import enabled as progress_enabled
 from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit
 
 #: How many compile-and-verify rounds the driver tries, shrinking chunk sizes each time.
@@ -66,24 +68,6 @@ class Program:
         return self.run(flat)
 
 
-def _is_static_leaf(x: Any) -> bool:
-    """Leaves that are not arrays (strings, callables, None) are static, as in memsafe.inspect."""
-    arraylike = jax.Array | np.ndarray | np.generic | float | int | complex | bool
-    return not isinstance(x, arraylike | jax.ShapeDtypeStruct)
-
-
-def _aval(x: Any) -> jax.ShapeDtypeStruct:
-    """The abstract value jax.jit would see, keeping Python scalars weakly typed."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    if isinstance(x, float | int | complex | bool) and not isinstance(x, np.generic):
-        return jax.ShapeDtypeStruct((), jax.numpy.asarray(x).dtype, weak_type=True)
-    arr = x if hasattr(x, "shape") and hasattr(x, "dtype") else np.asarray(x)
-    return jax.ShapeDtypeStruct(
-        tuple(arr.shape), arr.dtype, weak_type=getattr(x, "weak_type", False)
-    )
-
-
 def _emit(closed: _jax.ClosedJaxpr) -> Callable[..., list[Any]]:
     """A plain JAX function that runs ``closed`` (used to jit and to differentiate)."""
 
@@ -93,25 +77,52 @@ def _emit(closed: _jax.ClosedJaxpr) -> Callable[..., list[Any]]:
     return run
 
 
+def reported(build: Callable[..., Program]) -> Callable[..., Program]:
+    """``build_program`` with its outcome logged and, when asked for (``progress``), a progress
+    display on stderr while it runs."""
+
+    @functools.wraps(build)
+    def run(*args: Any, progress: bool | None = None, **kwargs: Any) -> Program:
+        name = kwargs.get("name", args[4] if len(args) > 4 else "function")
+        watch = log.Stopwatch()
+        with progress_display(name, progress_enabled(progress)):
+            try:
+                program = build(*args, **kwargs)
+            except MemoryLimitError:
+                log.note(logging.INFO, "%s: no plan fits (%.2f s)", name, watch.elapsed)
+                raise
+            log.finished(name, len(program.plan.attempts), True, watch.elapsed)
+        return program
+
+    return run
+
+
+@reported
 def build_program(
     flat_fun: Callable[..., Any],
     avals: Sequence[jax.ShapeDtypeStruct],
     memory_limit: int,
     donate: tuple[int, ...] = (),
     name: str = "function",
+    compiler_options: Mapping[str, Any] | None = None,
 ) -> Program:
-    """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``."""
+    """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``;
+    ``compiler_options`` are the user's, merged with memsafe's (see ``xla.merged_options``)."""
+    watch = log.Stopwatch()
     try:
         closed, out_tree = _jax.make_closed_jaxpr(flat_fun, avals)
     except Exception as err:  # the user's own error, kept as it is, with where memsafe was
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
         err.add_note(f"memsafe: while tracing {name} at arguments ({shapes})")
         raise
+    log.traced(name, len(closed.jaxpr.eqns), watch.elapsed)
     plan = Plan(memory_limit=memory_limit)
     hidden = hidden_constant_bytes(closed.consts)
-    original = memsafe_jit(flat_fun, donate_argnums=donate)
+    watch = log.Stopwatch()
+    original = memsafe_jit(flat_fun, compiler_options, donate_argnums=donate)
     original_compiled = original.lower(*avals).compile()
     before = Footprint.from_compiled(original_compiled, hidden)
+    log.compiled(name, "original program", before.total, memory_limit, watch.elapsed)
     plan.before = before
     if before.total <= memory_limit:
         plan.fits_unchanged = True
@@ -144,13 +155,16 @@ def build_program(
         )
         program = flat
         for pass_name, run in pipeline:
-            program = _run_pass(pass_name, run, program, ctx, name)
+            program = _run_logged(pass_name, run, program, ctx, name)
         last_blockers = ctx.blockers
         hidden_now = hidden_constant_bytes(program.consts)
         emitted = _emit(program)
-        jitted = memsafe_jit(emitted, donate_argnums=donate)
+        watch = log.Stopwatch()
+        jitted = memsafe_jit(emitted, compiler_options, donate_argnums=donate)
         compiled = jitted.lower(*avals).compile()
         after = Footprint.from_compiled(compiled, hidden_now)
+        what = f"attempt {attempt + 1} (chunk scale {scale:.3g})"
+        log.compiled(name, what, after.total, memory_limit, watch.elapsed)
         fits = after.total <= memory_limit
         plan.attempts.append(Attempt(scale, after, fits))
         if best is None or after.total < best.total:
@@ -180,93 +194,61 @@ def build_program(
 
 
 class MemsafeFunction:
-    """A function compiled under a memory limit; call it like a ``jax.jit`` function."""
+    """A function compiled under a memory limit; call it like a ``jax.jit`` function.
+
+    Made by :func:`memsafe.jit`, whose arguments it keeps as attributes (``memory_limit`` in
+    bytes). ``__wrapped__`` is the original function; name and docstring are copied from it.
+    """
 
     def __init__(
         self,
         fun: Callable[..., Any],
-        memory_limit: int | str,
+        memory_limit: int | float | str,
         static_argnums: int | Sequence[int] = (),
         static_argnames: str | Sequence[str] = (),
         donate_argnums: int | Sequence[int] = (),
+        donate_argnames: str | Sequence[str] = (),
+        compiler_options: Mapping[str, Any] | None = None,
+        progress: bool | None = None,
     ) -> None:
         self.fun = fun
         self.memory_limit = parse_limit(memory_limit)
-        self.static_argnums = _as_tuple(static_argnums)
-        self.static_argnames = _as_tuple(static_argnames)
-        self.donate_argnums = _as_tuple(donate_argnums)
-        self._signature = _signature_or_none(fun)
+        self._spec = ArgSpec.infer(
+            fun, static_argnums, static_argnames, donate_argnums, donate_argnames
+        )
+        self.static_argnums = self._spec.static_argnums
+        self.static_argnames = self._spec.static_argnames
+        self.donate_argnums = self._spec.donate_argnums
+        self.donate_argnames = self._spec.donate_argnames
+        self.compiler_options = dict(compiler_options or {})
+        self.progress = progress
+        self._build_options = {"compiler_options": self.compiler_options, "progress": progress}
         self._programs: dict[Any, Program] = {}
         self._backward: dict[Any, Program] = {}
         functools.update_wrapper(self, fun)
 
     # -- argument handling -------------------------------------------------------------------
 
-    def _split_args(self, args: tuple, kwargs: dict) -> tuple[Any, list[Any], Any, Any]:
-        """Separate static from dynamic arguments; returns (key, flat dynamic, treedef, rebuild)."""
-        static_pos = {i % len(args) for i in self.static_argnums if -len(args) <= i < len(args)}
-        if self._signature is not None and self.static_argnames:
-            names = list(self._signature.parameters)
-            static_pos |= {names.index(n) for n in self.static_argnames if n in names[: len(args)]}
-        static_args = tuple((i, args[i]) for i in sorted(static_pos))
-        static_kwargs = tuple(
-            sorted((k, v) for k, v in kwargs.items() if k in self.static_argnames)
-        )
-        dyn_args = [a for i, a in enumerate(args) if i not in static_pos]
-        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
-        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kwargs))
-        # Non-array leaves are static too (a string, a callable, None).
-        static_leaves = tuple((i, x) for i, x in enumerate(leaves) if _is_static_leaf(x))
-        dyn_leaves = [x for x in leaves if not _is_static_leaf(x)]
-        n_args = len(args)
-        fun = self.fun
-        out_tree: list[Any] = []
-
-        def rebuild(*flat_dyn: Any) -> Any:
-            it = iter(flat_dyn)
-            static_map = dict(static_leaves)
-            full = [static_map[i] if i in static_map else next(it) for i in range(len(leaves))]
-            dargs, dkwargs = jax.tree_util.tree_unflatten(treedef, full)
-            it_args = iter(dargs)
-            smap = dict(static_args)
-            call_args = [smap[i] if i in smap else next(it_args) for i in range(n_args)]
-            out = fun(*call_args, **dkwargs, **dict(static_kwargs))
-            leaves_out, tree = jax.tree_util.tree_flatten(out)
-            out_tree[:] = [tree]
-            return leaves_out
-
-        rebuild.out_tree = out_tree  # type: ignore[attr-defined]
-
-        avals = tuple(_aval(x) for x in dyn_leaves)
-        try:
-            key = (treedef, avals, static_args, static_kwargs, static_leaves)
-            hash(key)
-        except TypeError as err:
-            raise TypeError(f"memsafe.jit: static arguments must be hashable ({err})") from err
-        return key, dyn_leaves, rebuild, avals
-
-    def _donate_flat(self, args: tuple) -> tuple[int, ...]:
-        if not self.donate_argnums:
-            return ()
-        # Donation is positional over top-level arguments; map to flat leaf positions.
-        out, pos = [], 0
-        for i, a in enumerate(args):
-            n = len(jax.tree_util.tree_leaves(a))
-            if i in self.donate_argnums:
-                out.extend(range(pos, pos + n))
-            pos += n
-        return tuple(out)
-
-    def _program(self, args: tuple, kwargs: dict) -> tuple[Program, list[Any], Callable, Any]:
-        key, flat, rebuild, avals = self._split_args(args, kwargs)
-        program = self._programs.get(key)
+    def _planned(self, args: tuple, kwargs: dict) -> tuple[Program, Call]:
+        """The verified program for this call's arguments (planned on first sight), and the call."""
+        call = self._spec.split(args, kwargs)
+        program = self._programs.get(call.key)
         if program is None:
             program = build_program(
-                rebuild, avals, self.memory_limit, self._donate_flat(args), self._name
+                call.rebuild,
+                call.avals,
+                self.memory_limit,
+                call.donate,
+                self._name,
+                **self._build_options,
             )
-            program.out_tree = rebuild.out_tree[0]  # the user's output structure
-            self._programs[key] = program
-        return program, flat, rebuild, key
+            program.out_tree = call.out_tree[0]  # the user's output structure
+            self._programs[call.key] = program
+        return program, call
+
+    def _program(self, args: tuple, kwargs: dict) -> tuple[Program, list[Any], Callable, Any]:
+        program, call = self._planned(args, kwargs)
+        return program, call.flat, call.rebuild, call.key
 
     @property
     def _name(self) -> str:
@@ -276,24 +258,73 @@ class MemsafeFunction:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         program, flat, rebuild, key = self._program(args, kwargs)
+        if any(_jax.is_forward_mode_tracer(x) for x in flat):
+            raise ForwardModeError(self._name)
         if any(_jax.is_tracer(x) for x in flat):
             outs = self._differentiable(program, rebuild, key)(*flat)
         else:
             outs = program.run(flat)
         return jax.tree_util.tree_unflatten(program.out_tree, list(outs))
 
+    def __repr__(self) -> str:
+        parts = [self._name, f"memory_limit={format_bytes(self.memory_limit)}"]
+        for attr in ("static_argnums", "static_argnames", "donate_argnums", "donate_argnames"):
+            if getattr(self, attr):
+                parts.append(f"{attr}={getattr(self, attr)!r}")
+        if self.compiler_options:
+            parts.append(f"compiler_options={self.compiler_options!r}")
+        plans = len(self._programs)
+        parts.append(f"{plans} plan{'s' if plans != 1 else ''}")
+        return f"memsafe.jit({', '.join(parts)})"
+
+    def __get__(self, obj: Any, objtype: Any = None) -> Any:
+        """As a method: bind ``obj`` as the first argument, as ``jax.jit`` functions do."""
+        if obj is None:
+            return self
+        return functools.partial(self, obj)
+
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """What was done for these argument shapes (arrays or ShapeDtypeStructs)."""
+        """What was done for these arguments (arrays or ShapeDtypeStructs).
+
+        Args:
+            *args: the arguments as for a call; arrays may be ``jax.ShapeDtypeStruct``.
+            **kwargs: keyword arguments as for a call.
+
+        Returns:
+            The :class:`memsafe.Plan` (with ``backward`` set once a gradient was planned).
+
+        Raises:
+            memsafe.MemoryLimitError: no rewrite meets the limit.
+        """
         program, _, _, key = self._program(args, kwargs)
         backward = self._backward.get(key)
         if backward is not None:
             program.plan.backward = backward.plan
         return program.plan
 
-    def lower(self, *args: Any, **kwargs: Any) -> jax.stages.Lowered:
-        """The verified program's ``jax.stages.Lowered``, as ``jax.jit(f).lower`` returns."""
-        program, _, _, _ = self._program(args, kwargs)
-        return program.jitted.lower(*program.avals)
+    def trace(self, *args: Any, **kwargs: Any) -> stages.Traced:
+        """Trace and plan for these arguments, as ``jax.jit(f).trace`` (the program is verified,
+        so this compiles it). ``.jaxpr`` is the program that runs; ``.lower()`` continues.
+
+        Example:
+            >>> traced = f_safe.trace(x, k=10)
+            >>> compiled = traced.lower().compile()
+            >>> compiled(x)   # static arguments left out, as in JAX (or repeated)
+        """
+        program, call = self._planned(args, kwargs)
+        return stages.Traced(self._spec, call, program)
+
+    def lower(self, *args: Any, **kwargs: Any) -> stages.Lowered:
+        """The verified program lowered for these arguments, as ``jax.jit(f).lower``;
+        ``.compile()`` returns the executable memsafe measured, called with the same pytrees."""
+        return self.trace(*args, **kwargs).lower()
+
+    def eval_shape(self, *args: Any, **kwargs: Any) -> Any:
+        """The outputs' shapes and dtypes (``jax.ShapeDtypeStruct`` pytree), as
+        ``jax.eval_shape``: traced only, nothing is planned or compiled."""
+        call = self._spec.split(args, kwargs)
+        outs = jax.eval_shape(call.rebuild, *call.avals)
+        return jax.tree_util.tree_unflatten(call.out_tree[0], outs)
 
     def backward_plan(self, *args: Any, **kwargs: Any) -> Plan:
         """The plan of the gradient program (built on first differentiation, or now)."""
@@ -329,7 +360,12 @@ class MemsafeFunction:
             return list(pullback(list(cts)))
 
         backward = build_program(
-            vjp_fun, (*avals, *out_avals), self.memory_limit, (), f"gradient of {self._name}"
+            vjp_fun,
+            (*avals, *out_avals),
+            self.memory_limit,
+            (),
+            f"gradient of {self._name}",
+            **self._build_options,
         )
         backward.plan.records[:0] = rewrites
         backward.diff_positions = diff  # type: ignore[attr-defined]
@@ -410,43 +446,77 @@ def _is_symbolic_zero(x: Any) -> bool:
     return x is None or type(x).__name__ in {"Zero", "SymbolicZero"}
 
 
-def _as_tuple(x: Any) -> tuple:
-    if x is None:
-        return ()
-    if isinstance(x, int | str):
-        return (x,)
-    return tuple(x)
-
-
-def _signature_or_none(fun: Callable) -> _inspect.Signature | None:
-    try:
-        return _inspect.signature(fun)
-    except (TypeError, ValueError):
-        return None
-
-
 def jit(
     fun: Callable[..., Any] | None = None,
     *,
-    memory_limit: int | str,
+    memory_limit: int | float | str,
     static_argnums: int | Sequence[int] = (),
     static_argnames: str | Sequence[str] = (),
     donate_argnums: int | Sequence[int] = (),
+    donate_argnames: str | Sequence[str] = (),
+    compiler_options: Mapping[str, Any] | None = None,
+    progress: bool | None = None,
 ) -> Any:
     """Compile ``fun`` so that its whole footprint (arguments + outputs + temporaries - aliases +
     constants) stays under ``memory_limit``, splitting large intermediates into sequential chunks.
 
     Usable as ``memsafe.jit(f, memory_limit="1GiB")`` or as a decorator with keyword arguments.
-    Raises :class:`memsafe.MemoryLimitError` when no rewrite meets the limit.
+
+    Args:
+        fun: the function, as for ``jax.jit``; omit it to get a decorator.
+        memory_limit: bytes (an int, or a float that is a whole number) or a size string
+            (``"512MiB"``, ``"2GB"``, ``"1.5GiB"``); see :func:`memsafe.parse_limit`.
+        static_argnums: positions of arguments that are hashable Python values; completed with
+            their names through ``fun``'s signature, as ``jax.jit`` does, so they may be passed
+            by position or keyword.
+        static_argnames: names of static arguments, completed with their positions likewise.
+        donate_argnums: positions of arguments whose buffers XLA may reuse for outputs.
+        donate_argnames: names of donated arguments.
+        compiler_options: XLA options for every compile, merged with memsafe's (on the CPU,
+            YNNPACK fusions off); an option given here wins over memsafe's.
+        progress: show a one-line progress display on stderr for plans longer than about two
+            seconds; None (default) reads the environment variable ``MEMSAFE_PROGRESS=1``.
+
+    Returns:
+        A :class:`MemsafeFunction` (or, without ``fun``, a decorator making one).
+
+    Raises:
+        TypeError: ``fun`` is not callable, or an argnum/argname has the wrong type.
+        ValueError: a bad ``memory_limit``, or an argnum/argname ``fun`` has no parameter for.
+        memsafe.MemoryLimitError: (at the first call for some argument shapes) no rewrite meets
+            the limit.
+
+    Example:
+        >>> knn_safe = memsafe.jit(knn, memory_limit="1GiB", static_argnames="k")
+        >>> dist, idx = knn_safe(x, y, k=10)
     """
+    options = {
+        "memory_limit": memory_limit,
+        "static_argnums": static_argnums,
+        "static_argnames": static_argnames,
+        "donate_argnums": donate_argnums,
+        "donate_argnames": donate_argnames,
+        "compiler_options": compiler_options,
+        "progress": progress,
+    }
     if fun is None:
-        return functools.partial(
-            jit,
-            memory_limit=memory_limit,
-            static_argnums=static_argnums,
-            static_argnames=static_argnames,
-            donate_argnums=donate_argnums,
-        )
+        parse_limit(memory_limit)  # a bad limit is an error at the decorator already
+        return functools.partial(jit, **options)
     if not callable(fun):
         raise TypeError(f"memsafe.jit expects a callable, got {type(fun).__name__}")
-    return MemsafeFunction(fun, memory_limit, static_argnums, static_argnames, donate_argnums)
+    return MemsafeFunction(fun, **options)
+
+
+def _run_logged(
+    pass_name: str, run: Callable[..., Any], program: Any, ctx: PassContext, fun_name: str
+) -> Any:
+    """:func:`_run_pass`, logged at DEBUG with the records it added, the estimated peak before
+    and after (estimated only when the log is at DEBUG) and its time."""
+    watch = log.Stopwatch()
+    n_records = len(ctx.plan.records)
+    debug = log.logger.isEnabledFor(logging.DEBUG)
+    before = estimate(Graph(program)).peak_bytes if debug else 0
+    out = _run_pass(pass_name, run, program, ctx, fun_name)
+    peaks = (before, estimate(Graph(out)).peak_bytes) if debug else None
+    log.pass_done(fun_name, pass_name, ctx.plan.records[n_records:], peaks, watch.elapsed)
+    return out

@@ -65,6 +65,13 @@ class PassRecord:
 
 Record = RuleRecord | SplitRecord | PassRecord
 
+#: How a memsafe function can be differentiated, the last line of every plan's text.
+DIFFERENTIATION = (
+    "differentiation: reverse mode (jax.grad, jax.vjp, jax.jacrev) runs a backward program "
+    "verified under the same limit; forward mode (jax.jvp, jax.jacfwd, jax.linearize) does not "
+    "go through a memsafe function: apply memsafe.jit to the function that calls jax.jvp"
+)
+
 
 @dataclass
 class Attempt:
@@ -112,6 +119,7 @@ class Plan:
             lines.append(f"  after:  {self.after.describe()}")
         if len(self.attempts) > 1:
             lines.append(f"  verified after {len(self.attempts)} compile attempts")
+        lines.append(f"  {DIFFERENTIATION}")
         return "\n".join(lines)
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,11 +41,20 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
     return {}
 
 
-def memsafe_jit(fun: Callable[..., Any], **kwargs: Any) -> Any:
-    """``jax.jit`` with memsafe's compiler options for the default backend."""
-    options = compiler_options()
+def merged_options(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """memsafe's options for the default backend updated with the user's ``compiler_options``;
+    the user's value wins where both set an option (e.g. YNNPACK fusions back on)."""
+    return {**compiler_options(), **dict(user or {})}
+
+
+def memsafe_jit(
+    fun: Callable[..., Any], compiler_options: Mapping[str, Any] | None = None, **kwargs: Any
+) -> Any:
+    """``jax.jit`` with memsafe's compiler options for the default backend, merged with
+    ``compiler_options`` (see :func:`merged_options`)."""
+    options = merged_options(compiler_options)
     if options:
-        kwargs.setdefault("compiler_options", options)
+        kwargs["compiler_options"] = options
     return jax.jit(fun, **kwargs)
 
 
