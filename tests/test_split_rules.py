@@ -38,6 +38,12 @@ PROGRAMS = {
     ).max(2),
     "abs_l1": lambda x, y, t: jnp.min(jnp.sum(jnp.abs(x[:, None] - y[None]), -1), 0),
     "argmin_columns": lambda x, y, t: jnp.argmin(jnp.cos(_scores(x, y)), 0),
+    "stack": lambda x, y, t: jnp.stack([_scores(x, y), jnp.sin(_scores(x, y))], 1).max(1).sum(1),
+    "scatter_max_rows": lambda x, y, t: jax.vmap(
+        lambda r: jnp.zeros(16).at[jnp.arange(M) % 16].max(r)
+    )(_scores(x, y)),
+    "clz": lambda x, y, t: lax.clz((_scores(x, y) * 100).astype(jnp.int32)).sum(1),
+    "bessel_i0e": lambda x, y, t: jax.scipy.special.i0e(_scores(x, y)).sum(1),
     "prod_and_any": lambda x, y, t: (
         jnp.prod(jnp.tanh(_scores(x, y)) * 0.01 + 1, 1),
         jnp.any(_scores(x, y) > 3, 1),

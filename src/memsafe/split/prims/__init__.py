@@ -12,4 +12,5 @@ from memsafe.split.prims import (  # noqa: F401 (registration)
     random,
     reductions,
     scans,
+    stack,
 )

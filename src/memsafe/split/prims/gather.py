@@ -12,7 +12,10 @@ from memsafe.split.indices import chunk_local_indices
 from memsafe.split.registry import Mapping, NoRule, Side, shape, split_rule
 from memsafe.split.sinks import Sink
 
-SCATTERS = ("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter")
+SCATTERS = (
+    *("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter"),
+    *("scatter-max", "scatter_max", "scatter-min", "scatter_min"),
+)
 
 
 def _rebind_gather(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
