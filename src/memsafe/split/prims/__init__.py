@@ -1,16 +1,12 @@
-"""Split rules, one module per family of primitives (importing this package registers them).
+"""Split rules, one module per family of primitives.
 
-To support a new primitive, add a module here (or a line to a family's module) that registers
-its :class:`~memsafe.split.registry.SplitRule`, and import it below.
+Importing this package imports every module in it, and each registers its rules with
+:func:`memsafe.split.registry.split_rule`: supporting a new primitive is one new module here (or a
+line in a family's module), nothing else.
 """
 
-from memsafe.split.prims import (  # noqa: F401 (registration)
-    elementwise,
-    gather,
-    layout,
-    linalg,
-    random,
-    reductions,
-    scans,
-    stack,
-)
+import importlib
+import pkgutil
+
+for _module in pkgutil.iter_modules(__path__):
+    importlib.import_module(f"{__name__}.{_module.name}")
