@@ -44,6 +44,10 @@ PROGRAMS = {
     )(_scores(x, y)),
     "clz": lambda x, y, t: lax.clz((_scores(x, y) * 100).astype(jnp.int32)).sum(1),
     "bessel_i0e": lambda x, y, t: jax.scipy.special.i0e(_scores(x, y)).sum(1),
+    "offset_slices": lambda x, y, t: (
+        _scores(x, y)[:, 5::7].sum(1),
+        jnp.exp(_scores(x, y))[3::5, -1],
+    ),
     "prod_and_any": lambda x, y, t: (
         jnp.prod(jnp.tanh(_scores(x, y)) * 0.01 + 1, 1),
         jnp.any(_scores(x, y) > 3, 1),
@@ -96,8 +100,39 @@ def test_rule_mappings():
     assert axis_map(topk, ("in", 0), 1) == Sink(sinks.TOP_K, ins=(1,))
     assert axis_map(topk, ("in", 0), 0) == Mapping(ins=(0,), outs=(0, 0))
     cumsum = _eqn(lambda a: lax.cumsum(a, axis=1), a, name="cumsum")
-    with pytest.raises(NoRule, match="along the split axis"):
-        axis_map(cumsum, ("in", 0), 1)
+    assert axis_map(cumsum, ("in", 0), 1) == Mapping(ins=(1,), outs=(1,))  # a running carry
+    reverse = _eqn(lambda a: lax.cumsum(a, axis=1, reverse=True), a, name="cumsum")
+    with pytest.raises(NoRule, match="in reverse"):
+        axis_map(reverse, ("in", 0), 1)
+    tail = _eqn(lambda a: a[:, 1:], a, name="slice")
+    assert axis_map(tail, ("in", 0), 1) == Sink(sinks.SLICE, ins=(1,))
+    with pytest.raises(NoRule, match="cannot produce it in chunks"):
+        axis_map(tail, ("out", 0), 1)
     fft = _eqn(lambda a: jnp.fft.fft(a), a, name="fft")
     with pytest.raises(NoRule, match="no splitting rule for primitive 'fft'"):
         axis_map(fft, ("in", 0), 0)
+
+
+@pytest.mark.parametrize("op", ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"])
+def test_scans_along_the_split_axis_carry_between_chunks(op):
+    """A running carry: each chunk's scan continues from the last value of the chunk before."""
+    scan = getattr(lax, op)
+
+    def fun(x, y):
+        s = jnp.tanh(x @ y.T) * 0.5 + (1.0 if op == "cumprod" else 0.0)
+        return jnp.max(scan(s, axis=1) * 0.5, axis=1), scan(s, axis=1)[:, -1]
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((4, 2), dtype=np.float32)
+    y = rng.standard_normal((60_000, 2), dtype=np.float32)
+    x[1, 0] = np.nan  # a NaN row stays NaN from its first chunk on
+    plain = Footprint.from_compiled(memsafe_jit(fun).lower(x, y).compile())
+    fixed = plain.arguments + plain.outputs
+    limit = fixed + (plain.total - fixed) // 4
+    f = memsafe.jit(fun, memory_limit=limit)
+    (split,) = f.plan(x, y).splits
+    assert split.axis == 1 and split.loops >= 2
+    assert f.plan(x, y).after.total <= limit
+    want = memsafe_jit(fun)(x, y)
+    for got, ref in zip(f(x, y), want):
+        np.testing.assert_allclose(got, ref, rtol=2e-4, atol=1e-5)

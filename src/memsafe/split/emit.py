@@ -19,7 +19,7 @@ from memsafe.split import loop as chunk_loop
 from memsafe.split import peephole
 from memsafe.split.loop import ChunkEnv, Fold, Written
 from memsafe.split.region import Region
-from memsafe.split.registry import Mapping
+from memsafe.split.registry import Mapping, running_along
 from memsafe.split.sinks import Sink
 
 
@@ -71,14 +71,19 @@ def _loop_group(graph: Graph, region: Region, loop: Loop, chunk: int, dead: froz
     """One stage as a group of the interpreter: its loop over every chunk."""
     eqns = graph.eqns
     peep = peephole.plan(graph, region, loop.eqns, chunk)
-    carry = Fold(tuple((eqns[i], region.maps[i]) for i in loop.sinks))
+    running = tuple(
+        i
+        for i in loop.eqns
+        if isinstance(region.maps[i], Mapping) and running_along(eqns[i], region.maps[i])
+    )
+    carry = Fold(tuple((eqns[i], region.maps[i]) for i in loop.sinks), running)
     written = Written.of(loop.surviving, region.axis_of)
     n_sliced = len(loop.sliced)
 
     def body(start: Any, n: int, ops: list[Any], fed: Any) -> tuple[list, list]:
         whole = dict(zip(loop.whole, ops[n_sliced:]))
         sliced = list(zip(loop.sliced, ops[:n_sliced]))
-        env = ChunkEnv.slice_in(graph, region, peep, start, n, sliced, whole)
+        env = ChunkEnv.slice_in(graph, region, peep, start, n, sliced, whole, fed)
         parts = []
         for i in loop.eqns:
             if i in peep.skip:
@@ -87,7 +92,7 @@ def _loop_group(graph: Graph, region: Region, loop: Loop, chunk: int, dead: froz
                 env.bind(i)
             elif i in loop.sinks:
                 parts.append(env.partial(i))
-        return parts, [env.local[v] for v in loop.surviving]
+        return (parts, [env.carries[i] for i in running]), [env.local[v] for v in loop.surviving]
 
     def run_loop(operands: list[Any]) -> list[Any]:
         results, bufs = chunk_loop.run(body, region.size, chunk, operands, carry, written)

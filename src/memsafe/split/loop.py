@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as Mapping_
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax
@@ -28,7 +28,7 @@ from memsafe._jax import JaxprEqn, Literal, Var
 from memsafe.graph import Graph
 from memsafe.split import peephole
 from memsafe.split.region import Region
-from memsafe.split.registry import Mapping
+from memsafe.split.registry import Mapping, Running, running_along
 from memsafe.split.sinks import Partial, Sink
 
 #: A chunk body: (chunk start, chunk length, operands, what it reads of the carry) ->
@@ -58,15 +58,21 @@ class Carry:
 
 @dataclass(frozen=True)
 class Fold(Carry):
-    """Each sink's partials folded by its reducer (the plain loop)."""
+    """Each sink's partials folded by its reducer, and the last values of scans along the axis
+    handed to the next chunk (the plain loop). The state is (partials, scan carries)."""
 
     sinks: tuple[tuple[JaxprEqn, Sink], ...]
+    running: tuple[int, ...] = ()  # region equations scanning along the axis
 
-    def fold(self, state: list[Partial], parts: list[Partial]) -> list[Partial]:
-        return [s.reducer.fold(e, a, b) for (e, s), a, b in zip(self.sinks, state, parts)]
+    def feed(self, state: tuple) -> dict[int, Any]:
+        return dict(zip(self.running, state[1]))
 
-    def results(self, state: list[Partial]) -> list[Any]:
-        return [r for (_, s), a in zip(self.sinks, state) for r in s.reducer.finish(a)]
+    def fold(self, state: tuple, parts: tuple) -> tuple:
+        folded = [s.reducer.fold(e, a, b) for (e, s), a, b in zip(self.sinks, state[0], parts[0])]
+        return folded, parts[1]
+
+    def results(self, state: tuple) -> list[Any]:
+        return [r for (_, s), a in zip(self.sinks, state[0]) for r in s.reducer.finish(a)]
 
 
 @dataclass(frozen=True)
@@ -138,6 +144,8 @@ class ChunkEnv:
     n: int
     local: dict[Any, Any]
     whole: dict[Any, Any]
+    carried: dict[int, Any] | None = None  # scans' last values from the chunks before
+    carries: dict[int, Any] = field(default_factory=dict)  # this chunk's last values
 
     @classmethod
     def slice_in(
@@ -149,10 +157,11 @@ class ChunkEnv:
         n: int,
         sliced: Sequence[tuple[Var, Any]],
         whole: dict[Any, Any],
+        carried: dict[int, Any] | None = None,
     ) -> ChunkEnv:
         """A body's environment with chunk ``[start, start + n)`` of each sliced input."""
         local = {v: lax.dynamic_slice_in_dim(val, start, n, region.axis_of[v]) for v, val in sliced}
-        return cls(graph, region, peep, start, n, local, whole)
+        return cls(graph, region, peep, start, n, local, whole, carried)
 
     def read(self, atom: Any, ax: int | None) -> Any:
         if isinstance(atom, Literal):
@@ -184,4 +193,15 @@ class ChunkEnv:
             self.peep, i, eqn, self.invals(i), m, self.read, self.local, self.graph.eqns,
             self.start, self.n,
         )  # fmt: skip
+        run = running_along(eqn, m)
+        if run is not None:
+            outs = [self._carry_into(i, run, outs[0], m.outs[0])]
         self.local.update(zip(eqn.outvars, outs))
+
+    def _carry_into(self, i: int, run: Running, out: Any, axis: int) -> Any:
+        """A scan's chunk combined with the last value before the chunk; records its own."""
+        prev = None if self.carried is None else self.carried.get(i)
+        if prev is not None:
+            out = run.combine(jnp.broadcast_to(prev, out.shape), out)
+        self.carries[i] = lax.slice_in_dim(out, self.n - 1, self.n, axis=axis)
+        return out

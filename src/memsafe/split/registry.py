@@ -53,28 +53,47 @@ def bind_unchanged(
 
 
 @dataclass(frozen=True)
+class Running:
+    """A scan along the split axis: each chunk's result is combined with the last value of the
+    chunks before it (a running carry threaded through the loop).
+
+    Attributes:
+        combine: (carry of size 1 along the axis, the chunk's own scan) -> the chunk's result.
+        axis: the axis the equation scans along.
+    """
+
+    combine: Callable[[Any, Any], Any]
+    axis: Callable[[JaxprEqn], int]
+
+
+@dataclass(frozen=True)
 class SplitRule:
     """How one primitive takes part in a split region.
 
     Attributes:
         axis_map: where the split axis goes through an equation of the primitive.
         rebind: the equation evaluated on one chunk.
+        running: for scans along the split axis, how chunks carry into the next.
     """
 
     axis_map: AxisMap
     rebind: Rebind = bind_unchanged
+    running: Running | None = None
 
 
 #: Split rules by primitive name.
 SPLIT_RULES: dict[str, SplitRule] = {}
 
 
-def split_rule(*names: str, rebind: Rebind = bind_unchanged) -> Callable[[AxisMap], AxisMap]:
-    """Register the decorated axis map, with ``rebind``, as the split rule of ``names``."""
+def split_rule(
+    *names: str, rebind: Rebind = bind_unchanged, running: Running | None = None
+) -> Callable[[AxisMap], AxisMap]:
+    """Register the decorated axis map, with ``rebind`` (and ``running`` for scans), as the
+    split rule of ``names``."""
 
     def deco(axis_map: AxisMap) -> AxisMap:
         for n in names:
-            SPLIT_RULES[n] = SplitRule(axis_map, rebind)
+            SPLIT_RULES[n] = SplitRule(axis_map, rebind, running)
         return axis_map
 
     return deco
@@ -86,6 +105,14 @@ def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
     if rule is None:
         raise NoRule(f"no splitting rule for primitive '{eqn.primitive.name}'")
     return rule.axis_map(eqn, side, axis)
+
+
+def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
+    """The running carry of ``eqn`` when it scans along the split axis, else None."""
+    run = SPLIT_RULES[eqn.primitive.name].running
+    if run is None or mapping.outs[0] != run.axis(eqn):
+        return None
+    return run
 
 
 def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:

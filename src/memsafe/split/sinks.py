@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
@@ -250,12 +251,34 @@ class Pick(Reducer):
         return tuple(op(a, b) for a, b in zip(acc, new))
 
 
+class SlicePick(Pick):
+    """A static slice (offset, strided) along the split axis: each chunk supplies the
+    positions it holds, the additive identity elsewhere (exact, like :class:`Pick`)."""
+
+    name = "slice"
+
+    def partial(self, eqn: JaxprEqn, invals: list, axis: int, start: Any, size: int) -> Partial:
+        p = eqn.params
+        rank = len(p["start_indices"])
+        strides = list(p["strides"] or (1,) * rank)
+        wanted = np.arange(p["start_indices"][axis], p["limit_indices"][axis], strides[axis])
+        local = jnp.asarray(wanted, jnp.int32) - lax.convert_element_type(start, jnp.int32)
+        held = (local >= 0) & (local < size)
+        starts, limits = list(p["start_indices"]), list(p["limit_indices"])
+        starts[axis], limits[axis], strides[axis] = 0, size, 1  # other axes sliced as the eqn does
+        rows = lax.slice(invals[0], starts, limits, strides)
+        taken = jnp.take(rows, jnp.clip(local, 0, size - 1), axis=axis)
+        keep = lax.broadcast_in_dim(held, taken.shape, (axis,))
+        return (lax.select(keep, taken, jnp.full(taken.shape, _additive_identity(taken.dtype))),)
+
+
 def _additive_identity(dtype: Any) -> Any:
     """The exact additive identity: x + (-0.0) == x for every float x, signed zeros included."""
     return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
 
 
 SUM, DOT, MAX, MIN, PROD = Sum(), Dot(), Max(), Min(), Prod()
+SLICE = SlicePick()
 AND, OR, XOR = And(), Or(), Xor()
 ARGMAX, ARGMIN, TOP_K, PICK = ArgMax(), ArgMin(), TopK(), Pick()
 

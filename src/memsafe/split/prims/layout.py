@@ -8,7 +8,9 @@ from typing import Any
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
+from memsafe.split import sinks
 from memsafe.split.registry import Mapping, NoRule, Side, identity_unless, shape, split_rule
+from memsafe.split.sinks import Sink
 
 
 def _with_size(sizes: Any, at: int | None, size: int) -> tuple[int, ...]:
@@ -114,13 +116,17 @@ def _rebind_slice(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size
 
 
 @split_rule("slice", rebind=_rebind_slice)
-def _slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+    """A slice keeping the whole axis passes it; one selecting positions of it (an offset, a
+    stride, ``x[:, -1]``) is a sink gathering them from the chunks holding them."""
     full = shape(eqn.invars[0])[axis]
     start, limit = eqn.params["start_indices"][axis], eqn.params["limit_indices"][axis]
     strides = eqn.params["strides"]
-    if start != 0 or limit != full or (strides is not None and strides[axis] != 1):
-        raise NoRule("slice along the split axis")
-    return Mapping(ins=(axis,), outs=(axis,))
+    if start == 0 and limit == full and (strides is None or strides[axis] == 1):
+        return Mapping(ins=(axis,), outs=(axis,))
+    if side[0] == "in":
+        return Sink(sinks.SLICE, ins=(axis,))
+    raise NoRule("a slice along the split axis cannot produce it in chunks")
 
 
 def _zero_index(invals: list[Any], k: int) -> list[Any]:

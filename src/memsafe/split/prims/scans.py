@@ -1,15 +1,45 @@
-"""Scans and sorts: the split axis passes unless they act along it."""
+"""Scans and sorts. A scan along the split axis carries its last value from chunk to chunk
+(cumsum, cumprod, cummax, cummin, cumlogsumexp, in order); a sort along it cannot be chunked."""
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+from jax import lax
+
 from memsafe._jax import JaxprEqn
-from memsafe.primitives import CUMULATIVE
-from memsafe.split.registry import identity_unless, shape
+from memsafe.split.registry import (
+    Mapping,
+    NoRule,
+    Running,
+    Side,
+    identity_unless,
+    passing,
+    shape,
+    split_rule,
+)
 
 
 def _rank(eqn: JaxprEqn) -> int:
     return len(shape(eqn.invars[0]))
 
 
-identity_unless(sorted(CUMULATIVE), lambda e: (e.params["axis"] % _rank(e),), "scans")
+def _scan_axis(eqn: JaxprEqn) -> int:
+    return eqn.params["axis"] % _rank(eqn)
+
+
+def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    if axis == _scan_axis(eqn) and eqn.params["reverse"]:
+        raise NoRule(f"{eqn.primitive.name} scans the split axis in reverse")
+    return passing(eqn, axis)
+
+
+for _name, _combine in {
+    "cumsum": lax.add,
+    "cumprod": lax.mul,
+    "cummax": lax.max,
+    "cummin": lax.min,
+    "cumlogsumexp": jnp.logaddexp,
+}.items():
+    split_rule(_name, running=Running(_combine, _scan_axis))(_scan)
+
 identity_unless(["sort"], lambda e: (e.params["dimension"] % _rank(e),), "sorts")
