@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -38,10 +38,10 @@ class Reducer:
     """
 
     #: Name shown in plans and records.
-    name: ClassVar[str] = "sink"
+    name: str = "sink"
     #: Whether the running result may be multiplied by a factor constant along the axis (the
     #: online-softmax rescale): true of sums and contractions, linear in their operand.
-    rescalable: ClassVar[bool] = False
+    rescalable: bool = False
 
     def min_chunk(self, eqn: JaxprEqn) -> int:
         """Smallest chunk the sink can work with."""
@@ -83,62 +83,22 @@ class Reducer:
         return self.name
 
 
-class _Monoid(Reducer):
-    """A sink whose chunk result is the equation's own result, folded elementwise by ``op``."""
+class Monoid(Reducer):
+    """A sink whose chunk result is the equation's own result, folded elementwise by ``op``
+    (sums, contractions, max, min, products, logical and bitwise reductions)."""
 
-    op: ClassVar[Any]
-    collective: ClassVar[Any] = None
+    def __init__(
+        self, name: str, op: Any, *, rescalable: bool = False, collective: Any = None
+    ) -> None:
+        self.name, self.op, self.rescalable, self.collective = name, op, rescalable, collective
 
     def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
-        return tuple(type(self).op(a, b) for a, b in zip(acc, new))
+        return tuple(self.op(a, b) for a, b in zip(acc, new))
 
     def across(self, eqn: JaxprEqn, part: Partial, axis_name: str) -> Partial:
-        if type(self).collective is None:
+        if self.collective is None:
             return super().across(eqn, part, axis_name)
-        return tuple(type(self).collective(p, axis_name) for p in part)
-
-
-class Sum(_Monoid):
-    name = "sum"
-    rescalable = True
-    op = staticmethod(lax.add)
-    collective = staticmethod(lax.psum)
-
-
-class Dot(Sum):
-    """A contraction over the split axis: partial products add up."""
-
-    name = "dot"
-
-
-class Max(_Monoid):
-    name = "max"
-    op = staticmethod(lax.max)  # not lax.pmax across devices: it drops NaN on the CPU
-
-
-class Min(_Monoid):
-    name = "min"
-    op = staticmethod(lax.min)
-
-
-class Prod(_Monoid):
-    name = "prod"
-    op = staticmethod(lax.mul)
-
-
-class And(_Monoid):
-    name = "and"
-    op = staticmethod(lax.bitwise_and)
-
-
-class Or(_Monoid):
-    name = "or"
-    op = staticmethod(lax.bitwise_or)
-
-
-class Xor(_Monoid):
-    name = "xor"
-    op = staticmethod(lax.bitwise_xor)
+        return tuple(self.collective(p, axis_name) for p in part)
 
 
 class ArgBest(Reducer):
@@ -277,9 +237,13 @@ def _additive_identity(dtype: Any) -> Any:
     return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
 
 
-SUM, DOT, MAX, MIN, PROD = Sum(), Dot(), Max(), Min(), Prod()
+SUM = Monoid("sum", lax.add, rescalable=True, collective=lax.psum)
+DOT = Monoid("dot", lax.add, rescalable=True, collective=lax.psum)  # a contraction's partials
+# max and min gather and fold across devices: lax.pmax and lax.pmin drop NaN on the CPU
+MAX, MIN, PROD = Monoid("max", lax.max), Monoid("min", lax.min), Monoid("prod", lax.mul)
+AND, OR = Monoid("and", lax.bitwise_and), Monoid("or", lax.bitwise_or)
+XOR = Monoid("xor", lax.bitwise_xor)
 SLICE = SlicePick()
-AND, OR, XOR = And(), Or(), Xor()
 ARGMAX, ARGMIN, TOP_K, PICK = ArgMax(), ArgMin(), TopK(), Pick()
 
 #: The reducer of each reduction monoid named in ``memsafe.primitives``.

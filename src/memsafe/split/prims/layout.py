@@ -58,24 +58,27 @@ def _reshape(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     raise NoRule(f"reshape {in_shape} -> {out_shape} merges or splits the axis")
 
 
-@split_rule("squeeze")
-def _squeeze(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    rank = len(shape(eqn.invars[0]))
+def _kept(eqn: JaxprEqn, side: Side, axis: int, larger: int) -> Mapping:
+    """The mapping of a primitive dropping (squeeze) or adding (expand_dims) size-1 axes: the
+    ``larger`` side (0: operand, 1: result) has the axes ``dimensions`` names."""
+    atoms = (eqn.invars[0], eqn.outvars[0])
+    rank = len(shape(atoms[larger]))
     dims = {d % rank for d in eqn.params["dimensions"]}
     kept = [d for d in range(rank) if d not in dims]
-    if side[0] == "in":
-        return Mapping(ins=(axis,), outs=(kept.index(axis),))
-    return Mapping(ins=(kept[axis],), outs=(axis,))
+    on_larger = (side[0] == "in") == (larger == 0)
+    there = kept.index(axis) if on_larger else kept[axis]
+    big, small = (axis, there) if on_larger else (there, axis)
+    return Mapping(ins=(big,), outs=(small,)) if larger == 0 else Mapping((small,), (big,))
+
+
+@split_rule("squeeze")
+def _squeeze(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    return _kept(eqn, side, axis, larger=0)
 
 
 @split_rule("expand_dims")
 def _expand_dims(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    rank = len(shape(eqn.outvars[0]))
-    dims = {d % rank for d in eqn.params["dimensions"]}
-    kept = [d for d in range(rank) if d not in dims]
-    if side[0] == "in":
-        return Mapping(ins=(axis,), outs=(kept[axis],))
-    return Mapping(ins=(kept.index(axis),), outs=(axis,))
+    return _kept(eqn, side, axis, larger=1)
 
 
 @split_rule("transpose")
