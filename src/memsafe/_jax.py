@@ -28,7 +28,6 @@ ShapedArray = _public_core.ShapedArray
 eval_jaxpr = _public_core.eval_jaxpr
 jaxpr_as_fun = _jex_core.jaxpr_as_fun
 
-Atom = Var | Literal
 
 #: Primitives that only wrap a sub-jaxpr and can be inlined for a forward (primal) program.
 #: custom_jvp/custom_vjp carry differentiation rules: memsafe differentiates the *original* function

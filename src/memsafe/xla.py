@@ -116,9 +116,3 @@ def hidden_constant_bytes(consts: Sequence[Any], threshold: int = 64) -> int:
         if nbytes > threshold:
             total += nbytes
     return total
-
-
-def compile_footprint(lowered: Any, hidden_constants: int = 0) -> tuple[Any, Footprint]:
-    """Compile a ``jax.stages.Lowered`` and return (compiled, footprint)."""
-    compiled = lowered.compile()
-    return compiled, Footprint.from_compiled(compiled, hidden_constants)

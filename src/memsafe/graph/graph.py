@@ -31,9 +31,11 @@ class Graph:
 
     closed: ClosedJaxpr
     _values: dict[Var, ValueInfo] = field(init=False, repr=False)
+    _eqns: tuple[JaxprEqn, ...] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         jaxpr = self.closed.jaxpr
+        self._eqns = tuple(jaxpr.eqns)
         producers: dict[Var, int] = {}
         consumers: dict[Var, list[int]] = {}
         for i, eqn in enumerate(jaxpr.eqns):
@@ -65,8 +67,9 @@ class Graph:
         self._values = values
 
     @property
-    def eqns(self) -> list[JaxprEqn]:
-        return list(self.closed.jaxpr.eqns)
+    def eqns(self) -> tuple[JaxprEqn, ...]:
+        """The equations, in program order (the graph is read-only: one tuple, never copied)."""
+        return self._eqns
 
     @property
     def inputs(self) -> list[Var]:

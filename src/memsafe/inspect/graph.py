@@ -14,10 +14,6 @@ from dataclasses import dataclass, field
 from memsafe.inspect.hlo import Computation, HloModule, Instruction, Shape, Source
 from memsafe.inspect.model import Array, Kernel, Loop, LoopState
 
-#: Instructions that name existing buffers rather than launch work.
-VIEW_OPS = frozenset(
-    {"parameter", "tuple", "get-tuple-element", "bitcast", "opt-barrier", "add-dependency"}
-)
 #: Instructions that produce no array worth drawing.
 SILENT_OPS = frozenset({"after-all", "domain", "partition-id", "replica-id"})
 
@@ -63,17 +59,6 @@ class ProgramGraph:
                 if sub.opcode == "fusion":
                     stack.extend(sub.called("calls"))
         return out
-
-    def kernel_of(self, array: str) -> Kernel | None:
-        producer = self.arrays[array].producer
-        return self.kernels.get(producer) if producer else None
-
-    def top_level(self, kernel: str) -> Kernel:
-        """The kernel of the entry computation that holds ``kernel`` (itself if top-level)."""
-        k = self.kernels[kernel]
-        while k.parent is not None:
-            k = self.kernels[k.parent]
-        return k
 
     def top_level_in(self, kernel: str, computation: str) -> str:
         """The kernel of ``computation`` that holds ``kernel`` (itself if it is there)."""

@@ -165,13 +165,6 @@ class HloModule:
     def entry_computation(self) -> Computation:
         return self.computations[self.entry]
 
-    def instruction(self, name: str) -> Instruction | None:
-        for comp in self.computations.values():
-            for inst in comp.instructions:
-                if inst.name == name:
-                    return inst
-        return None
-
 
 class HloParseError(ValueError):
     """The text is not HLO this parser understands."""

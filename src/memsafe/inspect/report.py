@@ -21,7 +21,6 @@ from memsafe.inspect.findings import find_all
 from memsafe.inspect.graph import ProgramGraph, build_graph
 from memsafe.inspect.hlo import parse_hlo
 from memsafe.inspect.model import Array, Constant, Finding, Kernel, Loop
-from memsafe.limits import format_bytes
 from memsafe.xla import Footprint
 from memsafe.xla import compiler_options as memsafe_compiler_options
 
@@ -301,10 +300,3 @@ def inspect(
     )
     report.findings = find_all(report)
     return report
-
-
-def summary_line(report: Report) -> str:
-    """One line: the function, its footprint and its largest temporary."""
-    temps = report.temporaries
-    largest = f", largest temporary {temps[0].describe()}" if temps else ""
-    return f"{report.name}: {format_bytes(report.footprint.total)}{largest}"

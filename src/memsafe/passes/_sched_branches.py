@@ -33,9 +33,6 @@ class Step:
     index: int
     acc_pos: int  # -1 for the first equation, whose two operands are both terms
 
-    def term_pos(self) -> int:
-        return 1 - self.acc_pos if self.acc_pos >= 0 else 1
-
 
 @dataclass(frozen=True)
 class Chain:
