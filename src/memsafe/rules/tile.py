@@ -72,92 +72,103 @@ def _small_piece(view: View, free: set[int]) -> tuple[Callable[[Callable], Any],
     return build, shape
 
 
+def _pieces(
+    graph: Graph, index: int, operand: Var, contract: list[int], other_contract: list[int]
+) -> tuple[list[tuple[Any, int, int]], set[int], tuple | None] | None:
+    """(pieces as (atom, start, stop) along the contracted axis, equations replaced, the cut of
+    the other operand) of a product operand used only by equation ``index``; None if it is
+    stored for another use anyway."""
+    info = graph.info(operand)
+    producer = info.producer
+    if producer is None or graph.eqns[producer].primitive.name != "concatenate":
+        if info.is_output or len(set(info.consumers)) != 1:
+            return None  # stored for another use anyway: nothing to save
+        return [(operand, 0, 0)], {index}, None
+    cat = graph.eqns[producer]
+    axis = int(cat.params["dimension"])
+    if axis not in contract or info.is_output or len(info.consumers) != 1:
+        return None
+    pieces, start = [], 0
+    for a in cat.invars:
+        size = a.aval.shape[axis]
+        pieces.append((a, start, start + size))
+        start += size
+    return pieces, {index, producer}, (axis, other_contract[contract.index(axis)])
+
+
+def _builds(
+    ir: IR, pieces: list[tuple[Any, int, int]], free: set[int], itemsize: int
+) -> tuple[list[tuple[Any, Any, int, int]], int, bool]:
+    """(how to build each piece small, bytes the small pieces take, whether any shrank)."""
+    builds, used, any_shrunk = [], 0, False
+    for atom, start, stop in pieces:
+        view = ir.view(atom)
+        shrink = {i for i in free if view.amap[i] is None and view.shape[i] > 1}
+        made = _small_piece(view, shrink) if shrink else None
+        if made is None:
+            builds.append((atom, None, start, stop))
+            used += nbytes_of_aval(atom.aval)
+            continue
+        any_shrunk = True
+        build, shape = made
+        used += int(np.prod(shape)) * itemsize
+        builds.append((atom, build, start, stop))
+    return builds, used, any_shrunk
+
+
+def _product_of_pieces(
+    eqn: Any, side: int, builds: list, cut: tuple | None
+) -> Callable[[Callable[[Any], Any]], Any]:
+    """The product computed piece by piece from small operands, summed."""
+    other = eqn.invars[1 - side]
+    dn = eqn.params["dimension_numbers"]
+    out_shape, dtype = tuple(eqn.outvars[0].aval.shape), eqn.outvars[0].aval.dtype
+
+    def compute(read: Callable[[Any], Any]) -> Any:
+        w = read(other) if isinstance(other, Var) else jnp.asarray(other.val)
+        total = None
+        for atom, build, start, stop in builds:
+            piece = build(read) if build is not None else read(atom)
+            part_w = w if cut is None else lax.slice_in_dim(w, start, stop, axis=cut[1])
+            lhs, rhs = (piece, part_w) if side == 0 else (part_w, piece)
+            part = lax.dot_general(lhs, rhs, dn, preferred_element_type=dtype)
+            part = jnp.broadcast_to(part, out_shape)
+            total = part if total is None else total + part
+        return total
+
+    return compute
+
+
 def _find_one(ir: IR, graph: Graph, index: int) -> Rewrite | None:
     eqn = graph.eqns[index]
     if eqn.primitive.name != "dot_general" or len(eqn.outvars) != 1:
         return None
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     out = eqn.outvars[0]
-    out_shape = tuple(out.aval.shape)
     itemsize = np.dtype(out.aval.dtype).itemsize
     for side in (0, 1):
         operand = eqn.invars[side]
-        other = eqn.invars[1 - side]
         contract = [int(a) for a in (lc if side == 0 else rc)]
         batch = [int(a) for a in (lb if side == 0 else rb)]
         other_contract = [int(a) for a in (rc if side == 0 else lc)]
         if not isinstance(operand, Var):
             continue
-        info = graph.info(operand)
-        producer = info.producer
-        pieces: list[tuple[Any, int, int]]  # (atom, start, stop) along the contracted axis
-        region = {index}
-        if producer is not None and graph.eqns[producer].primitive.name == "concatenate":
-            cat = graph.eqns[producer]
-            axis = int(cat.params["dimension"])
-            if axis not in contract or info.is_output or len(info.consumers) != 1:
-                continue
-            pieces, start = [], 0
-            for a in cat.invars:
-                size = a.aval.shape[axis]
-                pieces.append((a, start, start + size))
-                start += size
-            region.add(producer)
-            cut = (axis, other_contract[contract.index(axis)])
-        else:
-            if info.is_output or len(set(info.consumers)) != 1:
-                continue  # stored for another use anyway: nothing to save
-            pieces = [(operand, 0, 0)]
-            cut = None
+        found = _pieces(graph, index, operand, contract, other_contract)
+        if found is None:
+            continue
+        pieces, region, cut = found
         free = {a for a in range(operand.aval.ndim) if a not in contract and a not in batch}
-        builds = []
-        saved = nbytes_of_aval(operand.aval)
-        any_shrunk = False
-        for atom, start, stop in pieces:
-            view = ir.view(atom)
-            shrink = {i for i in free if view.amap[i] is None and view.shape[i] > 1}
-            made = _small_piece(view, shrink) if shrink else None
-            if made is None:
-                builds.append((atom, None, start, stop))
-                saved -= nbytes_of_aval(atom.aval)
-                continue
-            any_shrunk = True
-            build, shape = made
-            saved -= int(np.prod(shape)) * itemsize
-            builds.append((atom, build, start, stop))
-        if not any_shrunk:
+        builds, used, any_shrunk = _builds(ir, pieces, free, itemsize)
+        extra = (len(pieces) - 1) * int(np.prod(out.aval.shape)) * itemsize
+        saved = nbytes_of_aval(operand.aval) - used - extra
+        if not any_shrunk or saved <= 0:
             continue
-        saved -= (len(pieces) - 1) * int(np.prod(out_shape)) * itemsize
-        if saved <= 0:
-            continue
-        dn = eqn.params["dimension_numbers"]
-        dtype = out.aval.dtype
-
-        def compute(
-            read: Callable[[Any], Any],
-            builds: list = builds,
-            cut: tuple | None = cut,
-            side: int = side,
-            other: Any = other,
-            dn: Any = dn,
-            dtype: Any = dtype,
-        ) -> Any:
-            w = read(other) if isinstance(other, Var) else jnp.asarray(other.val)
-            total = None
-            for atom, build, start, stop in builds:
-                piece = build(read) if build is not None else read(atom)
-                part_w = w if cut is None else lax.slice_in_dim(w, start, stop, axis=cut[1])
-                lhs, rhs = (piece, part_w) if side == 0 else (part_w, piece)
-                part = lax.dot_general(lhs, rhs, dn, preferred_element_type=dtype)
-                part = jnp.broadcast_to(part, out_shape)
-                total = part if total is None else total + part
-            return total
-
         detail = (
             f"{'concatenation' if cut else 'operand'} {operand.aval.dtype}"
             f"{list(operand.aval.shape)} of the product is no longer stored"
         )
         record = RuleRecord(NAME, source_line(eqn), int(saved), 0, detail)
+        compute = _product_of_pieces(eqn, side, builds, cut)
         return Rewrite(index, frozenset(region), compute, record)
     return None
 
