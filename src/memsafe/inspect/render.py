@@ -166,53 +166,56 @@ def _edge_label(a: Array) -> str:
 
 def dot(report: ReportView) -> str:
     """The kernel graph as Graphviz DOT source."""
-    g = report.graph
-    temps = report.temporaries
-    highlighted = {a.name for a in temps[:HIGHLIGHT] if a.bytes > 0}
     graph = graphviz.Digraph(name=report.name, format="svg")
     graph.attr(rankdir="TB", fontname="Helvetica", label=f"{report.name}: {report.mode}")
     graph.attr("node", fontname="Helvetica", fontsize="10")
     graph.attr("edge", fontname="Helvetica", fontsize="9")
+    _add_kernels(report, graph, None)
+    _add_inputs(report, graph)
+    _add_array_edges(report, graph)
+    _add_loop_edges(report, graph)
+    _add_outputs(report, graph)
+    return graph.source
 
-    def kernel_node(container: graphviz.Digraph, k: Kernel) -> None:
-        lines = [k.name, k.label, f"{k.shape} {format_bytes(k.bytes)}"]
-        if k.sources:
-            lines.append(short(k.sources[0]))
-        if k.opcode == "while" and k.name in g.loops and g.loops[k.name].trip_count:
-            lines[1] += f" ({g.loops[k.name].trip_count} iterations)"
-        style = {"shape": "box", "style": "rounded,filled", "fillcolor": "#e8eef7"}
-        if k.opcode != "fusion":
-            style["fillcolor"] = "#f7eee0"
-        container.node(k.name, "\\n".join(lines), **style)
 
-    def add(container: graphviz.Digraph, parent: str | None) -> None:
-        for k in report.kernels:
-            if k.parent != parent:
-                continue
-            kernel_node(container, k)
-            if any(c.parent == k.name for c in report.kernels):
-                with container.subgraph(name=f"cluster_{k.name}") as sub:
-                    sub.attr(label=f"body of {k.name}", style="dashed", color="#888888")
-                    add(sub, k.name)
+def _kernel_node(report: ReportView, container: graphviz.Digraph, k: Kernel) -> None:
+    g = report.graph
+    lines = [k.name, k.label, f"{k.shape} {format_bytes(k.bytes)}"]
+    if k.sources:
+        lines.append(short(k.sources[0]))
+    if k.opcode == "while" and k.name in g.loops and g.loops[k.name].trip_count:
+        lines[1] += f" ({g.loops[k.name].trip_count} iterations)"
+    fill = "#e8eef7" if k.opcode == "fusion" else "#f7eee0"
+    container.node(k.name, "\\n".join(lines), shape="box", style="rounded,filled", fillcolor=fill)
 
-    add(graph, None)
+
+def _add_kernels(report: ReportView, container: graphviz.Digraph, parent: str | None) -> None:
+    """The kernels under ``parent``, loop bodies as dashed clusters."""
+    for k in report.kernels:
+        if k.parent != parent:
+            continue
+        _kernel_node(report, container, k)
+        if any(c.parent == k.name for c in report.kernels):
+            with container.subgraph(name=f"cluster_{k.name}") as sub:
+                sub.attr(label=f"body of {k.name}", style="dashed", color="#888888")
+                _add_kernels(report, sub, k.name)
+
+
+def _add_inputs(report: ReportView, graph: graphviz.Digraph) -> None:
     for a in report.arrays:
         if a.role == "parameter":
-            graph.node(
-                f"in__{a.name}",
-                f"{a.name}\\n{a.type}\\n{format_bytes(a.bytes)}",
-                shape="ellipse",
-                style="filled",
-                fillcolor="#e3f2e1",
-            )
+            label, shape, fill = f"{a.name}", "ellipse", "#e3f2e1"
         elif a.role == "constant" and a.consumers:
-            graph.node(
-                f"in__{a.name}",
-                f"constant {a.name}\\n{a.type}\\n{format_bytes(a.bytes)}",
-                shape="note",
-                style="filled",
-                fillcolor="#fde2e2",
-            )
+            label, shape, fill = f"constant {a.name}", "note", "#fde2e2"
+        else:
+            continue
+        text = f"{label}\\n{a.type}\\n{format_bytes(a.bytes)}"
+        graph.node(f"in__{a.name}", text, shape=shape, style="filled", fillcolor=fill)
+
+
+def _add_array_edges(report: ReportView, graph: graphviz.Digraph) -> None:
+    """Arrays as edges from producer to consumers, the largest temporaries in red."""
+    highlighted = {a.name for a in report.temporaries[:HIGHLIGHT] if a.bytes > 0}
     for a in report.arrays:
         source = a.producer if a.producer else f"in__{a.name}"
         if source.startswith("in__") and a.role not in ("parameter", "constant"):
@@ -224,30 +227,27 @@ def dot(report: ReportView) -> str:
             attrs["style"] = "dashed"
         for c in a.consumers:
             graph.edge(source, c, **attrs)
+
+
+def _add_loop_edges(report: ReportView, graph: graphviz.Digraph) -> None:
+    """Each loop's next state, dotted from its producer back to the loop."""
+    g = report.graph
     for loop in report.loops:
         for s in loop.state:
             for u in s.update:
                 producer = g.arrays[u].producer
                 if producer and producer != loop.name and not s.invariant:
-                    graph.edge(
-                        producer,
-                        loop.name,
-                        label=f"next {_edge_label(g.arrays[u])}",
-                        style="dotted",
-                        constraint="false",
-                    )
+                    label = f"next {_edge_label(g.arrays[u])}"
+                    graph.edge(producer, loop.name, label=label, style="dotted", constraint="false")
+
+
+def _add_outputs(report: ReportView, graph: graphviz.Digraph) -> None:
+    g = report.graph
     for name in g.outputs:
         a = g.arrays[name]
-        graph.node(
-            f"out__{name}",
-            f"output\\n{a.type}\\n{format_bytes(a.bytes)}",
-            shape="ellipse",
-            style="filled",
-            fillcolor="#fff4c2",
-        )
-        source = a.producer or f"in__{name}"
-        graph.edge(source, f"out__{name}", label=_edge_label(a))
-    return graph.source
+        text = f"output\\n{a.type}\\n{format_bytes(a.bytes)}"
+        graph.node(f"out__{name}", text, shape="ellipse", style="filled", fillcolor="#fff4c2")
+        graph.edge(a.producer or f"in__{name}", f"out__{name}", label=_edge_label(a))
 
 
 def dot_binary() -> str:
