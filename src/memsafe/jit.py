@@ -97,6 +97,86 @@ def reported(build: Callable[..., Program]) -> Callable[..., Program]:
     return run
 
 
+def _trace(flat_fun: Callable[..., Any], avals: Sequence[Any], name: str) -> tuple[Any, Any]:
+    """(closed jaxpr, output tree) of ``flat_fun`` at ``avals``; a user's error keeps its type."""
+    watch = log.Stopwatch()
+    try:
+        closed, out_tree = _jax.make_closed_jaxpr(flat_fun, avals)
+    except Exception as err:  # the user's own error, kept as it is, with where memsafe was
+        shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+        err.add_note(f"memsafe: while tracing {name} at arguments ({shapes})")
+        raise
+    log.traced(name, len(closed.jaxpr.eqns), watch.elapsed)
+    return closed, out_tree
+
+
+@dataclass(frozen=True)
+class _Compiled:
+    """One program compiled and measured."""
+
+    jitted: Any
+    compiled: Any
+    footprint: Footprint
+
+
+def _compile(
+    fun: Callable[..., Any],
+    avals: Sequence[Any],
+    options: Mapping[str, Any] | None,
+    donate: tuple[int, ...],
+    hidden: int,
+    what: tuple[str, str, int],
+) -> _Compiled:
+    """``fun`` compiled with memsafe's options and its footprint (logged as ``what``: name,
+    description, limit)."""
+    watch = log.Stopwatch()
+    jitted = memsafe_jit(fun, options, donate_argnums=donate)
+    compiled = jitted.lower(*avals).compile()
+    footprint = Footprint.from_compiled(compiled, hidden)
+    log.compiled(what[0], what[1], footprint.total, what[2], watch.elapsed)
+    return _Compiled(jitted, compiled, footprint)
+
+
+def _check_fixed(before: Footprint, memory_limit: int, name: str) -> int:
+    """Bytes no rewrite can shrink (arguments and outputs); raises when they exceed the limit."""
+    fixed = before.arguments + before.outputs - before.aliases
+    if fixed > memory_limit:
+        raise MemoryLimitError(
+            f"{name}: its arguments and outputs alone need {format_bytes(fixed)} "
+            f"(arguments {format_bytes(before.arguments)}, outputs {format_bytes(before.outputs)}),"
+            f" more than the limit; no rewrite can shrink them",
+            limit=memory_limit,
+            footprint=before.total,
+        )
+    return fixed
+
+
+def _next_scale(scale: float, attempt: int, after: Footprint, limit: int, fixed: int) -> float:
+    """The chunk scale of the next attempt: shrunk in proportion to the excess (chunk temps
+    scale about linearly), with a margin; halving outright cost the 10k x 1M kNN 2x its loop
+    count after a 4% overshoot."""
+    excess = after.total - limit
+    room = max(1, limit - fixed)
+    at_most = FIRST_SHRINK if attempt == 0 else 0.5
+    return scale * min(at_most, SHRINK_MARGIN * room / (room + excess))
+
+
+def _refusal(
+    flat: Any, name: str, limit: int, before: Footprint, best: Footprint | None, blockers: list
+) -> MemoryLimitError:
+    """The error when no attempt fit: the largest intermediates and what stopped each split."""
+    largest = Graph(flat).largest(5)
+    detail = ", ".join(f"{v.dtype}{list(v.shape)} ({format_bytes(v.bytes)})" for v in largest[:3])
+    return MemoryLimitError(
+        f"{name}: no rewrite brought the footprint under the limit "
+        f"(largest intermediates: {detail})",
+        limit=limit,
+        footprint=None if best is None else best.total,
+        blockers=blockers,
+        minimum=before.total if best is None else min(best.total, before.total),
+    )
+
+
 @reported
 def build_program(
     flat_fun: Callable[..., Any],
@@ -108,89 +188,45 @@ def build_program(
 ) -> Program:
     """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``;
     ``compiler_options`` are the user's, merged with memsafe's (see ``xla.merged_options``)."""
-    watch = log.Stopwatch()
-    try:
-        closed, out_tree = _jax.make_closed_jaxpr(flat_fun, avals)
-    except Exception as err:  # the user's own error, kept as it is, with where memsafe was
-        shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
-        err.add_note(f"memsafe: while tracing {name} at arguments ({shapes})")
-        raise
-    log.traced(name, len(closed.jaxpr.eqns), watch.elapsed)
+    closed, out_tree = _trace(flat_fun, avals, name)
     plan = Plan(memory_limit=memory_limit)
     hidden = hidden_constant_bytes(closed.consts)
-    watch = log.Stopwatch()
-    original = memsafe_jit(flat_fun, compiler_options, donate_argnums=donate)
-    original_compiled = original.lower(*avals).compile()
-    before = Footprint.from_compiled(original_compiled, hidden)
-    log.compiled(name, "original program", before.total, memory_limit, watch.elapsed)
-    plan.before = before
+    what = (name, "original program", memory_limit)
+    original = _compile(flat_fun, avals, compiler_options, donate, hidden, what)
+    before = plan.before = original.footprint
     if before.total <= memory_limit:
         plan.fits_unchanged = True
         plan.after = before
         plan.attempts.append(Attempt(1.0, before, True, "original program"))
-        return Program(original, flat_fun, tuple(avals), out_tree, plan, closed, original_compiled)
-
-    fixed = before.arguments + before.outputs - before.aliases
-    if fixed > memory_limit:
-        raise MemoryLimitError(
-            f"{name}: its arguments and outputs alone need {format_bytes(fixed)} "
-            f"(arguments {format_bytes(before.arguments)}, outputs {format_bytes(before.outputs)}),"
-            f" more than the limit; no rewrite can shrink them",
-            limit=memory_limit,
-            footprint=before.total,
+        return Program(
+            original.jitted, flat_fun, tuple(avals), out_tree, plan, closed, original.compiled
         )
-
+    fixed = _check_fixed(before, memory_limit, name)
     flat = inline_calls(closed)
     pipeline = passes.named_passes()
-    scale = 1.0
-    best: Footprint | None = None
-    last_blockers = []
+    scale, best, blockers = 1.0, None, []
     for attempt in range(MAX_ATTEMPTS):
         attempt_plan = Plan(memory_limit=memory_limit, before=before)
-        ctx = PassContext(
-            memory_limit=memory_limit,
-            fixed_bytes=fixed + hidden,
-            plan=attempt_plan,
-            chunk_scale=scale,
-        )
+        ctx = PassContext(memory_limit, fixed + hidden, attempt_plan, chunk_scale=scale)
         program = flat
         for pass_name, run in pipeline:
             program = _run_logged(pass_name, run, program, ctx, name)
-        last_blockers = ctx.blockers
-        hidden_now = hidden_constant_bytes(program.consts)
+        blockers = ctx.blockers
         emitted = _emit(program)
-        watch = log.Stopwatch()
-        jitted = memsafe_jit(emitted, compiler_options, donate_argnums=donate)
-        compiled = jitted.lower(*avals).compile()
-        after = Footprint.from_compiled(compiled, hidden_now)
-        what = f"attempt {attempt + 1} (chunk scale {scale:.3g})"
-        log.compiled(name, what, after.total, memory_limit, watch.elapsed)
+        what = (name, f"attempt {attempt + 1} (chunk scale {scale:.3g})", memory_limit)
+        hidden_now = hidden_constant_bytes(program.consts)
+        got = _compile(emitted, avals, compiler_options, donate, hidden_now, what)
+        after = got.footprint
         fits = after.total <= memory_limit
         plan.attempts.append(Attempt(scale, after, fits))
-        if best is None or after.total < best.total:
-            best = after
+        best = after if best is None or after.total < best.total else best
         if fits:
-            plan.records = attempt_plan.records
-            plan.after = after
-            return Program(jitted, emitted, tuple(avals), out_tree, plan, program, compiled)
+            plan.records, plan.after = attempt_plan.records, after
+            return Program(got.jitted, emitted, tuple(avals), out_tree, plan, program, got.compiled)
         if not attempt_plan.splits:
             break  # nothing size-dependent was done: smaller chunks cannot help
-        # Shrink in proportion to the excess (chunk temps scale about linearly), with a margin;
-        # halving outright cost the 10k x 1M kNN 2x its loop count after a 4% overshoot.
-        excess = after.total - memory_limit
-        room = max(1, memory_limit - fixed)
-        at_most = FIRST_SHRINK if attempt == 0 else 0.5
-        scale *= min(at_most, SHRINK_MARGIN * room / (room + excess))
-    largest = Graph(flat).largest(5)
-    detail = ", ".join(f"{v.dtype}{list(v.shape)} ({format_bytes(v.bytes)})" for v in largest[:3])
-    raise MemoryLimitError(
-        f"{name}: no rewrite brought the footprint under the limit "
-        f"(largest intermediates: {detail})",
-        limit=memory_limit,
-        footprint=None if best is None else best.total,
-        blockers=last_blockers,
-        minimum=before.total if best is None else min(best.total, before.total),
-    )
+        scale = _next_scale(scale, attempt, after, memory_limit, fixed)
+    raise _refusal(flat, name, memory_limit, before, best, blockers)
 
 
 class MemsafeFunction:
