@@ -7,10 +7,8 @@ from typing import Any
 
 from jax import lax
 
-from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
-from memsafe.split import sinks
+from memsafe._jax import JaxprEqn, bind_eqn_with
 from memsafe.split.registry import Mapping, NoRule, Side, identity_unless, shape, split_rule
-from memsafe.split.sinks import Sink
 
 
 def _with_size(sizes: Any, at: int | None, size: int) -> tuple[int, ...]:
@@ -101,67 +99,4 @@ def _iota(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return Mapping(ins=tuple(None for _ in eqn.invars), outs=(axis,))
 
 
-identity_unless(["concatenate"], lambda e: (e.params["dimension"],), "concatenates")
 identity_unless(["split"], lambda e: (e.params["axis"],), "splits")
-identity_unless(["rev"], lambda e: tuple(e.params["dimensions"]), "reverses")
-
-
-@split_rule("pad")
-def _pad(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    if tuple(eqn.params["padding_config"][axis]) != (0, 0, 0):
-        raise NoRule("pad along the split axis")
-    return Mapping(ins=(axis, None), outs=(axis,))
-
-
-def _rebind_slice(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
-    limits = _with_size(eqn.params["limit_indices"], m.ins[0], size)
-    return bind_eqn_with(eqn, invals, limit_indices=limits)
-
-
-@split_rule("slice", rebind=_rebind_slice)
-def _slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
-    """A slice keeping the whole axis passes it; one selecting positions of it (an offset, a
-    stride, ``x[:, -1]``) is a sink gathering them from the chunks holding them."""
-    full = shape(eqn.invars[0])[axis]
-    start, limit = eqn.params["start_indices"][axis], eqn.params["limit_indices"][axis]
-    strides = eqn.params["strides"]
-    if start == 0 and limit == full and (strides is None or strides[axis] == 1):
-        return Mapping(ins=(axis,), outs=(axis,))
-    if side[0] == "in":
-        return Sink(sinks.SLICE, ins=(axis,))
-    raise NoRule("a slice along the split axis cannot produce it in chunks")
-
-
-def _zero_index(invals: list[Any], k: int) -> list[Any]:
-    """``invals`` with start index ``k`` set to 0 (a full extent along the axis starts at 0)."""
-    invals = list(invals)
-    invals[k] = lax.full_like(invals[k], 0)
-    return invals
-
-
-def _rebind_dynamic_slice(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
-    a = m.ins[0]
-    assert a is not None
-    sizes = _with_size(eqn.params["slice_sizes"], a, size)
-    return bind_eqn_with(eqn, _zero_index(invals, 1 + a), slice_sizes=sizes)
-
-
-@split_rule("dynamic_slice", rebind=_rebind_dynamic_slice)
-def _dynamic_slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    if eqn.params["slice_sizes"][axis] != shape(eqn.invars[0])[axis]:
-        raise NoRule("dynamic_slice along the split axis")
-    return Mapping(ins=(axis,) + (None,) * (len(eqn.invars) - 1), outs=(axis,))
-
-
-def _rebind_dus(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
-    a = m.ins[0]
-    assert a is not None
-    return bind_eqn(eqn, _zero_index(invals, 2 + a))
-
-
-@split_rule("dynamic_update_slice", rebind=_rebind_dus)
-def _dynamic_update_slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    op, upd = shape(eqn.invars[0]), shape(eqn.invars[1])
-    if op[axis] != upd[axis]:
-        raise NoRule("dynamic_update_slice along the split axis")
-    return Mapping(ins=(axis, axis) + (None,) * (len(eqn.invars) - 2), outs=(axis,))
