@@ -23,9 +23,10 @@ def needs_operands_in_memory(primitive: str) -> bool:
 
 @dataclass(frozen=True)
 class Estimate:
+    """Values estimated to be materialized, and the peak of their live bytes in program order."""
+
     materialized: frozenset[Var]
     peak_bytes: int
-    peak_index: int  # equation index at which the estimated peak occurs
 
 
 def materialized_values(graph: Graph) -> frozenset[Var]:
@@ -50,7 +51,7 @@ def estimate(graph: Graph) -> Estimate:
     """Peak of live materialized bytes, scanning equations in program order."""
     mat = materialized_values(graph)
     live = sum(graph.info(v).bytes for v in mat if graph.info(v).producer is None)
-    peak, peak_at = live, -1
+    peak = live
     frees: dict[int, int] = {}
     for v in mat:
         vi = graph.info(v)
@@ -58,7 +59,6 @@ def estimate(graph: Graph) -> Estimate:
             frees[vi.last_use] = frees.get(vi.last_use, 0) + vi.bytes
     for i, eqn in enumerate(graph.eqns):
         live += sum(graph.info(o).bytes for o in eqn.outvars if o in mat)
-        if live > peak:
-            peak, peak_at = live, i
+        peak = max(peak, live)
         live -= frees.get(i, 0)
-    return Estimate(materialized=mat, peak_bytes=peak, peak_index=peak_at)
+    return Estimate(materialized=mat, peak_bytes=peak)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 from memsafe._jax import ClosedJaxpr, JaxprEqn, Literal, Var, nbytes_of_aval, source_line
@@ -97,18 +96,6 @@ class Graph:
     def where(self, index: int) -> str:
         """User source line of equation ``index``."""
         return source_line(self.closed.jaxpr.eqns[index])
-
-    @cached_property
-    def input_bytes(self) -> int:
-        return sum(self._values[v].bytes for v in self.closed.jaxpr.invars)
-
-    @cached_property
-    def output_bytes(self) -> int:
-        return sum(nbytes_of_aval(v.aval) for v in self.closed.jaxpr.outvars)
-
-    @cached_property
-    def const_bytes(self) -> int:
-        return sum(int(getattr(c, "nbytes", 0) or 0) for c in self.closed.consts)
 
     def largest(self, k: int = 10) -> list[ValueInfo]:
         """The k largest intermediate values (not inputs or constants)."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import graphviz
 
 from memsafe.inspect.hlo import Source
-from memsafe.inspect.model import Array, Kernel
+from memsafe.inspect.model import Array, Constant, Kernel
 from memsafe.inspect.view import ReportView
 from memsafe.limits import format_bytes
 
@@ -76,85 +76,138 @@ def footprint_lines(report: ReportView) -> list[str]:
 
 
 def text(report: ReportView) -> str:
-    """The report as a readable table."""
-    g = report.graph
+    """The report as a readable table: header, footprint, then one section per part."""
     out = [
         f"memsafe.inspect: {report.name}({', '.join(report.arguments)})",
         f"compiled with {report.mode}",
         "",
         *footprint_lines(report),
-        "",
-        f"Kernels ({len(report.kernels)}, in schedule order):",
     ]
-    rows = []
-    for k in report.kernels:
-        loop = f"in {k.parent}" if k.parent else ""
-        rows.append([k.name, k.label, str(k.shape), format_bytes(k.bytes), loop, _kernel_where(k)])
-    out += _table(["kernel", "op", "writes", "bytes", "loop", "source"], rows, {3})
+    for section in _SECTIONS:
+        lines = section(report)
+        if lines:
+            out += ["", *lines]
+    return "\n".join(out)
+
+
+def _loop_of(kernel: Kernel) -> str:
+    return f"in {kernel.parent}" if kernel.parent else ""
+
+
+def _kernels_section(report: ReportView) -> list[str]:
+    """Every kernel in schedule order: its op, what it writes, its loop and source line."""
+    rows = [
+        [k.name, k.label, str(k.shape), format_bytes(k.bytes), _loop_of(k), _kernel_where(k)]
+        for k in report.kernels
+    ]
+    return [
+        f"Kernels ({len(report.kernels)}, in schedule order):",
+        *_table(["kernel", "op", "writes", "bytes", "loop", "source"], rows, {3}),
+    ]
+
+
+def _temporaries_section(report: ReportView) -> list[str]:
+    """The largest arrays between kernels (at most :data:`MAX_ARRAY_ROWS`), who writes and reads
+    them; a loop's next state is read by the loop's next iteration."""
     temps = report.temporaries
     carried = {u: loop.name for loop in report.loops for st in loop.state for u in st.update}
-    out += ["", f"Arrays between kernels ({len(temps)} temporaries, largest first):"]
-    rows = []
-    for a in temps[:MAX_ARRAY_ROWS]:
-        rows.append(
-            [
-                a.name,
-                a.type,
-                format_bytes(a.bytes),
-                a.role,
-                a.producer or "",
-                ", ".join(a.consumers)
-                or (f"next iteration of {carried[a.name]}" if a.name in carried else "-"),
-            ]
-        )
+
+    def readers(a: Array) -> str:
+        if a.consumers:
+            return ", ".join(a.consumers)
+        return f"next iteration of {carried[a.name]}" if a.name in carried else "-"
+
+    rows = [
+        [a.name, a.type, format_bytes(a.bytes), a.role, a.producer or "", readers(a)]
+        for a in temps[:MAX_ARRAY_ROWS]
+    ]
+    out = [f"Arrays between kernels ({len(temps)} temporaries, largest first):"]
     out += _table(["array", "type", "bytes", "role", "producer", "consumers"], rows, {2})
     if len(temps) > MAX_ARRAY_ROWS:
         out.append(f"  ... and {len(temps) - MAX_ARRAY_ROWS} smaller")
-    io = [a for a in report.arrays if a.role in ("parameter", "output")]
-    if io:
-        out += ["", "Parameters and outputs:"]
-        rows = [
-            [a.name, a.type, format_bytes(a.bytes), a.role, ", ".join(a.consumers) or "-"]
-            for a in io
+    return out
+
+
+def _io_section(report: ReportView) -> list[str]:
+    """Parameters and outputs with the kernels that read them (empty if there are none)."""
+    rows = [
+        [a.name, a.type, format_bytes(a.bytes), a.role, ", ".join(a.consumers) or "-"]
+        for a in report.arrays
+        if a.role in ("parameter", "output")
+    ]
+    if not rows:
+        return []
+    return [
+        "Parameters and outputs:",
+        *_table(["array", "type", "bytes", "role", "read by"], rows, {2}),
+    ]
+
+
+def _loops_section(report: ReportView) -> list[str]:
+    """Each loop's trip count and carried state, updated or loop-invariant (empty if none)."""
+    if not report.loops:
+        return []
+    out = ["Loops:"]
+    for loop in report.loops:
+        trips = f"{loop.trip_count} iterations" if loop.trip_count else "unknown trip count"
+        out.append(f"  {loop.name} ({trips}), carried state {format_bytes(loop.bytes)}:")
+        for s in loop.state:
+            arr = report.graph.arrays.get(s.array)
+            kind = "unchanged (loop-invariant)" if s.invariant else "updated"
+            out.append(f"    [{s.index}] {arr.type if arr else '?'} {format_bytes(s.bytes)} {kind}")
+    return out
+
+
+def _constant_kind(c: Constant) -> str:
+    return c.kind + (" (closed over)" if c.closed_over else "")
+
+
+def _constants_section(report: ReportView) -> list[str]:
+    """Constants, whether memory_analysis() counts them and where they come from (empty if none)."""
+    rows = [
+        [
+            c.name,
+            c.type,
+            format_bytes(c.bytes),
+            _constant_kind(c),
+            "yes" if c.counted else "no",
+            short(c.where),
         ]
-        out += _table(["array", "type", "bytes", "role", "read by"], rows, {2})
-    if report.loops:
-        out += ["", "Loops:"]
-        for loop in report.loops:
-            trips = f"{loop.trip_count} iterations" if loop.trip_count else "unknown trip count"
-            out.append(f"  {loop.name} ({trips}), carried state {format_bytes(loop.bytes)}:")
-            for s in loop.state:
-                arr = g.arrays.get(s.array)
-                kind = "unchanged (loop-invariant)" if s.invariant else "updated"
-                typ = arr.type if arr else "?"
-                out.append(f"    [{s.index}] {typ} {format_bytes(s.bytes)} {kind}")
-    if report.constants:
-        out += ["", "Constants:"]
-        rows = []
-        for c in report.constants:
-            rows.append(
-                [
-                    c.name,
-                    c.type,
-                    format_bytes(c.bytes),
-                    c.kind + (" (closed over)" if c.closed_over else ""),
-                    "yes" if c.counted else "no",
-                    short(c.where),
-                ]
-            )
-        out += _table(["constant", "type", "bytes", "kind", "counted", "source"], rows, {2})
-    out += ["", f"Findings ({len(report.findings)}):"]
+        for c in report.constants
+    ]
+    if not rows:
+        return []
+    headers = ["constant", "type", "bytes", "kind", "counted", "source"]
+    return ["Constants:", *_table(headers, rows, {2})]
+
+
+#: What the text says about who fixes a finding (``Finding.fixed_by_memsafe_jit``).
+_FIX = {True: "memsafe.jit fixes this", False: "fix it in your code", None: ""}
+
+
+def _findings_section(report: ReportView) -> list[str]:
+    """Each finding: its bytes and place, message and advice (``none`` when there are none)."""
+    out = [f"Findings ({len(report.findings)}):"]
     if not report.findings:
         out.append("  none")
     for f in report.findings:
-        fix = {True: "memsafe.jit fixes this", False: "fix it in your code", None: ""}[
-            f.fixed_by_memsafe_jit
-        ]
+        fix = _FIX[f.fixed_by_memsafe_jit]
         where = f" at {short(f.where)}" if f.where else ""
         out.append(f"  [{f.rule}] {format_bytes(f.bytes)} ({f.bytes:,} bytes){where}")
         out.append(f"      {f.message}")
         out.append(f"      advice: {f.advice}" + (f" ({fix})" if fix else ""))
-    return "\n".join(out)
+    return out
+
+
+#: The text's sections in order; each returns its lines, or none to leave the section out.
+_SECTIONS = (
+    _kernels_section,
+    _temporaries_section,
+    _io_section,
+    _loops_section,
+    _constants_section,
+    _findings_section,
+)
 
 
 # -- graphviz -----------------------------------------------------------------------------------

@@ -123,7 +123,14 @@ def exclusive_cone(
     dead: frozenset[int] = frozenset(),
 ) -> set[int]:
     """Equations whose results feed ``atom`` and nothing else (none of them a program output);
-    uses by ``dead`` equations do not count."""
+    uses by ``dead`` equations do not count.
+
+    Every output of every cone equation is read only inside the cone, the producer of ``atom``
+    included: ``atom`` itself is read only by ``stop`` and its producer's other outputs (a loop's
+    other carries, a sort's other operands) by nothing live. Otherwise the cone is empty and the
+    term stays where it is: moving a multi-output producer into one branch would hide its other
+    outputs from their readers.
+    """
     if not isinstance(atom, Var) or isinstance(atom, Literal):
         return set()
     root = graph.info(atom).producer
@@ -132,6 +139,12 @@ def exclusive_cone(
     if any(c not in stop and c not in dead for c in graph.info(atom).consumers):
         return set()  # the term is read outside the chain too: it stays where it is
     eqns = graph.eqns
+    for v in eqns[root].outvars:
+        if v is atom or not isinstance(v, Var):
+            continue
+        other = graph.info(v)
+        if other.is_output or any(c not in dead for c in other.consumers):
+            return set()  # the producer's other outputs are read elsewhere
     cone = {root}
     for q in range(root - 1, -1, -1):
         if q in stop or q in dead:
