@@ -130,9 +130,12 @@ class Plan:
         if self.fits_unchanged:
             return f"limit {format_bytes(self.memory_limit)}: fits unchanged ({before})"
         after = format_bytes(self.after.total) if self.after is not None else "?"
-        done = (
-            f"{len(self.rules)} rules, {len(self.splits)} splits, {len(self.passes)} other passes"
+        counts = (
+            (self.rules, "rule", "rules"),
+            (self.splits, "split", "splits"),
+            (self.passes, "other pass", "other passes"),
         )
+        done = ", ".join(f"{len(r)} {one if len(r) == 1 else many}" for r, one, many in counts)
         return f"limit {format_bytes(self.memory_limit)}: {before} -> {after}; {done}"
 
     def __repr__(self) -> str:
