@@ -78,15 +78,15 @@ def splittable_temporary(report: ReportView) -> Iterable[Finding]:
         owner = report.graph.arrays[owner_name]
         first = arrays[0]
         listed = ", ".join(a.describe() for a in arrays)
-        share = 100 * sum(a.bytes for a in arrays) / total
+        share = 100 * first.bytes / total
         yield Finding(
             rule="splittable_temporary",
             bytes=first.bytes,
             message=(
                 f"{len(arrays)} large temporar{'y' if len(arrays) == 1 else 'ies'} ({listed};"
-                f" {share:.0f}% of the footprint together) have an axis of size {extent}, an axis"
-                f" of parameter {owner.name} {owner.type}: they can be computed in sequential"
-                " chunks along it."
+                f" the largest {share:.0f}% of the footprint) have an axis of size {extent},"
+                f" an axis of parameter {owner.name} {owner.type}: they can be computed in"
+                " sequential chunks along it."
             ),
             advice=(
                 "memsafe.jit(f, memory_limit=...) runs them chunk by chunk and verifies the"
