@@ -127,7 +127,9 @@ def test_python_dash_m(knn_file):
 def test_demo_prints_the_knn_report_and_writes_html(tmp_path, capsys):
     demo.main(["--out", str(tmp_path)])
     out = capsys.readouterr().out
-    assert "160,000,000" in out or "152.6 MiB" in out
+    assert "1,600,000,000" in out or "1.5 GiB" in out  # the n x m distance matrix
+    assert "<frozen" not in out and "demo.py:" in out  # the user's lines, not runpy's
+    assert "Memory timeline, jax.jit" in out and "Memory timeline, memsafe.jit" in out
     assert (tmp_path / "demo_knn_report.html").read_text().startswith("<!DOCTYPE html>")
 
 

@@ -150,7 +150,14 @@ def _exclude_memsafe_frames() -> None:
 
     from jax._src import source_info_util
 
-    source_info_util.register_exclusion(os.path.dirname(os.path.abspath(__file__)) + os.sep)
+    here = os.path.dirname(os.path.abspath(__file__))
+    source_info_util.register_exclusion(here + os.sep)
+    # Frozen stdlib modules (``<frozen runpy>`` under ``python -m``) are not the user's code;
+    # the demo's functions stand for a user's and keep their lines.
+    source_info_util.register_exclusion("<frozen ")
+    include = getattr(source_info_util, "register_inclusion", None)
+    if include is not None:
+        include(os.path.join(here, "demo.py"))
 
 
 _exclude_memsafe_frames()

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from typing import Any
 
+from memsafe.display import fragment, table
 from memsafe.limits import format_bytes
+from memsafe.sources import shorten_paths
 from memsafe.xla import Footprint
+
+
+def _saves(nbytes: int, flops: int) -> str:
+    """``saves 1.2 MiB, 3e+06 flops``; a negative amount is said as what it costs."""
+    memory = f"saves {format_bytes(nbytes)}" if nbytes >= 0 else f"costs {format_bytes(-nbytes)}"
+    work = f"{flops:.3g} flops" if flops >= 0 else f"{-flops:.3g} more flops"
+    return f"{memory}, {work}"
 
 
 @dataclass(frozen=True)
@@ -20,7 +30,7 @@ class RuleRecord:
     detail: str = ""
 
     def describe(self) -> str:
-        saved = f"saves {format_bytes(self.bytes_saved)}, {self.flops_saved:.3g} flops"
+        saved = _saves(self.bytes_saved, self.flops_saved)
         return f"rule {self.rule} at {self.where or '?'}: {saved}. {self.detail}".rstrip(". ")
 
 
@@ -120,7 +130,61 @@ class Plan:
         if len(self.attempts) > 1:
             lines.append(f"  verified after {len(self.attempts)} compile attempts")
         lines.append(f"  {DIFFERENTIATION}")
-        return "\n".join(lines)
+        return shorten_paths("\n".join(lines))
+
+    def summary(self) -> str:
+        """One line: the limit, the footprint before and after, and what was done."""
+        before = format_bytes(self.before.total) if self.before is not None else "?"
+        if self.fits_unchanged:
+            return f"limit {format_bytes(self.memory_limit)}: fits unchanged ({before})"
+        after = format_bytes(self.after.total) if self.after is not None else "?"
+        counts = (
+            (self.rules, "rule", "rules"),
+            (self.splits, "split", "splits"),
+            (self.passes, "other pass", "other passes"),
+        )
+        done = ", ".join(f"{len(r)} {one if len(r) == 1 else many}" for r, one, many in counts)
+        return f"limit {format_bytes(self.memory_limit)}: {before} -> {after}; {done}"
+
+    def __repr__(self) -> str:
+        return f"<memsafe Plan {self.summary()}; print() it for the details>"
 
     def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # IPython
         p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        """An HTML fragment with scoped styles (what Jupyter shows)."""
+        return fragment(plan_html(self))
+
+
+_FOOTPRINT_ROWS = ("arguments", "outputs", "temps", "aliases", "constants", "total")
+
+
+def plan_html(plan: Plan, title: str = "memsafe plan") -> str:
+    """The plan's HTML body: footprints before and after, what was done, the compile attempts."""
+    shown = [(n, f) for n, f in (("before", plan.before), ("after", plan.after)) if f is not None]
+    rows = [[k, *(format_bytes(getattr(f, k)) for _, f in shown)] for k in _FOOTPRINT_ROWS]
+    parts = [
+        f"<h3>{html.escape(title)} (limit {html.escape(format_bytes(plan.memory_limit))})</h3>",
+        "<p>fits unchanged: the original program runs as is</p>" if plan.fits_unchanged else "",
+        table(["", *(n for n, _ in shown)], rows, range(1, len(shown) + 1)),
+    ]
+    if plan.records:
+        records = [
+            [type(r).__name__[:-6].lower(), shorten_paths(r.describe())] for r in plan.records
+        ]
+        parts.append(table(["what", "detail"], records))
+    if plan.attempts:
+        attempts = [
+            [
+                f"{a.chunk_scale:g}",
+                format_bytes(a.footprint.total) if a.footprint else "-",
+                "yes" if a.fits else "no",
+                a.note,
+            ]
+            for a in plan.attempts
+        ]
+        parts.append(table(["chunk scale", "footprint", "fits", "note"], attempts, {0, 1}))
+    if plan.backward is not None:
+        parts.append(plan_html(plan.backward, "backward (gradient) plan"))
+    return "".join(parts)

@@ -103,7 +103,12 @@ class Instruction:
 
     @property
     def source(self) -> Source | None:
-        return self.stack[0] if self.stack else None
+        """The innermost frame of the user's code (frozen stdlib frames such as ``<frozen
+        runpy>`` skipped), or None."""
+        for frame in self.stack:
+            if not frame.file.startswith("<frozen "):
+                return frame
+        return None
 
     def attr(self, key: str) -> str | None:
         """A plain attribute value such as ``kind`` or ``fft_type`` (None if absent)."""

@@ -8,7 +8,6 @@ if present, else from ``graphviz-pure`` (a ``dot``-compatible binary installed w
 from __future__ import annotations
 
 import html as _html
-import os
 import shutil
 import subprocess
 import sys
@@ -16,10 +15,13 @@ from pathlib import Path
 
 import graphviz
 
+from memsafe.display import document, fragment, table
+from memsafe.inspect import timeline_render
 from memsafe.inspect.hlo import Source
 from memsafe.inspect.model import Array, Constant, Kernel
 from memsafe.inspect.view import ReportView
 from memsafe.limits import format_bytes
+from memsafe.sources import short_location
 
 #: How many of the largest temporaries the picture highlights.
 HIGHLIGHT = 1
@@ -28,12 +30,8 @@ MAX_ARRAY_ROWS = 25
 
 
 def short(source: Source | str | None) -> str:
-    """``file.py:12 (fn)`` with the directory dropped."""
-    if source is None:
-        return ""
-    text = str(source)
-    head, sep, tail = text.partition(":")
-    return os.path.basename(head) + sep + tail if sep else text
+    """``file.py:12 (fn)`` with the directory dropped, a notebook cell as ``cell [3]:12 (fn)``."""
+    return short_location(str(source)) if source else ""
 
 
 def _kernel_where(kernel: Kernel) -> str:
@@ -173,6 +171,7 @@ def _constants_section(report: ReportView) -> list[str]:
             "yes" if c.counted else "no",
             short(c.where),
         ]
+<<<<<<< HEAD
         for c in report.constants
     ]
     if not rows:
@@ -188,6 +187,44 @@ _FIX = {True: "memsafe.jit fixes this", False: "fix it in your code", None: ""}
 def _findings_section(report: ReportView) -> list[str]:
     """Each finding: its bytes and place, message and advice (``none`` when there are none)."""
     out = [f"Findings ({len(report.findings)}):"]
+=======
+        out += _table(["array", "type", "bytes", "role", "read by"], rows, {2})
+    if report.loops:
+        out += ["", "Loops:"]
+        for loop in report.loops:
+            trips = f"{loop.trip_count} iterations" if loop.trip_count else "unknown trip count"
+            out.append(f"  {loop.name} ({trips}), carried state {format_bytes(loop.bytes)}:")
+            for s in loop.state:
+                arr = g.arrays.get(s.array)
+                kind = "unchanged (loop-invariant)" if s.invariant else "updated"
+                typ = arr.type if arr else "?"
+                out.append(f"    [{s.index}] {typ} {format_bytes(s.bytes)} {kind}")
+    if report.constants:
+        out += ["", "Constants:"]
+        rows = []
+        for c in report.constants:
+            rows.append(
+                [
+                    c.name,
+                    c.type,
+                    format_bytes(c.bytes),
+                    c.kind + (" (closed over)" if c.closed_over else ""),
+                    "yes" if c.counted else "no",
+                    short(c.where),
+                ]
+            )
+        out += _table(["constant", "type", "bytes", "kind", "counted", "source"], rows, {2})
+    out += findings_lines(report)
+    for timeline in report.timelines:
+        out += ["", timeline_render.text(timeline)]
+    out += [f"({note})" for note in report.notes]
+    return "\n".join(out)
+
+
+def findings_lines(report: ReportView) -> list[str]:
+    """The findings, each with where, what was seen and the advice."""
+    out = ["", f"Findings ({len(report.findings)}):"]
+>>>>>>> inspect
     if not report.findings:
         out.append("  none")
     for f in report.findings:
@@ -197,6 +234,7 @@ def _findings_section(report: ReportView) -> list[str]:
         out.append(f"      {f.message}")
         out.append(f"      advice: {f.advice}" + (f" ({fix})" if fix else ""))
     return out
+<<<<<<< HEAD
 
 
 #: The text's sections in order; each returns its lines, or none to leave the section out.
@@ -208,6 +246,8 @@ _SECTIONS = (
     _constants_section,
     _findings_section,
 )
+=======
+>>>>>>> inspect
 
 
 # -- graphviz -----------------------------------------------------------------------------------
@@ -338,84 +378,83 @@ def svg(report: ReportView) -> str:
 
 # -- html ---------------------------------------------------------------------------------------
 
-_STYLE = """
-body { font-family: Helvetica, Arial, sans-serif; margin: 1.5em; }
-table { border-collapse: collapse; margin: 0.5em 0 1.2em; font-size: 13px; }
-th, td { border: 1px solid #ccc; padding: 3px 8px; text-align: left; }
-td.num { text-align: right; }
-.finding { border-left: 4px solid #d9534f; padding: 4px 10px; margin: 8px 0; background: #fdf3f3; }
-.fixed { color: #2b7a2b; }
-code { background: #f3f3f3; padding: 0 3px; }
-"""
 
-
-def _html_table(headers: list[str], rows: list[list[str]], numeric: set[int] = frozenset()) -> str:
+def _findings_html(report: ReportView) -> list[str]:
     e = _html.escape
-    head = "".join(f"<th>{e(h)}</th>" for h in headers)
-    body = "".join(
-        "<tr>"
-        + "".join(
-            f'<td class="num">{e(c)}</td>' if i in numeric else f"<td>{e(c)}</td>"
-            for i, c in enumerate(r)
-        )
-        + "</tr>"
-        for r in rows
-    )
-    return f"<table><tr>{head}</tr>{body}</table>"
-
-
-def html(report: ReportView, picture: bool = True) -> str:
-    """A self-contained HTML page (also what Jupyter shows)."""
-    e = _html.escape
-    parts = [
-        f"<h2>memsafe.inspect: <code>{e(report.name)}</code>"
-        f"({e(', '.join(report.arguments))})</h2>",
-        f"<p>Compiled with {e(report.mode)}.</p>",
-        "<h3>Footprint</h3><pre>" + e("\n".join(footprint_lines(report))) + "</pre>",
-        f"<h3>Findings ({len(report.findings)})</h3>",
-    ]
+    parts = [f"<h3>Findings ({len(report.findings)})</h3>"]
     for f in report.findings:
         fix = (
             ' <span class="fixed">(memsafe.jit fixes this)</span>' if f.fixed_by_memsafe_jit else ""
         )
         where = f" at <code>{e(short(f.where))}</code>" if f.where else ""
+        kind = "finding split" if f.fixed_by_memsafe_jit else "finding"
         parts.append(
-            f'<div class="finding"><b>{e(f.rule)}</b>: {e(format_bytes(f.bytes))}'
+            f'<div class="{kind}"><b>{e(f.rule)}</b>: {e(format_bytes(f.bytes))}'
             f" ({f.bytes:,} bytes){where}<br>{e(f.message)}<br><i>{e(f.advice)}</i>{fix}</div>"
         )
     if not report.findings:
         parts.append("<p>none</p>")
+    return parts
+
+
+def _tables_html(report: ReportView) -> list[str]:
+    rows = [
+        [k.name, k.label, str(k.shape), format_bytes(k.bytes), k.parent or "", _kernel_where(k)]
+        for k in report.kernels
+    ]
+    parts = [
+        "<h3>Kernels</h3>",
+        table(["kernel", "op", "writes", "bytes", "loop", "source"], rows, {3}),
+    ]
+    rows = [
+        [a.name, a.type, format_bytes(a.bytes), a.role, a.producer or "", ", ".join(a.consumers)]
+        for a in sorted(report.arrays, key=lambda a: -a.bytes)
+    ]
+    headers = ["array", "type", "bytes", "role", "producer", "consumers"]
+    parts += ["<h3>Arrays</h3>", table(headers, rows, {2})]
+    if report.constants:
+        rows = [
+            [
+                c.name,
+                c.type,
+                format_bytes(c.bytes),
+                c.kind,
+                "yes" if c.counted else "no",
+                short(c.where),
+            ]
+            for c in report.constants
+        ]
+        headers = ["constant", "type", "bytes", "kind", "counted", "source"]
+        parts += ["<h3>Constants</h3>", table(headers, rows, {2})]
+    return parts
+
+
+def body(report: ReportView, picture: bool = True) -> str:
+    """The report's HTML, without a document or styles around it."""
+    e = _html.escape
+    parts = [
+        f"<h3>memsafe.inspect: <code>{e(report.name)}</code>"
+        f"({e(', '.join(report.arguments))})</h3>",
+        f"<p>Compiled with {e(report.mode)}.</p>",
+        "<h4>Footprint</h4><pre>" + e("\n".join(footprint_lines(report))) + "</pre>",
+        *_findings_html(report),
+    ]
+    if report.timelines:
+        parts.append(timeline_render.html_section(report.timelines))
+    parts += [f"<p><i>{e(note)}</i></p>" for note in report.notes]
     if picture:
         try:
             parts.append("<h3>Kernel graph</h3>" + svg(report))
         except (RuntimeError, OSError, subprocess.SubprocessError) as err:
             parts.append(f"<p>(no picture: {e(str(err))})</p>")
-    rows = [
-        [k.name, k.label, str(k.shape), format_bytes(k.bytes), k.parent or "", _kernel_where(k)]
-        for k in report.kernels
-    ]
-    parts.append("<h3>Kernels</h3>")
-    parts.append(_html_table(["kernel", "op", "writes", "bytes", "loop", "source"], rows, {3}))
-    rows = [
-        [a.name, a.type, format_bytes(a.bytes), a.role, a.producer or "", ", ".join(a.consumers)]
-        for a in sorted(report.arrays, key=lambda a: -a.bytes)
-    ]
-    parts.append("<h3>Arrays</h3>")
-    parts.append(
-        _html_table(["array", "type", "bytes", "role", "producer", "consumers"], rows, {2})
-    )
-    if report.constants:
-        rows = [
-            [c.name, c.type, format_bytes(c.bytes), c.kind, "yes" if c.counted else "no", c.where]
-            for c in report.constants
-        ]
-        parts.append("<h3>Constants</h3>")
-        parts.append(
-            _html_table(["constant", "type", "bytes", "kind", "counted", "source"], rows, {2})
-        )
-    body = "\n".join(parts)
-    return (
-        "<!DOCTYPE html><html><head><meta charset='utf-8'>"
-        f"<title>memsafe.inspect {e(report.name)}</title><style>{_STYLE}</style></head>"
-        f"<body>{body}</body></html>"
-    )
+    return "\n".join(parts + _tables_html(report))
+
+
+def html(report: ReportView, picture: bool = True) -> str:
+    """An HTML fragment with styles scoped to it (what Jupyter shows)."""
+    return fragment(body(report, picture))
+
+
+def page(report: ReportView, picture: bool = True) -> str:
+    """A standalone HTML page holding the fragment (what ``report.save("r.html")`` writes)."""
+    return document(f"memsafe.inspect {report.name}", body(report, picture))

@@ -21,6 +21,12 @@ from memsafe.inspect.findings import find_all
 from memsafe.inspect.graph import ProgramGraph, build_graph
 from memsafe.inspect.hlo import parse_hlo
 from memsafe.inspect.model import Array, Constant, Finding, Kernel, Loop
+<<<<<<< HEAD
+=======
+from memsafe.inspect.timeline import Timeline, compile_with_timeline
+from memsafe.limits import format_bytes
+from memsafe.plan import Plan
+>>>>>>> inspect
 from memsafe.xla import Footprint
 from memsafe.xla import compiler_options as memsafe_compiler_options
 
@@ -68,6 +74,10 @@ class Report:
     hlo: str = field(repr=False)
     graph: ProgramGraph = field(repr=False)
     findings: list[Finding] = field(default_factory=list)
+    timeline: Timeline | None = None  # live bytes along XLA's schedule of this program
+    memsafe_timeline: Timeline | None = None  # the same for memsafe.jit's program (memory_limit=)
+    plan: Plan | None = None  # memsafe.jit's plan (memory_limit=)
+    notes: list[str] = field(default_factory=list)  # why a timeline is missing, and the like
 
     # -- lookups ------------------------------------------------------------------------------
 
@@ -92,8 +102,20 @@ class Report:
 
     # -- renderings ---------------------------------------------------------------------------
 
+    @property
+    def timelines(self) -> list[Timeline]:
+        """The plain program's timeline, then memsafe.jit's when ``memory_limit`` was given."""
+        return [t for t in (self.timeline, self.memsafe_timeline) if t is not None]
+
     def __str__(self) -> str:
         return render.text(self)
+
+    def __repr__(self) -> str:
+        count = len(self.findings)
+        return (
+            f"<memsafe.inspect Report {summary_line(self)}; {len(self.kernels)} kernels,"
+            f" {count} finding{'' if count == 1 else 's'}; print() it for the tables>"
+        )
 
     def dot(self) -> str:
         return render.dot(self)
@@ -102,10 +124,12 @@ class Report:
         return render.svg(self)
 
     def html(self) -> str:
-        return render.html(self)
+        """A standalone HTML page (what :meth:`save` writes for ``.html``)."""
+        return render.page(self)
 
     def _repr_html_(self) -> str:
-        return self.html()
+        """An HTML fragment with scoped styles (what Jupyter shows)."""
+        return render.html(self)
 
     def save(self, path: str) -> None:
         """Write the report: ``.html`` (default), ``.svg``, ``.dot`` or ``.txt`` by extension."""
@@ -236,10 +260,38 @@ def _constants(graph: ProgramGraph, hidden: list[Constant], generated_code: int)
 # -- the entry point ----------------------------------------------------------------------------
 
 
+def _footprint(compiled: Any, constants: list[Constant]) -> tuple[Footprint, int | None]:
+    """The compiled program's footprint (with the constants it does not count) and XLA's peak."""
+    stats = compiled.memory_analysis()
+    footprint = Footprint(
+        arguments=int(stats.argument_size_in_bytes),
+        outputs=int(stats.output_size_in_bytes),
+        temps=int(stats.temp_size_in_bytes),
+        aliases=int(stats.alias_size_in_bytes),
+        generated_code=int(getattr(stats, "generated_code_size_in_bytes", 0) or 0),
+        hidden_constants=sum(c.bytes for c in constants if not c.counted),
+    )
+    peak = getattr(stats, "peak_memory_in_bytes", None)
+    return footprint, None if peak is None else int(peak)
+
+
+def _memsafe_side(
+    f: Callable[..., Any], args: tuple, kwargs: dict, limit: int | str, static: tuple
+) -> tuple[Plan, Timeline | None, str]:
+    """memsafe.jit's plan and timeline for the same function and arguments."""
+    from memsafe.jit import jit
+
+    safe = jit(f, memory_limit=limit, static_argnums=static[0], static_argnames=static[1])
+    plan = safe.plan(*args, **kwargs)
+    _, timeline, why = compile_with_timeline(safe.lower(*args, **kwargs), "memsafe.jit")
+    return plan, timeline, why
+
+
 def inspect(
     f: Callable[..., Any],
     *args: Any,
     compiler_options: Mapping[str, Any] | str | None = "memsafe",
+    memory_limit: int | str | None = None,
     **kwargs: Any,
 ) -> Report:
     """Compile ``f`` at ``args`` and report its kernels, arrays, constants, footprint, findings.
@@ -247,21 +299,22 @@ def inspect(
     Arrays (and pytrees of arrays, or ``jax.ShapeDtypeStruct``) are traced; any other argument is
     static. ``compiler_options="memsafe"`` (default) compiles as ``memsafe.jit`` does, with XLA's
     CPU YNNPACK fusions off so every buffer is accounted for; ``None`` uses XLA's defaults; a
-    dict passes options to XLA.
+    dict passes options to XLA. The report's ``timeline`` is the memory live along XLA's schedule
+    of the program; with ``memory_limit`` the report also holds ``memsafe.jit``'s ``plan`` and
+    ``memsafe_timeline``, drawn beside the plain one.
     """
     if not callable(f):
         raise TypeError(f"memsafe.inspect needs a function, got {type(f).__name__}")
     options, mode = _options(compiler_options)
     name = _function_name(f)
-    static_argnums = tuple(i for i, a in enumerate(args) if not _is_dynamic(a))
-    static_argnames = tuple(k for k, v in kwargs.items() if not _is_dynamic(v))
+    static = (
+        tuple(i for i, a in enumerate(args) if not _is_dynamic(a)),
+        tuple(k for k, v in kwargs.items() if not _is_dynamic(v)),
+    )
     described = [_describe_arg(a) for a in args] + [
         f"{k}={_describe_arg(v)}" for k, v in kwargs.items()
     ]
-    jit_kwargs: dict[str, Any] = {
-        "static_argnums": static_argnums,
-        "static_argnames": static_argnames,
-    }
+    jit_kwargs: dict[str, Any] = {"static_argnums": static[0], "static_argnames": static[1]}
     if options:
         jit_kwargs["compiler_options"] = options
     try:
@@ -269,22 +322,12 @@ def inspect(
     except Exception as err:  # the user's own error, kept as it is, with where memsafe was
         err.add_note(f"memsafe.inspect: while tracing {name} at arguments ({', '.join(described)})")
         raise
-    compiled = traced.lower().compile()
+    compiled, timeline, why = compile_with_timeline(traced.lower(), "jax.jit")
     hlo = compiled.as_text()
     graph = build_graph(parse_hlo(hlo))
-    stats = compiled.memory_analysis()
-    generated = int(getattr(stats, "generated_code_size_in_bytes", 0) or 0)
+    generated = int(getattr(compiled.memory_analysis(), "generated_code_size_in_bytes", 0) or 0)
     constants = _constants(graph, _closed_over(traced.jaxpr), generated)
-    uncounted = sum(c.bytes for c in constants if not c.counted)
-    footprint = Footprint(
-        arguments=int(stats.argument_size_in_bytes),
-        outputs=int(stats.output_size_in_bytes),
-        temps=int(stats.temp_size_in_bytes),
-        aliases=int(stats.alias_size_in_bytes),
-        generated_code=generated,
-        hidden_constants=uncounted,
-    )
-    peak = getattr(stats, "peak_memory_in_bytes", None)
+    footprint, peak = _footprint(compiled, constants)
     report = Report(
         name=name,
         arguments=described,
@@ -294,9 +337,16 @@ def inspect(
         loops=list(graph.loops.values()),
         constants=constants,
         footprint=footprint,
-        peak_memory_in_bytes=None if peak is None else int(peak),
+        peak_memory_in_bytes=peak,
         hlo=hlo,
         graph=graph,
+        timeline=timeline,
+        notes=[why] if why else [],
     )
+    if memory_limit is not None:
+        report.plan, report.memsafe_timeline, why = _memsafe_side(
+            f, args, kwargs, memory_limit, static
+        )
+        report.notes += [why] if why else []
     report.findings = find_all(report)
     return report

@@ -11,6 +11,8 @@ from typing import Protocol
 
 from memsafe.inspect.graph import ProgramGraph
 from memsafe.inspect.model import Array, Constant, Finding, Kernel, Loop
+from memsafe.inspect.timeline import Timeline
+from memsafe.plan import Plan
 from memsafe.xla import Footprint
 
 
@@ -28,8 +30,17 @@ class ReportView(Protocol):
     peak_memory_in_bytes: int | None
     graph: ProgramGraph
     findings: list[Finding]
+    timeline: Timeline | None
+    memsafe_timeline: Timeline | None
+    notes: list[str]
+    plan: Plan | None
 
     @property
     def temporaries(self) -> list[Array]:
         """Arrays between kernels, largest first."""
+        ...
+
+    @property
+    def timelines(self) -> list[Timeline]:
+        """The plain program's timeline, then memsafe.jit's when there is one."""
         ...
