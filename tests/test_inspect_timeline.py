@@ -85,7 +85,7 @@ def test_timeline_peak_matches_memory_analysis(name):
 def test_memsafe_program_timeline_matches_its_footprint_and_stays_under_the_limit():
     fun, args, _ = PROGRAMS["knn"]
     safe = memsafe.jit(fun, memory_limit="8MiB")
-    compiled, timeline, _ = compile_with_timeline(safe.lower(*args), "memsafe.jit")
+    compiled, timeline, _ = compile_with_timeline(safe.lower(*args).lowered, "memsafe.jit")
     _check_peak(timeline, Footprint.from_compiled(compiled))
     assert timeline.peak <= 8 << 20
 

@@ -171,7 +171,6 @@ def _constants_section(report: ReportView) -> list[str]:
             "yes" if c.counted else "no",
             short(c.where),
         ]
-<<<<<<< HEAD
         for c in report.constants
     ]
     if not rows:
@@ -187,44 +186,6 @@ _FIX = {True: "memsafe.jit fixes this", False: "fix it in your code", None: ""}
 def _findings_section(report: ReportView) -> list[str]:
     """Each finding: its bytes and place, message and advice (``none`` when there are none)."""
     out = [f"Findings ({len(report.findings)}):"]
-=======
-        out += _table(["array", "type", "bytes", "role", "read by"], rows, {2})
-    if report.loops:
-        out += ["", "Loops:"]
-        for loop in report.loops:
-            trips = f"{loop.trip_count} iterations" if loop.trip_count else "unknown trip count"
-            out.append(f"  {loop.name} ({trips}), carried state {format_bytes(loop.bytes)}:")
-            for s in loop.state:
-                arr = g.arrays.get(s.array)
-                kind = "unchanged (loop-invariant)" if s.invariant else "updated"
-                typ = arr.type if arr else "?"
-                out.append(f"    [{s.index}] {typ} {format_bytes(s.bytes)} {kind}")
-    if report.constants:
-        out += ["", "Constants:"]
-        rows = []
-        for c in report.constants:
-            rows.append(
-                [
-                    c.name,
-                    c.type,
-                    format_bytes(c.bytes),
-                    c.kind + (" (closed over)" if c.closed_over else ""),
-                    "yes" if c.counted else "no",
-                    short(c.where),
-                ]
-            )
-        out += _table(["constant", "type", "bytes", "kind", "counted", "source"], rows, {2})
-    out += findings_lines(report)
-    for timeline in report.timelines:
-        out += ["", timeline_render.text(timeline)]
-    out += [f"({note})" for note in report.notes]
-    return "\n".join(out)
-
-
-def findings_lines(report: ReportView) -> list[str]:
-    """The findings, each with where, what was seen and the advice."""
-    out = ["", f"Findings ({len(report.findings)}):"]
->>>>>>> inspect
     if not report.findings:
         out.append("  none")
     for f in report.findings:
@@ -234,10 +195,21 @@ def findings_lines(report: ReportView) -> list[str]:
         out.append(f"      {f.message}")
         out.append(f"      advice: {f.advice}" + (f" ({fix})" if fix else ""))
     return out
-<<<<<<< HEAD
 
 
 #: The text's sections in order; each returns its lines, or none to leave the section out.
+def _timelines_section(report: ReportView) -> list[str]:
+    """Live bytes along XLA's schedule, for each compiled program (empty if none)."""
+    out: list[str] = []
+    for timeline in report.timelines:
+        out += ["", timeline_render.text(timeline)] if out else [timeline_render.text(timeline)]
+    return out
+
+
+def _notes_section(report: ReportView) -> list[str]:
+    return [f"({note})" for note in report.notes]
+
+
 _SECTIONS = (
     _kernels_section,
     _temporaries_section,
@@ -245,9 +217,9 @@ _SECTIONS = (
     _loops_section,
     _constants_section,
     _findings_section,
+    _timelines_section,
+    _notes_section,
 )
-=======
->>>>>>> inspect
 
 
 # -- graphviz -----------------------------------------------------------------------------------

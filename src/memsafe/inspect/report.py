@@ -21,12 +21,9 @@ from memsafe.inspect.findings import find_all
 from memsafe.inspect.graph import ProgramGraph, build_graph
 from memsafe.inspect.hlo import parse_hlo
 from memsafe.inspect.model import Array, Constant, Finding, Kernel, Loop
-<<<<<<< HEAD
-=======
 from memsafe.inspect.timeline import Timeline, compile_with_timeline
 from memsafe.limits import format_bytes
 from memsafe.plan import Plan
->>>>>>> inspect
 from memsafe.xla import Footprint
 from memsafe.xla import compiler_options as memsafe_compiler_options
 
@@ -283,7 +280,8 @@ def _memsafe_side(
 
     safe = jit(f, memory_limit=limit, static_argnums=static[0], static_argnames=static[1])
     plan = safe.plan(*args, **kwargs)
-    _, timeline, why = compile_with_timeline(safe.lower(*args, **kwargs), "memsafe.jit")
+    lowered = safe.lower(*args, **kwargs).lowered  # JAX's own Lowered of the verified program
+    _, timeline, why = compile_with_timeline(lowered, "memsafe.jit")
     return plan, timeline, why
 
 
@@ -350,3 +348,10 @@ def inspect(
         report.notes += [why] if why else []
     report.findings = find_all(report)
     return report
+
+
+def summary_line(report: Report) -> str:
+    """One line: the function, its footprint and its largest temporary."""
+    temps = report.temporaries
+    largest = f", largest temporary {temps[0].describe()}" if temps else ""
+    return f"{report.name}: {format_bytes(report.footprint.total)}{largest}"
