@@ -48,6 +48,7 @@ PROGRAMS = {
         _scores(x, y)[:, 5::7].sum(1),
         jnp.exp(_scores(x, y))[3::5, -1],
     ),
+    "lax_map_rows": lambda x, y, t: lax.map(lambda r: jnp.exp(0.1 * r @ y.T), x).max(0),
     "prod_and_any": lambda x, y, t: (
         jnp.prod(jnp.tanh(_scores(x, y)) * 0.01 + 1, 1),
         jnp.any(_scores(x, y) > 3, 1),
