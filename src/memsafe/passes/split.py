@@ -10,9 +10,12 @@ stopped each axis.
 
 from __future__ import annotations
 
-from memsafe._jax import ClosedJaxpr, Var, source_line
+from typing import Any
+
+from memsafe._jax import ClosedJaxpr, Var, bind_eqn_with, source_line
 from memsafe.errors import Blocker
 from memsafe.graph import Graph
+from memsafe.graph.interpret import retrace
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
@@ -127,8 +130,50 @@ def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
     ]
 
 
+#: Loop primitives and the parameter holding the body each iteration runs.
+LOOP_BODIES = {"scan": "jaxpr", "while": "body_jaxpr"}
+
+
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
-    """Split every too-large intermediate that some axis allows; block the rest."""
+    """Split every too-large intermediate that some axis allows, at the top level and inside
+    loop bodies; block the rest."""
+    return _split_bodies(_split_top(closed, ctx), ctx)
+
+
+def _largest_inside(body: ClosedJaxpr) -> int:
+    values = [vi.bytes for vi in Graph(body).values() if vi.producer is not None]
+    return max(values, default=0)
+
+
+def _split_bodies(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
+    """Loops whose body makes a too-large value get their body split, under the budget left once
+    the loop's operands and results are placed (each iteration runs the split body)."""
+    graph = Graph(closed)
+    budget = ctx.temp_budget
+    loops = {
+        i: LOOP_BODIES[e.primitive.name]
+        for i, e in enumerate(graph.eqns)
+        if e.primitive.name in LOOP_BODIES
+        and _largest_inside(e.params[LOOP_BODIES[e.primitive.name]]) > budget // SHARE
+    }
+    if not loops:
+        return closed
+
+    def override(i: int, eqn: Any, invals: list[Any]) -> list[Any] | None:
+        if i not in loops:
+            return None
+        live = sum(graph.info(v).bytes for v in (*eqn.invars, *eqn.outvars) if isinstance(v, Var))
+        sub = PassContext(ctx.memory_limit, ctx.fixed_bytes + live, ctx.plan, ctx.chunk_scale)
+        body = run(eqn.params[loops[i]], sub)
+        for blocker in sub.blockers:
+            ctx.block(blocker)
+        return bind_eqn_with(eqn, invals, **{loops[i]: body})
+
+    return retrace(closed, override)
+
+
+def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
+    """Split every too-large intermediate of the program's top level that some axis allows."""
     failed: set[tuple] = set()
     for _ in range(MAX_REGIONS):
         graph = Graph(closed)
