@@ -172,3 +172,10 @@ def cond_branches(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...] | None:
     if eqn.primitive.name != "cond":
         return None
     return tuple(eqn.params["branches"])
+
+
+def is_batch_tracer(x: Any) -> bool:
+    """Whether ``x`` is a tracer of ``jax.vmap`` (as opposed to a staged trace such as jit's)."""
+    from jax._src.interpreters import batching
+
+    return isinstance(x, batching.BatchTracer)

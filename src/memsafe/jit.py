@@ -17,7 +17,9 @@ import jax
 import numpy as np
 
 from memsafe import _jax, passes
+from memsafe.batching import BatchedProgram
 from memsafe.errors import MemoryLimitError
+from memsafe.gradient import differentiable
 from memsafe.graph import Graph, inline_calls
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.passes import PassContext
@@ -48,6 +50,7 @@ class Program:
     plan: Plan
     closed: _jax.ClosedJaxpr  # the program that runs (original when it fits unchanged)
     compiled: Any = None  # the verified executable, called directly to avoid a second compile
+    source: Any = None  # the flat function it was built from (re-planned under jax.vmap)
 
     def run(self, flat: Sequence[Any]) -> Any:
         """Run on concrete arrays: the verified executable, or jit's path for odd argument types."""
@@ -117,7 +120,9 @@ def build_program(
         plan.fits_unchanged = True
         plan.after = before
         plan.attempts.append(Attempt(1.0, before, True, "original program"))
-        return Program(original, flat_fun, tuple(avals), out_tree, plan, closed, original_compiled)
+        return Program(
+            original, flat_fun, tuple(avals), out_tree, plan, closed, original_compiled, flat_fun
+        )
 
     fixed = before.arguments + before.outputs - before.aliases
     if fixed > memory_limit:
@@ -158,7 +163,9 @@ def build_program(
         if fits:
             plan.records = attempt_plan.records
             plan.after = after
-            return Program(jitted, emitted, tuple(avals), out_tree, plan, program, compiled)
+            return Program(
+                jitted, emitted, tuple(avals), out_tree, plan, program, compiled, flat_fun
+            )
         if not attempt_plan.splits:
             break  # nothing size-dependent was done: smaller chunks cannot help
         # Shrink in proportion to the excess (chunk temps scale about linearly), with a margin;
@@ -198,6 +205,9 @@ class MemsafeFunction:
         self._signature = _signature_or_none(fun)
         self._programs: dict[Any, Program] = {}
         self._backward: dict[Any, Program] = {}
+        self._latest_backward: dict[Any, Program] = {}
+        self._batched_programs: dict[Any, BatchedProgram] = {}
+        self._warned = [False]  # the outer-jit warning, given once (memsafe.batching)
         functools.update_wrapper(self, fun)
 
     # -- argument handling -------------------------------------------------------------------
@@ -285,7 +295,7 @@ class MemsafeFunction:
     def plan(self, *args: Any, **kwargs: Any) -> Plan:
         """What was done for these argument shapes (arrays or ShapeDtypeStructs)."""
         program, _, _, key = self._program(args, kwargs)
-        backward = self._backward.get(key)
+        backward = self._latest_backward.get(key)
         if backward is not None:
             program.plan.backward = backward.plan
         return program.plan
@@ -302,22 +312,44 @@ class MemsafeFunction:
 
     # -- differentiation ---------------------------------------------------------------------
 
-    def _backward_program(self, program: Program, rebuild: Callable, key: Any) -> Program:
-        """The VJP program, itself rewritten and verified under the memory limit."""
-        found = self._backward.get(key)
+    def _backward_program(
+        self,
+        program: Program,
+        rebuild: Callable,
+        key: Any,
+        perturbed: tuple[bool, ...] | None = None,
+        nonzero: tuple[bool, ...] | None = None,
+    ) -> Program:
+        """The VJP program, itself rewritten and verified under the memory limit: gradients of
+        the ``perturbed`` float inputs (default all) from the ``nonzero`` output cotangents
+        (default all), which are its arguments after the primal inputs."""
+        avals = program.avals
+        outvars = program.closed.jaxpr.outvars
+        perturbed = perturbed or (True,) * len(avals)
+        nonzero = nonzero or (True,) * len(outvars)
+        found = self._backward.get((key, perturbed, nonzero))
         if found is not None:
             return found
-        avals = program.avals
         out_avals = [
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in program.closed.jaxpr.outvars
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+            for v, keep in zip(outvars, nonzero)
+            if keep
         ]
-        diff = [i for i, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)]
+        diff = [
+            i
+            for i, (a, p) in enumerate(zip(avals, perturbed))
+            if p and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+        ]
         n_in = len(avals)
 
         forward, rewrites = _algebraic_forward(rebuild, avals, self.memory_limit)
 
         def vjp_fun(*flat: Any) -> list[Any]:
-            primals, cts = flat[:n_in], flat[n_in:]
+            primals, given = flat[:n_in], iter(flat[n_in:])
+            cts = [
+                next(given) if keep else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
+                for v, keep in zip(outvars, nonzero)
+            ]
 
             def of_diff(*d: Any) -> list[Any]:
                 full = list(primals)
@@ -326,41 +358,40 @@ class MemsafeFunction:
                 return forward(*full)
 
             _, pullback = jax.vjp(of_diff, *[primals[i] for i in diff])
-            return list(pullback(list(cts)))
+            return list(pullback(cts))
 
         backward = build_program(
             vjp_fun, (*avals, *out_avals), self.memory_limit, (), f"gradient of {self._name}"
         )
         backward.plan.records[:0] = rewrites
         backward.diff_positions = diff  # type: ignore[attr-defined]
-        self._backward[key] = backward
+        self._backward[(key, perturbed, nonzero)] = backward
+        self._latest_backward[key] = backward  # shown by plan()
         return backward
 
+    def _batched(self, program: Program, key: Any) -> BatchedProgram:
+        """``program`` as a :class:`BatchedProgram` (re-planned under ``jax.vmap``), cached."""
+        found = self._batched_programs.get(key)
+        if found is None or found.program is not program:
+            found = BatchedProgram(program.source, program, self._build, self._name, self._warned)
+            self._batched_programs[key] = found
+        return found
+
+    def _build(self, flat_fun: Callable, avals: Sequence[Any], name: str) -> Program:
+        return build_program(flat_fun, avals, self.memory_limit, (), name)
+
     def _differentiable(self, program: Program, rebuild: Callable, key: Any) -> Callable:
-        """The program as a custom_vjp whose backward pass is its own memory-safe program."""
-        memsafe_fun = self
+        """The program as a custom_vjp whose backward pass is its own memory-safe program, and
+        whose forward and backward re-plan under ``jax.vmap`` (memsafe.gradient)."""
 
-        @jax.custom_vjp
-        def call(*flat: Any) -> list[Any]:
-            return list(program.call(flat))
+        def backward_for(
+            perturbed: tuple[bool, ...], nonzero: tuple[bool, ...]
+        ) -> tuple[BatchedProgram, list[int]]:
+            backward = self._backward_program(program, rebuild, key, perturbed, nonzero)
+            batched = self._batched(backward, ("backward", key, perturbed, nonzero))
+            return batched, backward.diff_positions  # type: ignore[attr-defined]
 
-        def fwd(*flat: Any) -> tuple[list[Any], tuple]:
-            return list(program.call(flat)), flat
-
-        def bwd(res: tuple, cts: list[Any]) -> tuple:
-            backward = memsafe_fun._backward_program(program, rebuild, key)
-            cts = [
-                jax.numpy.zeros(v.aval.shape, v.aval.dtype) if _is_symbolic_zero(c) else c
-                for c, v in zip(cts, program.closed.jaxpr.outvars)
-            ]
-            grads = backward.call([*res, *cts])
-            out: list[Any] = [None] * len(res)
-            for i, g in zip(backward.diff_positions, grads):  # type: ignore[attr-defined]
-                out[i] = g
-            return tuple(out)
-
-        call.defvjp(fwd, bwd)
-        return call
+        return differentiable(self._batched(program, key), backward_for)
 
 
 def _algebraic_forward(
@@ -404,10 +435,6 @@ def _run_pass(
         )
         ctx.record(PassRecord(pass_name, f"skipped: {type(err).__name__}: {err}"))
         return program
-
-
-def _is_symbolic_zero(x: Any) -> bool:
-    return x is None or type(x).__name__ in {"Zero", "SymbolicZero"}
 
 
 def _as_tuple(x: Any) -> tuple:
