@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import memsafe
-from memsafe.batching import OuterJitWarning
 from memsafe.jit import Program
 from memsafe.xla import Footprint, memsafe_jit
 
@@ -72,7 +71,7 @@ def test_jit_of_vmap_inlines_the_replanned_program():
     x, y, v = _data()
     g = memsafe.jit(kmv, memory_limit=LIMIT)
     outer = memsafe_jit(jax.vmap(g, in_axes=(0, None, None)))
-    with pytest.warns(OuterJitWarning):
+    with pytest.warns(memsafe.OuterJitWarning):
         compiled = outer.lower(x, y, v).compile()
     assert Footprint.from_compiled(compiled).total <= LIMIT
     _close(compiled(x, y, v), memsafe_jit(jax.vmap(kmv, (0, None, None)))(x, y, v))
@@ -107,7 +106,7 @@ def test_transformations_of_a_memsafe_function(name, ran):
     x, y, v = _data(batch_y=name != "nested_vmap")
     g = memsafe.jit(kmv, memory_limit=4 * LIMIT)  # room for batched gradients of x and y
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", OuterJitWarning)
+        warnings.simplefilter("ignore", memsafe.OuterJitWarning)
         got = TRANSFORMS[name](g)(x, y, v)
     assert (len(ran) == 0) == (name == "jit_vmap")  # under jax.jit the outer program runs
     assert all(Footprint.from_compiled(c).total <= g.memory_limit for c in ran)
@@ -151,7 +150,7 @@ def test_outer_jit_warns_once_with_the_remedy():
         jax.jit(g)(x[1, :300], y, v)  # another shape, another program: still one warning
         jax.jit(jax.vmap(g, (0, None, None)))(x, y, v)
         g(x[0], y, v)  # outside jax.jit: no warning
-    ours = [w for w in caught if issubclass(w.category, OuterJitWarning)]
+    ours = [w for w in caught if issubclass(w.category, memsafe.OuterJitWarning)]
     assert len(ours) == 1
     text = str(ours[0].message)
     assert "kmv" in text and "outside jax.jit" in text and "memsafe.jit" in text

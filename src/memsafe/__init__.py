@@ -1,5 +1,6 @@
 """memsafe: run ordinary JAX programs under a memory limit, and see where their memory goes."""
 
+from memsafe.batching import OuterJitWarning
 from memsafe.errors import Blocker, MemoryLimitError
 from memsafe.inspect import Report, inspect  # the function shadows the subpackage's name
 from memsafe.jit import MemsafeFunction, jit
@@ -15,6 +16,7 @@ __all__ = [
     "Footprint",
     "MemoryLimitError",
     "MemsafeFunction",
+    "OuterJitWarning",
     "Plan",
     "Report",
     "Rule",
