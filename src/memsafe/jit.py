@@ -61,13 +61,6 @@ class Program:
                 pass  # e.g. Python scalars or arrays on another device: let jit convert them
         return self.jitted(*flat)
 
-    def call(self, flat: Sequence[Any]) -> Any:
-        """Run inside or outside a trace: the compiled program on concrete arrays (e.g. the
-        forward and backward of ``jax.grad`` without an outer jit), else the traceable one."""
-        if any(_jax.is_tracer(x) for x in flat):
-            return self.fun(*flat)
-        return self.run(flat)
-
 
 def _is_static_leaf(x: Any) -> bool:
     """Leaves that are not arrays (strings, callables, None) are static, as in memsafe.inspect."""
