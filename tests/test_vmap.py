@@ -144,12 +144,18 @@ def test_nan_row_stays_nan_under_vmap():
 def test_outer_jit_warns_once_with_the_remedy():
     g = memsafe.jit(kmv, memory_limit=LIMIT)
     x, y, v = _data()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memsafe.OuterJitWarning)  # eager transformations: none
+        g(x[0], y, v)
+        jax.vmap(g, UNB)(x, y, v)
+        jax.grad(_sq(g))(x[0], y, v)
+        jax.vmap(jax.grad(_sq(g)), UNB)(x, y, v)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         jax.jit(g)(x[0], y, v)
         jax.jit(g)(x[1, :300], y, v)  # another shape, another program: still one warning
-        jax.jit(jax.vmap(g, (0, None, None)))(x, y, v)
-        g(x[0], y, v)  # outside jax.jit: no warning
+        jax.jit(jax.vmap(g, UNB))(x, y, v)
+        jax.jit(jax.grad(_sq(g)))(x[0], y, v)
     ours = [w for w in caught if issubclass(w.category, memsafe.OuterJitWarning)]
     assert len(ours) == 1
     text = str(ours[0].message)

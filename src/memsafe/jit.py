@@ -50,7 +50,7 @@ class Program:
     plan: Plan
     closed: _jax.ClosedJaxpr  # the program that runs (original when it fits unchanged)
     compiled: Any = None  # the verified executable, called directly to avoid a second compile
-    source: Any = None  # the flat function it was built from (re-planned under jax.vmap)
+    source: Any = None  # the flat function planned, where it differs from the user's (backward)
 
     def run(self, flat: Sequence[Any]) -> Any:
         """Run on concrete arrays: the verified executable, or jit's path for odd argument types."""
@@ -113,9 +113,7 @@ def build_program(
         plan.fits_unchanged = True
         plan.after = before
         plan.attempts.append(Attempt(1.0, before, True, "original program"))
-        return Program(
-            original, flat_fun, tuple(avals), out_tree, plan, closed, original_compiled, flat_fun
-        )
+        return Program(original, flat_fun, tuple(avals), out_tree, plan, closed, original_compiled)
 
     fixed = before.arguments + before.outputs - before.aliases
     if fixed > memory_limit:
@@ -156,9 +154,7 @@ def build_program(
         if fits:
             plan.records = attempt_plan.records
             plan.after = after
-            return Program(
-                jitted, emitted, tuple(avals), out_tree, plan, program, compiled, flat_fun
-            )
+            return Program(jitted, emitted, tuple(avals), out_tree, plan, program, compiled)
         if not attempt_plan.splits:
             break  # nothing size-dependent was done: smaller chunks cannot help
         # Shrink in proportion to the excess (chunk temps scale about linearly), with a margin;
@@ -358,15 +354,17 @@ class MemsafeFunction:
         )
         backward.plan.records[:0] = rewrites
         backward.diff_positions = diff  # type: ignore[attr-defined]
+        backward.source = vjp_fun
         self._backward[(key, perturbed, nonzero)] = backward
         self._latest_backward[key] = backward  # shown by plan()
         return backward
 
-    def _batched(self, program: Program, key: Any) -> BatchedProgram:
-        """``program`` as a :class:`BatchedProgram` (re-planned under ``jax.vmap``), cached."""
+    def _batched(self, program: Program, source: Callable, key: Any) -> BatchedProgram:
+        """``program``, planned from ``source``, as a :class:`BatchedProgram` (re-planned under
+        ``jax.vmap``), cached."""
         found = self._batched_programs.get(key)
         if found is None or found.program is not program:
-            found = BatchedProgram(program.source, program, self._build, self._name, self._warned)
+            found = BatchedProgram(source, program, self._build, self._name, self._warned)
             self._batched_programs[key] = found
         return found
 
@@ -381,10 +379,12 @@ class MemsafeFunction:
             perturbed: tuple[bool, ...], nonzero: tuple[bool, ...]
         ) -> tuple[BatchedProgram, list[int]]:
             backward = self._backward_program(program, rebuild, key, perturbed, nonzero)
-            batched = self._batched(backward, ("backward", key, perturbed, nonzero))
+            batched = self._batched(
+                backward, backward.source, ("backward", key, perturbed, nonzero)
+            )
             return batched, backward.diff_positions  # type: ignore[attr-defined]
 
-        return differentiable(self._batched(program, key), backward_for)
+        return differentiable(self._batched(program, rebuild, key), backward_for)
 
 
 def _algebraic_forward(
