@@ -161,3 +161,17 @@ def test_outer_jit_warns_once_with_the_remedy():
     text = str(ours[0].message)
     assert "kmv" in text and "outside jax.jit" in text and "memsafe.jit" in text
     assert ours[0].filename == __file__  # points at the user's line
+
+
+def test_memsafe_inside_memsafe_is_planned_whole_without_warning():
+    """Inside an outer memsafe.jit (the remedy) the inner function is inlined and split under the
+    outer limit, and no warning is given."""
+    x, y, v = _data()
+    inner = memsafe.jit(kmv, memory_limit="1GiB")
+    outer = memsafe.jit(lambda a, b, c: jnp.sum(inner(a, b, c) ** 2), memory_limit=LIMIT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", memsafe.OuterJitWarning)
+        got = outer(x[0], y, v)
+        plan = outer.plan(x[0], y, v)
+    assert not plan.fits_unchanged and plan.after.total <= LIMIT
+    _close(got, memsafe_jit(lambda a, b, c: jnp.sum(kmv(a, b, c) ** 2))(x[0], y, v))

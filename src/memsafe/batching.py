@@ -11,21 +11,45 @@ backward functions): a ``custom_vmap`` outside a ``custom_vjp`` cannot be differ
 
 Inside a staged trace (an outer ``jax.jit``, ``lax.scan``, ``jax.make_jaxpr``) the program is
 inlined into the outer program, which the outer compile compiles with its own options: memsafe
-says so once per function with :class:`OuterJitWarning`.
+says so once per function with :class:`OuterJitWarning`, except inside an outer ``memsafe.jit``
+(see :func:`planning`), which plans, compiles and verifies the whole program itself.
 """
 
 from __future__ import annotations
 
+import contextvars
+import functools
 import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 import jax
 from jax.custom_batching import custom_vmap
 
 from memsafe import _jax
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Set while memsafe itself traces and compiles a program: a memsafe function called in there
+#: is part of a program memsafe plans and verifies as a whole, and needs no warning.
+_PLANNING: contextvars.ContextVar[bool] = contextvars.ContextVar("memsafe_planning", default=False)
+
+
+def planning(fun: F) -> F:
+    """Decorate a function of memsafe's that traces and compiles user code under its own
+    options and limit (``build_program``): memsafe functions it meets give no outer-jit warning."""
+
+    @functools.wraps(fun)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        token = _PLANNING.set(True)
+        try:
+            return fun(*args, **kwargs)
+        finally:
+            _PLANNING.reset(token)
+
+    return run  # type: ignore[return-value]
 
 
 class OuterJitWarning(UserWarning):
@@ -127,7 +151,7 @@ class BatchedProgram:
         return child
 
     def _warn_outer_jit(self) -> None:
-        if self.warned[0]:
+        if self.warned[0] or _PLANNING.get():
             return
         self.warned[0] = True
         warnings.warn(outer_jit_message(self.name), OuterJitWarning, stacklevel=_user_level())

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from memsafe import _jax, passes
-from memsafe.batching import BatchedProgram
+from memsafe.batching import BatchedProgram, planning
 from memsafe.errors import MemoryLimitError
 from memsafe.gradient import differentiable
 from memsafe.graph import Graph, inline_calls
@@ -89,6 +89,7 @@ def _emit(closed: _jax.ClosedJaxpr) -> Callable[..., list[Any]]:
     return run
 
 
+@planning
 def build_program(
     flat_fun: Callable[..., Any],
     avals: Sequence[jax.ShapeDtypeStruct],
@@ -387,6 +388,7 @@ class MemsafeFunction:
         return differentiable(self._batched(program, rebuild, key), backward_for)
 
 
+@planning
 def _algebraic_forward(
     fun: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct], memory_limit: int
 ) -> tuple[Callable[..., list[Any]], list[Any]]:
