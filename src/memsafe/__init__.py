@@ -1,5 +1,6 @@
 """memsafe: run ordinary JAX programs under a memory limit, and see where their memory goes."""
 
+from memsafe.batching import OuterJitWarning
 from memsafe.errors import Blocker, ForwardModeError, MemoryLimitError
 from memsafe.inspect import Report, inspect  # the function shadows the subpackage's name
 from memsafe.jit import MemsafeFunction, jit
@@ -17,6 +18,7 @@ __all__ = [
     "ForwardModeError",
     "MemoryLimitError",
     "MemsafeFunction",
+    "OuterJitWarning",
     "Plan",
     "Report",
     "Rule",

@@ -32,7 +32,10 @@ jaxpr_as_fun = _jex_core.jaxpr_as_fun
 #: Primitives that only wrap a sub-jaxpr and can be inlined for a forward (primal) program.
 #: custom_jvp/custom_vjp carry differentiation rules: memsafe differentiates the *original* function
 #: (see jit.py), so inlining their primal bodies is exact for the forward program.
-CALL_PRIMITIVES = frozenset({"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint"})
+#: custom_vmap_call wraps a memsafe function called inside a trace (memsafe.batching).
+CALL_PRIMITIVES = frozenset(
+    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_vmap_call"}
+)
 CUSTOM_DIFF_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
@@ -40,7 +43,7 @@ def inner_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
     """The sub-jaxpr of a call-like equation (jit, remat, custom_jvp/vjp), as a ClosedJaxpr."""
     name = eqn.primitive.name
     if name in CALL_PRIMITIVES or name in CUSTOM_DIFF_PRIMITIVES:
-        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+        for key in ("jaxpr", "call_jaxpr", "fun_jaxpr", "call"):
             sub = eqn.params.get(key)
             if sub is None:
                 continue
@@ -190,3 +193,10 @@ def cond_branches(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...] | None:
     if eqn.primitive.name != "cond":
         return None
     return tuple(eqn.params["branches"])
+
+
+def is_batch_tracer(x: Any) -> bool:
+    """Whether ``x`` is a tracer of ``jax.vmap`` (as opposed to a staged trace such as jit's)."""
+    from jax._src.interpreters import batching
+
+    return isinstance(x, batching.BatchTracer)

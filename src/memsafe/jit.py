@@ -17,7 +17,9 @@ import jax
 
 from memsafe import _jax, log, passes, stages
 from memsafe.arguments import ArgSpec, Call
+from memsafe.batching import BatchedProgram, planning
 from memsafe.errors import ForwardModeError, MemoryLimitError
+from memsafe.gradient import differentiable
 from memsafe.graph import Graph, estimate, inline_calls
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.passes import PassContext
@@ -50,6 +52,7 @@ class Program:
     plan: Plan
     closed: _jax.ClosedJaxpr  # the program that runs (original when it fits unchanged)
     compiled: Any = None  # the verified executable, called directly to avoid a second compile
+    source: Any = None  # the flat function planned, where it differs from the user's (backward)
 
     def run(self, flat: Sequence[Any]) -> Any:
         """Run on concrete arrays: the verified executable, or jit's path for odd argument types."""
@@ -59,13 +62,6 @@ class Program:
             except (TypeError, ValueError):
                 pass  # e.g. Python scalars or arrays on another device: let jit convert them
         return self.jitted(*flat)
-
-    def call(self, flat: Sequence[Any]) -> Any:
-        """Run inside or outside a trace: the compiled program on concrete arrays (e.g. the
-        forward and backward of ``jax.grad`` without an outer jit), else the traceable one."""
-        if any(_jax.is_tracer(x) for x in flat):
-            return self.fun(*flat)
-        return self.run(flat)
 
 
 def _emit(closed: _jax.ClosedJaxpr) -> Callable[..., list[Any]]:
@@ -177,6 +173,7 @@ def _refusal(
     )
 
 
+@planning
 @reported
 def build_program(
     flat_fun: Callable[..., Any],
@@ -261,6 +258,9 @@ class MemsafeFunction:
         self._build_options = {"compiler_options": self.compiler_options, "progress": progress}
         self._programs: dict[Any, Program] = {}
         self._backward: dict[Any, Program] = {}
+        self._latest_backward: dict[Any, Program] = {}
+        self._batched_programs: dict[Any, BatchedProgram] = {}
+        self._warned = [False]  # the outer-jit warning, given once (memsafe.batching)
         functools.update_wrapper(self, fun)
 
     # -- argument handling -------------------------------------------------------------------
@@ -333,7 +333,7 @@ class MemsafeFunction:
             memsafe.MemoryLimitError: no rewrite meets the limit.
         """
         program, _, _, key = self._program(args, kwargs)
-        backward = self._backward.get(key)
+        backward = self._latest_backward.get(key)
         if backward is not None:
             program.plan.backward = backward.plan
         return program.plan
@@ -369,22 +369,44 @@ class MemsafeFunction:
 
     # -- differentiation ---------------------------------------------------------------------
 
-    def _backward_program(self, program: Program, rebuild: Callable, key: Any) -> Program:
-        """The VJP program, itself rewritten and verified under the memory limit."""
-        found = self._backward.get(key)
+    def _backward_program(
+        self,
+        program: Program,
+        rebuild: Callable,
+        key: Any,
+        perturbed: tuple[bool, ...] | None = None,
+        nonzero: tuple[bool, ...] | None = None,
+    ) -> Program:
+        """The VJP program, itself rewritten and verified under the memory limit: gradients of
+        the ``perturbed`` float inputs (default all) from the ``nonzero`` output cotangents
+        (default all), which are its arguments after the primal inputs."""
+        avals = program.avals
+        outvars = program.closed.jaxpr.outvars
+        perturbed = perturbed or (True,) * len(avals)
+        nonzero = nonzero or (True,) * len(outvars)
+        found = self._backward.get((key, perturbed, nonzero))
         if found is not None:
             return found
-        avals = program.avals
         out_avals = [
-            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in program.closed.jaxpr.outvars
+            jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+            for v, keep in zip(outvars, nonzero)
+            if keep
         ]
-        diff = [i for i, a in enumerate(avals) if jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)]
+        diff = [
+            i
+            for i, (a, p) in enumerate(zip(avals, perturbed))
+            if p and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+        ]
         n_in = len(avals)
 
         forward, rewrites = _algebraic_forward(rebuild, avals, self.memory_limit)
 
         def vjp_fun(*flat: Any) -> list[Any]:
-            primals, cts = flat[:n_in], flat[n_in:]
+            primals, given = flat[:n_in], iter(flat[n_in:])
+            cts = [
+                next(given) if keep else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
+                for v, keep in zip(outvars, nonzero)
+            ]
 
             def of_diff(*d: Any) -> list[Any]:
                 full = list(primals)
@@ -393,7 +415,7 @@ class MemsafeFunction:
                 return forward(*full)
 
             _, pullback = jax.vjp(of_diff, *[primals[i] for i in diff])
-            return list(pullback(list(cts)))
+            return list(pullback(cts))
 
         backward = build_program(
             vjp_fun,
@@ -405,36 +427,40 @@ class MemsafeFunction:
         )
         backward.plan.records[:0] = rewrites
         backward.diff_positions = diff  # type: ignore[attr-defined]
-        self._backward[key] = backward
+        backward.source = vjp_fun
+        self._backward[(key, perturbed, nonzero)] = backward
+        self._latest_backward[key] = backward  # shown by plan()
         return backward
 
+    def _batched(self, program: Program, source: Callable, key: Any) -> BatchedProgram:
+        """``program``, planned from ``source``, as a :class:`BatchedProgram` (re-planned under
+        ``jax.vmap``), cached."""
+        found = self._batched_programs.get(key)
+        if found is None or found.program is not program:
+            found = BatchedProgram(source, program, self._build, self._name, self._warned)
+            self._batched_programs[key] = found
+        return found
+
+    def _build(self, flat_fun: Callable, avals: Sequence[Any], name: str) -> Program:
+        return build_program(flat_fun, avals, self.memory_limit, (), name, **self._build_options)
+
     def _differentiable(self, program: Program, rebuild: Callable, key: Any) -> Callable:
-        """The program as a custom_vjp whose backward pass is its own memory-safe program."""
-        memsafe_fun = self
+        """The program as a custom_vjp whose backward pass is its own memory-safe program, and
+        whose forward and backward re-plan under ``jax.vmap`` (memsafe.gradient)."""
 
-        @jax.custom_vjp
-        def call(*flat: Any) -> list[Any]:
-            return list(program.call(flat))
+        def backward_for(
+            perturbed: tuple[bool, ...], nonzero: tuple[bool, ...]
+        ) -> tuple[BatchedProgram, list[int]]:
+            backward = self._backward_program(program, rebuild, key, perturbed, nonzero)
+            batched = self._batched(
+                backward, backward.source, ("backward", key, perturbed, nonzero)
+            )
+            return batched, backward.diff_positions  # type: ignore[attr-defined]
 
-        def fwd(*flat: Any) -> tuple[list[Any], tuple]:
-            return list(program.call(flat)), flat
-
-        def bwd(res: tuple, cts: list[Any]) -> tuple:
-            backward = memsafe_fun._backward_program(program, rebuild, key)
-            cts = [
-                jax.numpy.zeros(v.aval.shape, v.aval.dtype) if _is_symbolic_zero(c) else c
-                for c, v in zip(cts, program.closed.jaxpr.outvars)
-            ]
-            grads = backward.call([*res, *cts])
-            out: list[Any] = [None] * len(res)
-            for i, g in zip(backward.diff_positions, grads):  # type: ignore[attr-defined]
-                out[i] = g
-            return tuple(out)
-
-        call.defvjp(fwd, bwd)
-        return call
+        return differentiable(self._batched(program, rebuild, key), backward_for)
 
 
+@planning
 def _algebraic_forward(
     fun: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct], memory_limit: int
 ) -> tuple[Callable[..., list[Any]], list[Any]]:
@@ -476,10 +502,6 @@ def _run_pass(
         )
         ctx.record(PassRecord(pass_name, f"skipped: {type(err).__name__}: {err}"))
         return program
-
-
-def _is_symbolic_zero(x: Any) -> bool:
-    return x is None or type(x).__name__ in {"Zero", "SymbolicZero"}
 
 
 def jit(

@@ -89,7 +89,7 @@ class Compiled(_Stage):
                 "or static value; lower it again for these arguments, or call the memsafe "
                 "function itself, which plans each new set of arguments"
             )
-        outs = self._program.call(call.flat)
+        outs = self._program.run(call.flat)
         return jax.tree_util.tree_unflatten(self._program.out_tree, list(outs))
 
     def _with_statics(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -41,6 +41,13 @@ def _plain_plans(obj: Any, args: Args) -> list[Plan]:
     return [obj.plan(*args)]
 
 
+def _forward_and_backward_plans(obj: Any, args: Args) -> list[Plan]:
+    """The forward plan and the plan of the backward program the gradient ran (of the
+    differentiated arguments only)."""
+    plan = obj.plan(*args)
+    return [plan, plan.backward]
+
+
 def _ms(fun: Callable, limit: int, **kw: Any) -> memsafe.jit:
     return memsafe.jit(fun, memory_limit=limit, **kw)
 
@@ -66,7 +73,7 @@ WRAPPERS: dict[str, Wrapper] = {
         ref=lambda ns: jax.grad(ns["loss"], argnums=GRAD_ARGNUMS),
         make=lambda ns, lim: _ms(ns["loss"], lim),
         call=lambda o, a: jax.grad(o, argnums=GRAD_ARGNUMS)(*a),
-        plans=lambda o, a: [o.plan(*a), o.backward_plan(*a)],
+        plans=_forward_and_backward_plans,
         outer=False,
         code="jax.grad(memsafe.jit(loss, memory_limit=LIMIT), argnums=(0, 1))(x, y, v, labels)",
     ),
