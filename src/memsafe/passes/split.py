@@ -15,7 +15,7 @@ from typing import Any
 from memsafe._jax import ClosedJaxpr, Var, bind_eqn_with, source_line
 from memsafe.errors import Blocker
 from memsafe.graph import Graph
-from memsafe.graph.interpret import retrace
+from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
@@ -164,7 +164,7 @@ def _split_bodies(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
             return None
         live = sum(graph.info(v).bytes for v in (*eqn.invars, *eqn.outvars) if isinstance(v, Var))
         sub = PassContext(ctx.memory_limit, ctx.fixed_bytes + live, ctx.plan, ctx.chunk_scale)
-        body = run(eqn.params[loops[i]], sub)
+        body = run(inline_calls(eqn.params[loops[i]]), sub)
         for blocker in sub.blockers:
             ctx.block(blocker)
         return bind_eqn_with(eqn, invals, **{loops[i]: body})
