@@ -16,6 +16,7 @@ import jax
 import numpy as np
 
 from memsafe import _jax
+from memsafe.batching import planning
 from memsafe.inspect import render
 from memsafe.inspect.findings import find_all
 from memsafe.inspect.graph import ProgramGraph, build_graph
@@ -315,8 +316,11 @@ def inspect(
     jit_kwargs: dict[str, Any] = {"static_argnums": static[0], "static_argnames": static[1]}
     if options:
         jit_kwargs["compiler_options"] = options
+    trace = jax.jit(f, **jit_kwargs).trace
+    if compiler_options == "memsafe":  # memsafe's own options: a memsafe function inside is fine
+        trace = planning(trace)
     try:
-        traced = jax.jit(f, **jit_kwargs).trace(*args, **kwargs)
+        traced = trace(*args, **kwargs)
     except Exception as err:  # the user's own error, kept as it is, with where memsafe was
         err.add_note(f"memsafe.inspect: while tracing {name} at arguments ({', '.join(described)})")
         raise
