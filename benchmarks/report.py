@@ -11,17 +11,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from tools.plans import format_bytes as _bytes  # no jax import: reports read JSON only
+
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return "-"
 
 
 def _secs(s: float | None) -> str:
