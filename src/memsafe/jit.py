@@ -370,7 +370,12 @@ def _algebraic_forward(
     differentiate; and the records of the rewrites that fired."""
     closed, _ = _jax.make_closed_jaxpr(fun, avals)
     program = inline_calls(closed, keep_custom_derivatives=True)
-    ctx = PassContext(memory_limit=memory_limit, fixed_bytes=0, plan=Plan(memory_limit))
+    ctx = PassContext(
+        memory_limit=memory_limit,
+        fixed_bytes=0,
+        plan=Plan(memory_limit),
+        keep_custom_derivatives=True,
+    )
     for name, run in passes.named_passes():
         if name in ALGEBRAIC_PASSES:
             program = _run_pass(name, run, program, ctx, getattr(fun, "__name__", "function"))
