@@ -48,13 +48,10 @@ def _largest_safe_exponent(dtype: np.dtype, depth: int) -> int:
     return (max_exp - 4 - int(np.ceil(np.log2(max(depth, 1))))) // 2
 
 
-def _scale(x: jnp.ndarray, y: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """(scale, unscale): powers of two bringing the largest finite value of ``x`` and ``y`` under
-    the size whose squares cannot overflow (1 when it already is)."""
-    largest = jnp.maximum(
-        jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0), initial=0),
-        jnp.max(jnp.where(jnp.isfinite(y), jnp.abs(y), 0), initial=0),
-    )
+def _scale(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(scale, unscale): powers of two bringing the largest finite value of ``x`` under the size
+    whose squares cannot overflow (1 when it already is)."""
+    largest = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0), initial=0)
     _, exponent = jnp.frexp(largest)  # largest < 2**exponent
     shift = jnp.maximum(exponent - _largest_safe_exponent(x.dtype, x.shape[-1]), 0)
     one = jnp.ones((), x.dtype)
@@ -62,30 +59,28 @@ def _scale(x: jnp.ndarray, y: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
 
 
 #: Rows of each input the centre is estimated from (an evenly strided sample).
-CENTRE_SAMPLE = 512
+CENTRE_SAMPLE = 64
 
 
-def _centre(xs: jnp.ndarray, ys: jnp.ndarray) -> jnp.ndarray:
-    """The coordinate-wise median of a strided sample of the finite rows of ``xs`` and ``ys``:
-    within the bulk of the data, which a minority of far outliers (huge values) cannot drag away
-    as they drag a mean. Costs O(d) memory and O(CENTRE_SAMPLE log CENTRE_SAMPLE) per feature."""
-
-    def sample(v: jnp.ndarray) -> jnp.ndarray:
-        v = v[:: max(1, -(-v.shape[0] // CENTRE_SAMPLE))]
-        return jnp.where(jnp.all(jnp.isfinite(v), -1, keepdims=True), v, jnp.nan)
-
-    rows = jnp.concatenate([sample(xs), sample(ys)])
+def _centre(xs: jnp.ndarray) -> jnp.ndarray:
+    """The coordinate-wise median of the finite values of a strided sample of rows of ``xs``: in the
+    bulk of the data, which a minority of far outliers (huge values) cannot drag away as they drag
+    a mean. Costs O(d) memory and O(CENTRE_SAMPLE log CENTRE_SAMPLE) per feature."""
+    rows = xs[:: max(1, -(-xs.shape[0] // CENTRE_SAMPLE))]
     if rows.shape[0] == 0:
         return jnp.zeros(xs.shape[1:], xs.dtype)
+    rows = jnp.where(jnp.isfinite(rows), rows, jnp.nan)
     centre = jnp.nanmedian(rows.astype(jnp.promote_types(xs.dtype, jnp.float32)), axis=0)
     return jnp.where(jnp.isnan(centre), 0, centre).astype(xs.dtype)
 
 
-def frame(x: jnp.ndarray, y: jnp.ndarray) -> Frame:
-    """The frame in which ``x`` (n, d) and ``y`` (m, d) are expanded: scaled by a power of two when
-    their largest finite value could overflow, centred on a median of their finite rows."""
-    scale, unscale = _scale(x, y)
-    return Frame(scale, unscale, _centre(x * scale, y * scale))
+def frame(x: jnp.ndarray) -> Frame:
+    """The frame in which rows of ``x`` (n, d) and of another set are expanded: scaled by a power
+    of two when the largest finite value of ``x`` could overflow, centred on a median of its
+    finite values. Computed from ``x`` alone, so that a program split along the other set's rows
+    needs nothing of that set whole."""
+    scale, unscale = _scale(x)
+    return Frame(scale, unscale, _centre(x * scale))
 
 
 def _operands(x: jnp.ndarray, y: jnp.ndarray, fr: Frame) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -109,13 +104,15 @@ def gram(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
 
 
 def _forward(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
-    fr = frame(x, y)
+    fr = frame(x)
     xt, yt = _operands(x, y, fr)
     rows_x, rows_y = jnp.all(jnp.isfinite(x), -1), jnp.all(jnp.isfinite(y), -1)
     xx = jnp.where(rows_x, jnp.sum(xt * xt, -1), 0)
     yy = jnp.where(rows_y, jnp.sum(yt * yt, -1), 0)
     g = gram(xt, yt)
     d2 = jnp.maximum(xx[:, None] + yy[None, :] - 2 * g, 0) * fr.unscale * fr.unscale
+    # A row of y too large for x's frame is farther from every x than overflow allows.
+    d2 = jnp.where(jnp.isinf(yy)[None, :], jnp.inf, d2)
     nan_x, nan_y = jnp.any(jnp.isnan(x), -1), jnp.any(jnp.isnan(y), -1)
     finite = rows_x[:, None] & rows_y[None, :]
     encoded = ~rows_x[:, None] & ~rows_y[None, :]  # g says whether an inf - inf occurs
@@ -129,7 +126,7 @@ def _grad_rows(a: jnp.ndarray, b: jnp.ndarray, g: jnp.ndarray, fr: Frame) -> jnp
     give ``g_ij * inf`` as the direct form does); those of ``a`` and NaNs are set from flags."""
     at = a * fr.scale - fr.centre
     bt = b * fr.scale - fr.centre
-    a0 = jnp.where(jnp.isfinite(at), at, 0)
+    a0 = jnp.where(jnp.isfinite(a), at, 0)
     b0 = jnp.where(jnp.isnan(bt), 0, bt)
     rows = jnp.sum(g, axis=1, keepdims=True)
     prod = lax.dot_general(g, b0, (((1,), (0,)), ((), ())), precision=_HIGHEST)
@@ -165,7 +162,7 @@ def _sqdist_fwd(x: jnp.ndarray, y: jnp.ndarray) -> tuple[jnp.ndarray, tuple]:
 
 def _sqdist_bwd(res: tuple, g: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     x, y = res
-    fr = frame(x, y)
+    fr = frame(x)
     return _grad_rows(x, y, g, fr), _grad_rows(y, x, g.T, fr)
 
 
