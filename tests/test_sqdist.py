@@ -10,7 +10,6 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import memsafe
 from memsafe.rules.sqdist import sqdist
 from memsafe.xla import memsafe_jit
 from tests.fuzz.accuracy import check
