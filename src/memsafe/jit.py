@@ -93,32 +93,43 @@ def _emit(closed: _jax.ClosedJaxpr) -> Callable[..., list[Any]]:
     return run
 
 
+def _trace(
+    fun: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct], name: str
+) -> tuple[_jax.ClosedJaxpr, Any]:
+    """``fun`` traced at ``avals``; the user's own error is kept as it is, noting where."""
+    try:
+        return _jax.make_closed_jaxpr(fun, avals)
+    except Exception as err:
+        shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
+        err.add_note(f"memsafe: while tracing {name} at arguments ({shapes})")
+        raise
+
+
 def build_program(
     flat_fun: Callable[..., Any],
     avals: Sequence[jax.ShapeDtypeStruct],
     memory_limit: int,
     donate: tuple[int, ...] = (),
     name: str = "function",
+    rewrite_from: Callable[..., Any] | None = None,
 ) -> Program:
-    """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``."""
-    try:
-        closed, out_tree = _jax.make_closed_jaxpr(flat_fun, avals)
-    except Exception as err:  # the user's own error, kept as it is, with where memsafe was
-        shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in avals)
-        err.add_note(f"memsafe: while tracing {name} at arguments ({shapes})")
-        raise
+    """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``.
+
+    The original program is returned, unchanged, when it fits. Otherwise the passes rewrite
+    ``rewrite_from`` (default ``flat_fun``: an equivalent start, such as the gradient of an
+    algebraically rewritten forward), shrinking chunks until a compile fits.
+    Raises :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
+    closed, out_tree = _trace(flat_fun, avals, name)
     plan = Plan(memory_limit=memory_limit)
     hidden = hidden_constant_bytes(closed.consts)
     original = memsafe_jit(flat_fun, donate_argnums=donate)
     original_compiled = original.lower(*avals).compile()
-    before = Footprint.from_compiled(original_compiled, hidden)
-    plan.before = before
+    before = plan.before = Footprint.from_compiled(original_compiled, hidden)
     if before.total <= memory_limit:
         plan.fits_unchanged = True
         plan.after = before
         plan.attempts.append(Attempt(1.0, before, True, "original program"))
         return Program(original, flat_fun, tuple(avals), out_tree, plan, closed, original_compiled)
-
     fixed = before.arguments + before.outputs - before.aliases
     if fixed > memory_limit:
         raise MemoryLimitError(
@@ -128,53 +139,55 @@ def build_program(
             limit=memory_limit,
             footprint=before.total,
         )
+    start = closed if rewrite_from is None else _trace(rewrite_from, avals, name)[0]
+    return _search(inline_calls(start), avals, out_tree, plan, fixed + hidden, donate, name)
 
-    flat = inline_calls(closed)
-    pipeline = passes.named_passes()
-    scale = 1.0
-    best: Footprint | None = None
-    last_blockers = []
+
+def _search(
+    flat: _jax.ClosedJaxpr,
+    avals: Sequence[jax.ShapeDtypeStruct],
+    out_tree: Any,
+    plan: Plan,
+    fixed: int,
+    donate: tuple[int, ...],
+    name: str,
+) -> Program:
+    """Run the passes on ``flat`` and verify, with smaller chunks each round, until it fits."""
+    memory_limit, before = plan.memory_limit, plan.before
+    scale, best, blockers = 1.0, None, []
     for attempt in range(MAX_ATTEMPTS):
         attempt_plan = Plan(memory_limit=memory_limit, before=before)
-        ctx = PassContext(
-            memory_limit=memory_limit,
-            fixed_bytes=fixed + hidden,
-            plan=attempt_plan,
-            chunk_scale=scale,
-        )
+        ctx = PassContext(memory_limit, fixed, attempt_plan, chunk_scale=scale)
         program = flat
-        for pass_name, run in pipeline:
+        for pass_name, run in passes.named_passes():
             program = _run_pass(pass_name, run, program, ctx, name)
-        last_blockers = ctx.blockers
-        hidden_now = hidden_constant_bytes(program.consts)
+        blockers = ctx.blockers
         emitted = _emit(program)
         jitted = memsafe_jit(emitted, donate_argnums=donate)
         compiled = jitted.lower(*avals).compile()
-        after = Footprint.from_compiled(compiled, hidden_now)
+        after = Footprint.from_compiled(compiled, hidden_constant_bytes(program.consts))
         fits = after.total <= memory_limit
         plan.attempts.append(Attempt(scale, after, fits))
-        if best is None or after.total < best.total:
-            best = after
+        best = after if best is None or after.total < best.total else best
         if fits:
-            plan.records = attempt_plan.records
-            plan.after = after
+            plan.records, plan.after = attempt_plan.records, after
             return Program(jitted, emitted, tuple(avals), out_tree, plan, program, compiled)
         if not attempt_plan.splits:
             break  # nothing size-dependent was done: smaller chunks cannot help
         # Shrink in proportion to the excess (chunk temps scale about linearly), with a margin;
         # halving outright cost the 10k x 1M kNN 2x its loop count after a 4% overshoot.
-        excess = after.total - memory_limit
-        room = max(1, memory_limit - fixed)
+        room = max(1, memory_limit - (before.arguments + before.outputs - before.aliases))
         at_most = FIRST_SHRINK if attempt == 0 else 0.5
-        scale *= min(at_most, SHRINK_MARGIN * room / (room + excess))
-    largest = Graph(flat).largest(5)
-    detail = ", ".join(f"{v.dtype}{list(v.shape)} ({format_bytes(v.bytes)})" for v in largest[:3])
+        scale *= min(at_most, SHRINK_MARGIN * room / (room + after.total - memory_limit))
+    detail = ", ".join(
+        f"{v.dtype}{list(v.shape)} ({format_bytes(v.bytes)})" for v in Graph(flat).largest(3)
+    )
     raise MemoryLimitError(
         f"{name}: no rewrite brought the footprint under the limit "
         f"(largest intermediates: {detail})",
         limit=memory_limit,
         footprint=None if best is None else best.total,
-        blockers=last_blockers,
+        blockers=blockers,
         minimum=before.total if best is None else min(best.total, before.total),
     )
 
@@ -316,22 +329,32 @@ class MemsafeFunction:
 
         forward, rewrites = _algebraic_forward(rebuild, avals, self.memory_limit)
 
-        def vjp_fun(*flat: Any) -> list[Any]:
-            primals, cts = flat[:n_in], flat[n_in:]
+        def vjp_of(forward: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+            def vjp_fun(*flat: Any) -> list[Any]:
+                primals, cts = flat[:n_in], flat[n_in:]
 
-            def of_diff(*d: Any) -> list[Any]:
-                full = list(primals)
-                for i, v in zip(diff, d):
-                    full[i] = v
-                return forward(*full)
+                def of_diff(*d: Any) -> list[Any]:
+                    full = list(primals)
+                    for i, v in zip(diff, d):
+                        full[i] = v
+                    return forward(*full)
 
-            _, pullback = jax.vjp(of_diff, *[primals[i] for i in diff])
-            return list(pullback(list(cts)))
+                _, pullback = jax.vjp(of_diff, *[primals[i] for i in diff])
+                return list(pullback(list(cts)))
 
+            return vjp_fun
+
+        # The original gradient when it fits; the rewritten forward's only where memory needs it.
         backward = build_program(
-            vjp_fun, (*avals, *out_avals), self.memory_limit, (), f"gradient of {self._name}"
+            vjp_of(rebuild),
+            (*avals, *out_avals),
+            self.memory_limit,
+            (),
+            f"gradient of {self._name}",
+            rewrite_from=vjp_of(forward),
         )
-        backward.plan.records[:0] = rewrites
+        if not backward.plan.fits_unchanged:
+            backward.plan.records[:0] = rewrites
         backward.diff_positions = diff  # type: ignore[attr-defined]
         self._backward[key] = backward
         return backward
