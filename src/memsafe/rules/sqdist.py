@@ -4,9 +4,11 @@ Expanded naively, ``|x_i|^2 + |y_j|^2 - 2 x_i.y_j`` loses what the direct form k
 
 * **Precision.** The expansion cancels: its error is about ``eps * (|x_i|^2 + |y_j|^2)``, so
   points far from the origin (or near each other) lose every digit. Here both sets are shifted by a
-  common centre (a median of their rows) first, which leaves distances unchanged.
+  common centre (a median of ``x``'s finite values) first, which leaves distances unchanged.
 * **Range.** Squares of huge coordinates overflow where their differences do not. Both sets are
-  scaled by a power of two (exact) so that no square can overflow, and the result scaled back.
+  scaled by a power of two (exact) so that no square of ``x``'s frame can overflow, and the result
+  scaled back. The frame is computed from ``x`` alone: a program split along ``y``'s rows then
+  needs nothing of ``y`` whole.
 * **Non-finite inputs.** ``inf - inf`` made NaN of an infinite distance. Pairs whose rows are not
   all finite get jax.jit's value from row flags: NaN where either row holds a NaN or both hold an
   infinity of the same sign at the same coordinate, else ``+inf``. The coincidences are found by
@@ -16,6 +18,11 @@ Expanded naively, ``|x_i|^2 + |y_j|^2 - 2 x_i.y_j`` loses what the direct form k
   direct form; a custom VJP gives the exact one, ``d/dx_i = 2 sum_j g_ij (x_i - y_j)``, as
   ``2 (x_i sum_j g_ij - g y)`` on the centred data (two GEMMs, no n*m*d value), with the NaN and
   infinity jax.jit's gradient would give for non-finite inputs.
+
+Known limits: two points that both lie farther from the centre than the square root of the
+dtype's largest value (about 1.8e19 in float32), yet near each other, get the expansion's error
+on that scale (jax.jit's distance between them is finite and small); and a cotangent that is
+infinite where the points differ gives NaN where jax.jit gives an infinity.
 """
 
 from __future__ import annotations
