@@ -182,9 +182,15 @@ def build_program(
     donate: tuple[int, ...] = (),
     name: str = "function",
     compiler_options: Mapping[str, Any] | None = None,
+    rewrite_from: Callable[..., Any] | None = None,
 ) -> Program:
-    """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``;
-    ``compiler_options`` are the user's, merged with memsafe's (see ``xla.merged_options``)."""
+    """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``.
+
+    The original program is returned, unchanged, when it fits. Otherwise the passes rewrite
+    ``rewrite_from`` (default ``flat_fun``; an equivalent start, such as the gradient of an
+    algebraically rewritten forward), shrinking chunks until a compile fits. ``compiler_options``
+    are the user's, merged with memsafe's (see ``xla.merged_options``). Raises
+    :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
     closed, out_tree = _trace(flat_fun, avals, name)
     plan = Plan(memory_limit=memory_limit)
     hidden = hidden_constant_bytes(closed.consts)
@@ -199,7 +205,8 @@ def build_program(
             original.jitted, flat_fun, tuple(avals), out_tree, plan, closed, original.compiled
         )
     fixed = _check_fixed(before, memory_limit, name)
-    flat = inline_calls(closed)
+    start = closed if rewrite_from is None else _trace(rewrite_from, avals, name)[0]
+    flat = inline_calls(start)
     pipeline = passes.named_passes()
     scale, best, blockers = 1.0, None, []
     for attempt in range(MAX_ATTEMPTS):
@@ -401,33 +408,39 @@ class MemsafeFunction:
 
         forward, rewrites = _algebraic_forward(rebuild, avals, self.memory_limit)
 
-        def vjp_fun(*flat: Any) -> list[Any]:
-            primals, given = flat[:n_in], iter(flat[n_in:])
-            cts = [
-                next(given) if keep else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
-                for v, keep in zip(outvars, nonzero)
-            ]
+        def vjp_of(forward: Callable[..., list[Any]]) -> Callable[..., list[Any]]:
+            def vjp_fun(*flat: Any) -> list[Any]:
+                primals, given = flat[:n_in], iter(flat[n_in:])
+                cts = [
+                    next(given) if keep else jax.numpy.zeros(v.aval.shape, v.aval.dtype)
+                    for v, keep in zip(outvars, nonzero)
+                ]
 
-            def of_diff(*d: Any) -> list[Any]:
-                full = list(primals)
-                for i, v in zip(diff, d):
-                    full[i] = v
-                return forward(*full)
+                def of_diff(*d: Any) -> list[Any]:
+                    full = list(primals)
+                    for i, v in zip(diff, d):
+                        full[i] = v
+                    return forward(*full)
 
-            _, pullback = jax.vjp(of_diff, *[primals[i] for i in diff])
-            return list(pullback(cts))
+                _, pullback = jax.vjp(of_diff, *[primals[i] for i in diff])
+                return list(pullback(cts))
 
+            return vjp_fun
+
+        # The original gradient when it fits; the rewritten forward's only where memory needs it.
         backward = build_program(
-            vjp_fun,
+            vjp_of(rebuild),
             (*avals, *out_avals),
             self.memory_limit,
             (),
             f"gradient of {self._name}",
+            rewrite_from=vjp_of(forward),
             **self._build_options,
         )
-        backward.plan.records[:0] = rewrites
+        if not backward.plan.fits_unchanged:
+            backward.plan.records[:0] = rewrites
         backward.diff_positions = diff  # type: ignore[attr-defined]
-        backward.source = vjp_fun
+        backward.source = vjp_of(forward)
         self._backward[(key, perturbed, nonzero)] = backward
         self._latest_backward[key] = backward  # shown by plan()
         return backward
@@ -468,7 +481,12 @@ def _algebraic_forward(
     differentiate; and the records of the rewrites that fired."""
     closed, _ = _jax.make_closed_jaxpr(fun, avals)
     program = inline_calls(closed, keep_custom_derivatives=True)
-    ctx = PassContext(memory_limit=memory_limit, fixed_bytes=0, plan=Plan(memory_limit))
+    ctx = PassContext(
+        memory_limit=memory_limit,
+        fixed_bytes=0,
+        plan=Plan(memory_limit),
+        keep_custom_derivatives=True,
+    )
     for name, run in passes.named_passes():
         if name in ALGEBRAIC_PASSES:
             program = _run_pass(name, run, program, ctx, getattr(fun, "__name__", "function"))

@@ -17,12 +17,15 @@ class PassContext:
     ``memory_limit`` is the whole-program limit in bytes; ``fixed_bytes`` what arguments, outputs
     and constants take regardless of rewriting; ``chunk_scale`` (<= 1) is lowered by the driver when
     a verified compile still exceeds the limit, so size-choosing passes pick smaller pieces.
+    ``keep_custom_derivatives``: rewrites keep the custom derivative rules their replacements
+    carry (the program is to be differentiated); otherwise only their primal computation is kept.
     """
 
     memory_limit: int
     fixed_bytes: int
     plan: Plan
     chunk_scale: float = 1.0
+    keep_custom_derivatives: bool = False
     blockers: list[Blocker] = field(default_factory=list)
 
     @property

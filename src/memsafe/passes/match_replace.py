@@ -14,7 +14,7 @@ from typing import Any
 import jax
 
 from memsafe._jax import ClosedJaxpr, Var, dce, eqn_context, make_closed_jaxpr, source_line
-from memsafe.graph import Graph, evaluate
+from memsafe.graph import Graph, evaluate, inline_calls
 from memsafe.passes.base import PassContext
 from memsafe.plan import RuleRecord
 from memsafe.rules.cost import savings
@@ -154,8 +154,14 @@ def apply_rules(
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
-    """The pipeline entry point: rewrite with the active rules, recording each rewrite."""
+    """The pipeline entry point: rewrite with the active rules, recording each rewrite.
+
+    Replacements may carry custom derivative rules (the squared distance's exact VJP); unless
+    ``ctx.keep_custom_derivatives``, only their primal computation is kept, which later passes
+    (splitting) can see into."""
     new, records = apply_rules(closed, active_rules(), rewrites=builtin_rewrites())
     for rec in records:
         ctx.record(rec)
+    if records and not ctx.keep_custom_derivatives:
+        new = inline_calls(new)
     return new

@@ -7,23 +7,16 @@ XLA may store whole; ``|x|^2 + |y|^2 - 2 x y^T`` is one matrix product plus rank
 from __future__ import annotations
 
 import jax.numpy as jnp
-from jax import lax
 
 from memsafe.rules.pattern import Rule
-
-_HIGHEST = lax.Precision.HIGHEST
-
-
-def _gram(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
-    """x @ y.T at full precision (no TF32 on GPUs: the expansion cancels)."""
-    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=_HIGHEST)
+from memsafe.rules.sqdist import gram as _gram
+from memsafe.rules.sqdist import sqdist
 
 
 def sqdist_gemm(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
-    """|x_i|^2 + |y_j|^2 - 2 x_i.y_j, clamped at zero (one GEMM instead of an n*m*d reduction)."""
-    xx = jnp.sum(x * x, axis=-1)
-    yy = jnp.sum(y * y, axis=-1)
-    return jnp.maximum(xx[:, None] + yy[None, :] - 2 * _gram(x, y), 0)
+    """|x_i|^2 + |y_j|^2 - 2 x_i.y_j in a centred frame, clamped at zero (one GEMM instead of an
+    n*m*d reduction), with the direct form's NaN, infinities and exact gradient (rules.sqdist)."""
+    return sqdist(x, y)
 
 
 def l2dist_gemm(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
@@ -78,7 +71,7 @@ SQDIST = Rule(
     shapes="n d, m d",
     dtypes=(jnp.floating,),
     filters=(_deep_enough,),
-    description="pairwise squared distance -> |x|^2 + |y|^2 - 2 x y^T (one GEMM), clamped at 0",
+    description="pairwise squared distance -> |x|^2 + |y|^2 - 2 x y^T (one centred GEMM), clamped",
 )
 
 L2DIST = Rule(

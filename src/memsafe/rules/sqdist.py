@@ -1,0 +1,176 @@
+"""The pairwise squared distance ``sum((x_i - y_j)^2)`` as one GEMM, with jax.jit's answer.
+
+Expanded naively, ``|x_i|^2 + |y_j|^2 - 2 x_i.y_j`` loses what the direct form keeps:
+
+* **Precision.** The expansion cancels: its error is about ``eps * (|x_i|^2 + |y_j|^2)``, so
+  points far from the origin (or near each other) lose every digit. Here both sets are shifted by a
+  common centre (a median of ``x``'s finite values) first, which leaves distances unchanged.
+* **Range.** Squares of huge coordinates overflow where their differences do not. Both sets are
+  scaled by a power of two (exact) so that no square of ``x``'s frame can overflow, and the result
+  scaled back. The frame is computed from ``x`` alone: a program split along ``y``'s rows then
+  needs nothing of ``y`` whole.
+* **Non-finite inputs.** ``inf - inf`` made NaN of an infinite distance. Pairs whose rows are not
+  all finite get jax.jit's value from row flags: NaN where either row holds a NaN or both hold an
+  infinity of the same sign at the same coordinate, else ``+inf``. The coincidences are found by
+  the same GEMM: non-finite rows are encoded (see :func:`_operands`) so that its entry is NaN
+  exactly where the direct form's difference is ``inf - inf``.
+* **Gradients.** The derivative of the expansion, clamp included, is not the derivative of the
+  direct form; a custom VJP gives the exact one, ``d/dx_i = 2 sum_j g_ij (x_i - y_j)``, as
+  ``2 (x_i sum_j g_ij - g y)`` on the centred data (two GEMMs, no n*m*d value), with the NaN and
+  infinity jax.jit's gradient would give for non-finite inputs.
+
+Known limits: two points that both lie farther from the centre than the square root of the
+dtype's largest value (about 1.8e19 in float32), yet near each other, get the expansion's error
+on that scale (jax.jit's distance between them is finite and small); and a cotangent that is
+infinite where the points differ gives NaN where jax.jit gives an infinity.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_HIGHEST = lax.Precision.HIGHEST
+
+
+class Frame(NamedTuple):
+    """A common coordinate frame for ``x`` and ``y``: ``v -> v * scale - centre``.
+
+    ``scale`` is a power of two (exact) and ``unscale`` its inverse; ``centre`` has one entry per
+    feature, already multiplied by ``scale``."""
+
+    scale: jnp.ndarray
+    unscale: jnp.ndarray
+    centre: jnp.ndarray
+
+
+def _largest_safe_exponent(dtype: np.dtype, depth: int) -> int:
+    """``b`` such that ``depth`` squares of differences of values up to ``2**b`` cannot overflow
+    (nor their sum, nor twice a dot product of such rows)."""
+    max_exp = int(jnp.finfo(dtype).maxexp)  # finfo.max < 2**maxexp
+    return (max_exp - 4 - int(np.ceil(np.log2(max(depth, 1))))) // 2
+
+
+def _scale(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(scale, unscale): powers of two bringing the largest finite value of ``x`` under the size
+    whose squares cannot overflow (1 when it already is)."""
+    largest = jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0), initial=0)
+    _, exponent = jnp.frexp(largest)  # largest < 2**exponent
+    shift = jnp.maximum(exponent - _largest_safe_exponent(x.dtype, x.shape[-1]), 0)
+    one = jnp.ones((), x.dtype)
+    return jnp.ldexp(one, -shift), jnp.ldexp(one, shift)
+
+
+#: Rows of each input the centre is estimated from (an evenly strided sample).
+CENTRE_SAMPLE = 64
+
+
+def _centre(xs: jnp.ndarray) -> jnp.ndarray:
+    """The coordinate-wise median of the finite values of a strided sample of rows of ``xs``: in the
+    bulk of the data, which a minority of far outliers (huge values) cannot drag away as they drag
+    a mean. Costs O(d) memory and O(CENTRE_SAMPLE log CENTRE_SAMPLE) per feature."""
+    rows = xs[:: max(1, -(-xs.shape[0] // CENTRE_SAMPLE))]
+    if rows.shape[0] == 0:
+        return jnp.zeros(xs.shape[1:], xs.dtype)
+    rows = jnp.where(jnp.isfinite(rows), rows, jnp.nan)
+    centre = jnp.nanmedian(rows.astype(jnp.promote_types(xs.dtype, jnp.float32)), axis=0)
+    return jnp.where(jnp.isnan(centre), 0, centre).astype(xs.dtype)
+
+
+def frame(x: jnp.ndarray) -> Frame:
+    """The frame in which rows of ``x`` (n, d) and of another set are expanded: scaled by a power
+    of two when the largest finite value of ``x`` could overflow, centred on a median of its
+    finite values. Computed from ``x`` alone, so that a program split along the other set's rows
+    needs nothing of that set whole."""
+    scale, unscale = _scale(x)
+    return Frame(scale, unscale, _centre(x * scale))
+
+
+def _operands(x: jnp.ndarray, y: jnp.ndarray, fr: Frame) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The GEMM's operands: finite rows in the frame; rows with a non-finite value encoded so that
+    ``x~_i . y~_j`` is NaN exactly where ``x_i - y_j`` has ``inf - inf`` (x: +inf -> inf,
+    -inf -> 0, else 1; y: +inf -> 0, -inf -> inf, else 1: every product is then NaN for a
+    same-signed pair of infinities, else 0, 1 or +inf, and a sum of those is never NaN)."""
+    inf = jnp.asarray(jnp.inf, x.dtype)
+    enc_x = jnp.where(x == inf, inf, jnp.where(x == -inf, 0, 1)).astype(x.dtype)
+    enc_y = jnp.where(y == inf, 0, jnp.where(y == -inf, inf, 1)).astype(y.dtype)
+    rows_x = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
+    rows_y = jnp.all(jnp.isfinite(y), axis=-1, keepdims=True)
+    xt = jnp.where(rows_x, x * fr.scale - fr.centre, enc_x)
+    yt = jnp.where(rows_y, y * fr.scale - fr.centre, enc_y)
+    return xt, yt
+
+
+def gram(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    """x @ y.T at full precision (no TF32 on GPUs: the expansion cancels)."""
+    return lax.dot_general(x, y, (((1,), (1,)), ((), ())), precision=_HIGHEST)
+
+
+def _forward(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    fr = frame(x)
+    xt, yt = _operands(x, y, fr)
+    rows_x, rows_y = jnp.all(jnp.isfinite(x), -1), jnp.all(jnp.isfinite(y), -1)
+    xx = jnp.where(rows_x, jnp.sum(xt * xt, -1), 0)
+    yy = jnp.where(rows_y, jnp.sum(yt * yt, -1), 0)
+    g = gram(xt, yt)
+    d2 = jnp.maximum(xx[:, None] + yy[None, :] - 2 * g, 0) * fr.unscale * fr.unscale
+    # A row of y too large for x's frame is farther from every x than overflow allows.
+    d2 = jnp.where(jnp.isinf(yy)[None, :], jnp.inf, d2)
+    nan_x, nan_y = jnp.any(jnp.isnan(x), -1), jnp.any(jnp.isnan(y), -1)
+    finite = rows_x[:, None] & rows_y[None, :]
+    encoded = ~rows_x[:, None] & ~rows_y[None, :]  # g says whether an inf - inf occurs
+    nan = nan_x[:, None] | nan_y[None, :] | (encoded & jnp.isnan(g))
+    return jnp.where(finite, d2, jnp.where(nan, jnp.nan, jnp.inf).astype(d2.dtype))
+
+
+def _grad_rows(a: jnp.ndarray, b: jnp.ndarray, g: jnp.ndarray, fr: Frame) -> jnp.ndarray:
+    """``2 sum_j g_ij (a_i - b_j)`` (the cotangent of ``a`` (n, d) given ``g`` (n, m)), with the
+    NaN and infinities that sum has: infinite coordinates of ``b`` stay in the GEMM (where they
+    give ``g_ij * inf`` as the direct form does); those of ``a`` and NaNs are set from flags."""
+    at = a * fr.scale - fr.centre
+    bt = b * fr.scale - fr.centre
+    a0 = jnp.where(jnp.isfinite(a), at, 0)
+    b0 = jnp.where(jnp.isnan(bt), 0, bt)
+    rows = jnp.sum(g, axis=1, keepdims=True)
+    prod = lax.dot_general(g, b0, (((1,), (0,)), ((), ())), precision=_HIGHEST)
+    out = 2 * (a0 * rows - prod) * fr.unscale  # d/da of unscale^2 D(a * scale)
+    # Where a_ik is infinite every term is g_ij * a_ik: NaN for a zero or NaN g_ij, else its sign.
+    pos = jnp.any(g > 0, axis=1, keepdims=True)
+    neg = jnp.any(g < 0, axis=1, keepdims=True)
+    zero = jnp.any((g == 0) | jnp.isnan(g), axis=1, keepdims=True)
+    sign = jnp.sign(a)
+    at_inf = jnp.where(pos, sign * jnp.inf, jnp.where(neg, -sign * jnp.inf, 0)).astype(out.dtype)
+    same_inf = jnp.any(b == jnp.inf, 0) & (a == jnp.inf) | jnp.any(b == -jnp.inf, 0) & (
+        a == -jnp.inf
+    )
+    nan_at_inf = zero | (pos & neg) | same_inf
+    out = jnp.where(jnp.isinf(a), jnp.where(nan_at_inf, jnp.nan, at_inf), out)
+    return jnp.where(jnp.isnan(a) | jnp.any(jnp.isnan(b), 0), jnp.nan, out)
+
+
+@jax.custom_vjp
+def sqdist(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    """``sum((x[:, None] - y[None]) ** 2, -1)`` for ``x`` (n, d) and ``y`` (m, d), computed with
+    one GEMM in a centred, scaled frame; NaN and infinities as the direct form gives them.
+
+    Returns:
+        The (n, m) squared distances, never negative.
+    """
+    return _forward(x, y)
+
+
+def _sqdist_fwd(x: jnp.ndarray, y: jnp.ndarray) -> tuple[jnp.ndarray, tuple]:
+    return _forward(x, y), (x, y)
+
+
+def _sqdist_bwd(res: tuple, g: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    x, y = res
+    fr = frame(x)
+    return _grad_rows(x, y, g, fr), _grad_rows(y, x, g.T, fr)
+
+
+sqdist.defvjp(_sqdist_fwd, _sqdist_bwd)
