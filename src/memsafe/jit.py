@@ -440,7 +440,7 @@ class MemsafeFunction:
         if not backward.plan.fits_unchanged:
             backward.plan.records[:0] = rewrites
         backward.diff_positions = diff  # type: ignore[attr-defined]
-        backward.source = vjp_of(forward)
+        backward.source = vjp_of(rebuild)  # re-planned under vmap from the original gradient
         self._backward[(key, perturbed, nonzero)] = backward
         self._latest_backward[key] = backward  # shown by plan()
         return backward
