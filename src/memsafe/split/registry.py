@@ -127,6 +127,14 @@ def shape(atom: Any) -> tuple[int, ...]:
     return tuple(getattr(atom.aval, "shape", ()))
 
 
+def with_size(sizes: Any, at: int | None, size: int) -> tuple[int, ...]:
+    """``sizes`` (a shape-like param) with the entry at ``at`` set to the chunk's ``size``."""
+    out = list(sizes)
+    assert at is not None
+    out[at] = size
+    return tuple(out)
+
+
 def size_at(eqn: JaxprEqn, side: Side, axis: int) -> int:
     atoms = eqn.invars if side[0] == "in" else eqn.outvars
     return shape(atoms[side[1]])[axis]

@@ -8,18 +8,19 @@ from typing import Any
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn_with
-from memsafe.split.registry import Mapping, NoRule, Side, identity_unless, shape, split_rule
-
-
-def _with_size(sizes: Any, at: int | None, size: int) -> tuple[int, ...]:
-    out = list(sizes)
-    assert at is not None
-    out[at] = size
-    return tuple(out)
+from memsafe.split.registry import (
+    Mapping,
+    NoRule,
+    Side,
+    identity_unless,
+    shape,
+    split_rule,
+    with_size,
+)
 
 
 def _rebind_broadcast(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
-    return bind_eqn_with(eqn, invals, shape=_with_size(eqn.params["shape"], m.outs[0], size))
+    return bind_eqn_with(eqn, invals, shape=with_size(eqn.params["shape"], m.outs[0], size))
 
 
 @split_rule("broadcast_in_dim", rebind=_rebind_broadcast)
@@ -38,9 +39,7 @@ def _broadcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
 
 
 def _rebind_reshape(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
-    return bind_eqn_with(
-        eqn, invals, new_sizes=_with_size(eqn.params["new_sizes"], m.outs[0], size)
-    )
+    return bind_eqn_with(eqn, invals, new_sizes=with_size(eqn.params["new_sizes"], m.outs[0], size))
 
 
 @split_rule("reshape", rebind=_rebind_reshape)
@@ -88,7 +87,7 @@ def _transpose(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
 
 
 def _rebind_iota(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
-    (out,) = bind_eqn_with(eqn, invals, shape=_with_size(eqn.params["shape"], m.outs[0], size))
+    (out,) = bind_eqn_with(eqn, invals, shape=with_size(eqn.params["shape"], m.outs[0], size))
     if eqn.params["dimension"] == m.outs[0]:
         out = lax.add(out, lax.convert_element_type(start, out.dtype))
     return [out]

@@ -18,16 +18,15 @@ from jax import lax
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import sinks
 from memsafe.split.registry import (
-    SPLIT_RULES,
     AxisMap,
     Mapping,
     NoRule,
     Rebind,
     Side,
-    SplitRule,
     bind_unchanged,
     passing,
     split_rule,
+    with_size,
 )
 from memsafe.split.sinks import Sink
 
@@ -66,7 +65,7 @@ def _moving(
             return [window(eqn, invals, axis, start, n)]
         return rebind_passing(eqn, invals, m, start, n)
 
-    SPLIT_RULES[name] = SplitRule(axis_map, rebind)
+    split_rule(name, rebind=rebind)(axis_map)
 
 
 # -- rev ----------------------------------------------------------------------------------------
@@ -150,13 +149,6 @@ def _moves_slice(eqn: JaxprEqn, axis: int) -> bool:
     return not (p["start_indices"][axis] == 0 and p["limit_indices"][axis] == full and stride == 1)
 
 
-def _with_size(sizes: Any, at: int | None, size: int) -> tuple[int, ...]:
-    out = list(sizes)
-    assert at is not None
-    out[at] = size
-    return tuple(out)
-
-
 def _zero_index(invals: list, k: int) -> list:
     """``invals`` with start index ``k`` set to 0 (a full extent along the axis starts at 0)."""
     invals = list(invals)
@@ -181,20 +173,15 @@ def _dynamic_update_slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
 # -- registration ------------------------------------------------------------------------------
 
 
-def _slice_keeping(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
-    """The axis kept whole passes; read from the operand's chunks, positions selected along it
-    are a sink gathering them from the chunks holding them."""
+def _slice_axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+    """A slice keeping the whole axis passes it. One selecting positions along it is, read from
+    the operand's chunks, a sink gathering them from the chunks that hold them; producing the
+    result's chunks, a window read from the whole operand."""
     if not _moves_slice(eqn, axis):
         return Mapping(ins=(axis,), outs=(axis,))
-    return Sink(sinks.SLICE, ins=(axis,))
-
-
-def _slice_axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
     if side[0] == "in":
-        return _slice_keeping(eqn, side, axis)  # a sink where positions are selected
-    if _moves_slice(eqn, axis):
-        return Mapping(ins=(None,), outs=(axis,))  # the chunk read from the whole operand
-    return Mapping(ins=(axis,), outs=(axis,))
+        return Sink(sinks.SLICE, ins=(axis,))
+    return Mapping(ins=(None,), outs=(axis,))
 
 
 def _rebind_slice(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
@@ -202,7 +189,7 @@ def _rebind_slice(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -
     assert axis is not None
     if m.ins[0] is None:
         return [_slice(eqn, invals, axis, start, n)]
-    limits = _with_size(eqn.params["limit_indices"], m.ins[0], n)
+    limits = with_size(eqn.params["limit_indices"], m.ins[0], n)
     return bind_eqn_with(eqn, invals, limit_indices=limits)
 
 
@@ -217,7 +204,7 @@ def _dynamic_slice_passes(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
 def _rebind_dynamic_slice(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
     a = m.ins[0]
     assert a is not None
-    sizes = _with_size(eqn.params["slice_sizes"], a, n)
+    sizes = with_size(eqn.params["slice_sizes"], a, n)
     return bind_eqn_with(eqn, _zero_index(invals, 1 + a), slice_sizes=sizes)
 
 
@@ -225,7 +212,7 @@ def _passing(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return passing(eqn, axis)
 
 
-SPLIT_RULES["slice"] = SplitRule(_slice_axis_map, _rebind_slice)
+split_rule("slice", rebind=_rebind_slice)(_slice_axis_map)
 _moving("rev", lambda e, a: a in tuple(e.params["dimensions"]), _rev, _passing)
 _moving("pad", lambda e, a: tuple(e.params["padding_config"][a]) != (0, 0, 0), _pad, _pad_passes)
 _moving("concatenate", lambda e, a: a == e.params["dimension"], _concatenate, _passing)
