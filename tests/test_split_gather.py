@@ -11,9 +11,10 @@ import optax
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from jax import lax
 
 import memsafe
-from memsafe.xla import memsafe_jit
+from memsafe.xla import Footprint, memsafe_jit
 
 
 def _sinks(plan) -> set[str]:
@@ -167,3 +168,27 @@ def test_contrastive_losses_split_under_the_limit(loss, grad):
     # with them on, jax 0.10.2's CPU jax.jit returns 1299.8 for this optax.ntxent value where
     # numpy and XLA without them give 14737.8.
     np.testing.assert_allclose(ms(z), memsafe_jit(fun)(z), rtol=1e-4, atol=1e-7)
+
+
+def test_batched_dynamic_slice_splits_along_its_full_window():
+    """``vmap`` of a dynamic slice is a gather whose start index also addresses the axis the
+    window spans whole (its only in-bounds start is 0): that axis splits."""
+    b, r, c, d = 2, 40, 2000, 5
+
+    def fun(x, y, idx):
+        s = jnp.einsum("bid,jd->bij", x, y)
+        t = jax.vmap(lambda a, i: lax.dynamic_slice_in_dim(a, i, c - 4, axis=1))(s, idx)
+        return jnp.sum(t, 2), jnp.max(t, 2)
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal((b, r, d), dtype=np.float32))
+    y = jnp.asarray(rng.standard_normal((c, d), dtype=np.float32))
+    idx = jnp.asarray([1, 3], dtype=jnp.int32)
+    plain = Footprint.from_compiled(memsafe_jit(fun).lower(x, y, idx).compile())
+    fixed = plain.arguments + plain.outputs
+    limit = fixed + (plain.total - fixed) // 4
+    f = memsafe.jit(fun, memory_limit=limit)
+    plan = f.plan(x, y, idx)
+    assert plan.after.total <= limit and any(s.axis == 1 for s in plan.splits), plan
+    for got, want in zip(f(x, y, idx), memsafe_jit(fun)(x, y, idx)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

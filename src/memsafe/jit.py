@@ -208,7 +208,7 @@ def build_program(
     start = closed if rewrite_from is None else _trace(rewrite_from, avals, name)[0]
     flat = inline_calls(start)
     pipeline = passes.named_passes()
-    scale, best, blockers = 1.0, None, []
+    scale, best, blockers, previous = 1.0, None, [], None
     for attempt in range(MAX_ATTEMPTS):
         attempt_plan = Plan(memory_limit=memory_limit, before=before)
         ctx = PassContext(memory_limit, fixed + hidden, attempt_plan, chunk_scale=scale)
@@ -227,8 +227,9 @@ def build_program(
         if fits:
             plan.records, plan.after = attempt_plan.records, after
             return Program(got.jitted, emitted, tuple(avals), out_tree, plan, program, got.compiled)
-        if not attempt_plan.splits:
-            break  # nothing size-dependent was done: smaller chunks cannot help
+        if not attempt_plan.splits or attempt_plan.splits == previous:
+            break  # nothing size-dependent was done, or chunks cannot shrink further
+        previous = attempt_plan.splits
         scale = _next_scale(scale, attempt, after, memory_limit, fixed)
     raise _refusal(flat, name, memory_limit, before, best, blockers)
 

@@ -1,9 +1,11 @@
 """Run one case: choose the limit, run memsafe and jax.jit, check footprints and accuracy.
 
 Outcomes: ``unchanged`` (memsafe ran the program as is), ``split`` (rewritten and verified),
-``refused`` (MemoryLimitError, a legitimate answer), and the failures ``wrong`` (a result breaks
-the accuracy rule), ``over`` (a verified or compiled footprint above the limit) and ``crash``
-(any other exception).
+``refused`` (MemoryLimitError, a legitimate answer), ``outer`` (memsafe's own programs fit, but
+called inside an outer ``jax.jit`` the outer compile's footprint is above the limit: memsafe
+cannot verify that compile and says so with ``OuterJitWarning``), and the failures ``wrong``
+(a result breaks the accuracy rule), ``over`` (a footprint memsafe verified above the limit)
+and ``crash`` (any other exception).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import jax
 import numpy as np
 
 import memsafe
+from memsafe.batching import OuterJitWarning
 from memsafe.xla import Footprint, memsafe_jit
 
 from . import accuracy
@@ -27,7 +30,7 @@ from .program import Case, build, generate, render
 from .wrappers import WRAPPERS
 
 FAILURES = ("wrong", "over", "crash")
-OUTCOMES = ("split", "unchanged", "refused", *FAILURES)
+OUTCOMES = ("split", "unchanged", "refused", "outer", *FAILURES)
 
 
 @dataclass
@@ -44,6 +47,7 @@ class Result:
     fixed: int = 0
     jit_total: int = 0
     ms_total: int | None = None
+    outer_total: int | None = None
     blockers: list[tuple[str, str]] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     message: str = ""
@@ -121,8 +125,10 @@ def _run(case: Case, result: Result) -> None:
         result.jit_total = plain.total
         jit_out = compiled(*args)
         try:
-            obj = wrapper.make(ns, result.limit)
-            ms_out = jax.block_until_ready(wrapper.call(obj, args))
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always", OuterJitWarning)
+                obj = wrapper.make(ns, result.limit)
+                ms_out = jax.block_until_ready(wrapper.call(obj, args))
         except memsafe.MemoryLimitError as err:
             result.outcome = "refused"
             result.blockers = [(b.operation, b.reason) for b in err.blockers]
@@ -132,15 +138,13 @@ def _run(case: Case, result: Result) -> None:
             result.outcome = "crash"
             result.message = f"{type(err).__name__}: {err}"[:2000]
             return
-        totals, unchanged = [], True
-        for plan in wrapper.plans(obj, args):
-            fp = plan.after or plan.before
-            totals.append(fp.total if fp is not None else 0)
-            unchanged &= plan.fits_unchanged
+        plans = wrapper.plans(obj, args)
+        totals = [_total(plan) for plan in plans]
+        unchanged = bool(plans) and all(plan.fits_unchanged for plan in plans)
         if wrapper.outer:
             outer = memsafe_jit(lambda *a: wrapper.call(obj, a)).lower(*args).compile()
-            totals.append(Footprint.from_compiled(outer).total)
-            unchanged = unchanged and bool(totals[:-1])
+            result.outer_total = Footprint.from_compiled(outer).total
+            warned = any(issubclass(w.category, OuterJitWarning) for w in caught)
     result.ms_total = max(totals) if totals else None
     if result.ms_total is not None and result.ms_total > result.limit:
         result.outcome = "over"
@@ -153,6 +157,18 @@ def _run(case: Case, result: Result) -> None:
         result.message = "; ".join(problems)
         return
     result.outcome = "unchanged" if unchanged else "split"
+    if result.outer_total is not None and result.outer_total > result.limit:
+        result.outcome = "outer" if warned else "over"
+        result.message = (
+            f"outer jax.jit footprint {result.outer_total} B > limit {result.limit} B "
+            f"(memsafe's own {totals}; OuterJitWarning {'given' if warned else 'MISSING'})"
+        )
+
+
+def _total(plan: Any) -> int:
+    """The footprint a plan verified (after splitting, or as it was)."""
+    fp = plan.after or plan.before
+    return fp.total if fp is not None else 0
 
 
 def _reference(case: Case, ns: dict, inputs: Any, jit_out: Any) -> tuple[Any, list[float] | None]:

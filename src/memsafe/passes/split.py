@@ -22,7 +22,7 @@ from memsafe.primitives import FUSIBLE
 from memsafe.split import online
 from memsafe.split.emit import Split, StagedSplit, emit
 from memsafe.split.region import Region, SplitFailure, grow
-from memsafe.split.size import ChunkPlan, choose_chunk, speed_cap
+from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, speed_cap
 
 #: A value is split when it exceeds this share of the temporary budget.
 SHARE = 4
@@ -45,6 +45,20 @@ def _describe(graph: Graph, var: Var) -> str:
         return what
     where = source_line(eqn)
     return f"{what} ({eqn.primitive.name}{' at ' + where if where else ''})"
+
+
+def _floor_blocker(graph: Graph, var: Var, axis: int, chunk: ChunkPlan) -> Blocker:
+    """Why a split at the smallest chunk may still not fit (reported only if no attempt fits)."""
+    info = graph.info(var)
+    return Blocker(
+        value=_describe(graph, var),
+        shape=info.shape,
+        dtype=str(info.dtype),
+        bytes=info.bytes,
+        operation="split",
+        reason=f"axis {axis}: even the smallest chunk ({chunk.chunk}) leaves too little room "
+        "for the rest of the program",
+    )
 
 
 def _key(graph: Graph, var: Var) -> tuple:
@@ -77,9 +91,7 @@ def _option(graph: Graph, var: Var, axis: int, budget: int) -> tuple[Split, Chun
     """The split of ``var`` along ``axis`` and its chunk; raises SplitFailure."""
     region = grow(graph, var, axis, max(1, budget // SMALL), max(1, budget // 2))
     split = strategy(graph, region)
-    chunk = choose_chunk(graph, split, budget)
-    if chunk is None:
-        raise SplitFailure("even one element per chunk exceeds the memory budget")
+    chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split)
     if chunk.loops < 2:
         raise SplitFailure("splitting along this axis saves nothing")
     return split, chunk
@@ -88,7 +100,8 @@ def _option(graph: Graph, var: Var, axis: int, budget: int) -> tuple[Split, Chun
 def best_split(
     graph: Graph, var: Var, budget: int
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
-    """The cheapest way to split ``var`` (fewest loop iterations), or why each axis failed."""
+    """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
+    before the smallest chunks of axes where none does), or why each axis failed."""
     options: list[tuple[Split, ChunkPlan]] = []
     failures: list[tuple[int, SplitFailure]] = []
     for axis, n in enumerate(graph.info(var).shape):
@@ -100,6 +113,7 @@ def best_split(
             failures.append((axis, failure))
     if not options:
         return failures
+    options = [o for o in options if not o[1].floored] or options
     fewest = min(_cost(*o) for o in options)
     close = [o for o in options if _cost(*o) <= SIMILAR_COST * fewest]
     return min(
@@ -205,6 +219,8 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         var, split, chunk, merged = chosen
         region = split.region
         chunk = speed_cap(graph, region, chunk)
+        if chunk.floored:
+            ctx.block(_floor_blocker(graph, var, region.seed_axis, chunk))
         new = emit(closed, graph, split, chunk.chunk)
         eqns = graph.eqns
         sinks = sorted({m.kind for m in region.sinks.values()})

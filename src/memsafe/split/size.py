@@ -34,6 +34,7 @@ class ChunkPlan:
     stages: int
     per_unit: int  # bytes stored per unit of the split axis, in the largest stage
     fixed: int  # bytes the loops hold regardless of the chunk (accumulators, buffers, leaves)
+    floored: bool = False  # the model expects even this smallest chunk over the budget
 
     @property
     def iterations(self) -> int:
@@ -159,6 +160,17 @@ def choose_chunk(graph: Graph, split: Split, budget: int) -> ChunkPlan | None:
         chunk = max(fits, lowest)
     chunk, loops = _evened(region.size, chunk, lowest)
     return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed)
+
+
+def smallest_chunk(graph: Graph, split: Split) -> ChunkPlan:
+    """The smallest chunk the region's sinks allow, for when the model expects every chunk over
+    the budget: the model is conservative (it counts every stored value at its worst point), so
+    the compile, not the model, decides whether this fits."""
+    region = split.region
+    per_unit, fixed = bytes_model(graph, region)
+    chunk, loops = _evened(region.size, _lowest(graph, region), _lowest(graph, region))
+    fixed += split.fixed_bytes(graph)
+    return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed, floored=True)
 
 
 #: Modelled bytes per chunk above which a larger chunk no longer runs faster, for memory-bound

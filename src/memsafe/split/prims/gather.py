@@ -60,11 +60,10 @@ def _gather(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
         if a in dn.operand_batching_dims:
             j = dn.start_indices_batching_dims[list(dn.operand_batching_dims).index(a)]
             return Mapping(ins=(a, j), outs=(batch_out[j],))
-        if (
-            a in window
-            and a not in dn.start_index_map
-            and eqn.params["slice_sizes"][a] == op_shape[a]
-        ):
+        if a in window and eqn.params["slice_sizes"][a] == op_shape[a]:
+            # a window spanning the whole axis: its only in-bounds start is 0, on the whole
+            # operand and on any chunk of it alike (an index along it clamps, or falls out of
+            # bounds, in both), so the window passes the axis through
             return Mapping(ins=(a, None), outs=(dn.offset_dims[window.index(a)],))
         if side == ("in", 0) and a in dn.collapsed_slice_dims and a in dn.start_index_map:
             # each result element picks one position of the axis: the chunk holding it supplies

@@ -1,27 +1,122 @@
-"""Loops: a ``scan`` without a carry (``lax.map``) runs its iterations in chunks."""
+"""Loops. A ``scan`` without a carry (``lax.map``) runs its iterations in chunks; a scan whose
+body maps the split axis through (rows through a scan over time or layers) runs whole on each
+chunk of rows."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+
 from memsafe._jax import JaxprEqn, bind_eqn_with
+from memsafe.graph.interpret import inline_calls
+from memsafe.split import body as loop_body
 from memsafe.split.registry import Mapping, NoRule, Side, split_rule
 
 
-def _rebind_map(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
-    """The same loop over the chunk's ``n`` iterations."""
-    return bind_eqn_with(eqn, invals, length=n)
+def _along_length(eqn: JaxprEqn, side: Side, axis: int) -> bool:
+    """Whether the axis is the loop's length (the leading axis of a scanned input or output)."""
+    p = eqn.params
+    if side[0] == "in":
+        return side[1] >= p["num_consts"] + p["num_carry"] and axis == 0
+    return side[1] >= p["num_carry"] and axis == 0
 
 
-@split_rule("scan", rebind=_rebind_map)
-def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _length_map(eqn: JaxprEqn) -> Mapping:
     """Iterations of a scan with no carry are independent: the leading axis of every scanned
     input and stacked output is the loop's length and passes; consts are read whole."""
     p = eqn.params
     if p["num_carry"]:
-        raise NoRule("scan with a carry: its iterations depend on each other")
+        raise NoRule("scan with a carry along the split axis: its iterations depend on each other")
     consts = p["num_consts"]
-    if axis != 0 or (side[0] == "in" and side[1] < consts):
-        raise NoRule("scan: the split axis is inside the loop body")
     xs = len(eqn.invars) - consts
     return Mapping(ins=(None,) * consts + (0,) * xs, outs=(0,) * len(eqn.outvars))
+
+
+def _body_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[dict[int, int], dict[int, int]]:
+    """(body input seeds, body output seeds) for the axis at ``side``: scanned inputs and stacked
+    outputs lose their leading (length) axis inside the body."""
+    p = eqn.params
+    scanned_in = p["num_consts"] + p["num_carry"]
+    if side[0] == "in":
+        k = side[1]
+        return {k: axis - 1 if k >= scanned_in else axis}, {}
+    k = side[1]
+    return {}, {k: axis - 1 if k >= p["num_carry"] else axis}
+
+
+def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, dict, dict]:
+    """The inlined body, the axis of its values and its equations' mappings. A stacked result
+    is reached from the body inputs: the first input axis that lands on it wins."""
+    p = eqn.params
+    body = inline_calls(p["jaxpr"])
+    ins, outs = _body_seed(eqn, side, axis)
+    carry = p["num_consts"]
+    tied = [(carry + j, j) for j in range(p["num_carry"])]
+    for o, a in outs.items():  # a carried result seeds the carry it comes back through
+        if o < p["num_carry"]:
+            ins.setdefault(carry + o, a)
+    if ins:
+        axes, maps = loop_body.propagate(body.jaxpr, ins, tied)
+        return body, axes, maps
+    (o, a), target = next(iter(outs.items())), body.jaxpr.outvars
+    for k, v in enumerate(body.jaxpr.invars):
+        for b in range(len(v.aval.shape)):
+            try:
+                axes, maps = loop_body.propagate(body.jaxpr, {k: b}, tied)
+            except NoRule:
+                continue
+            if axes.get(target[o]) == a:
+                return body, axes, maps
+    raise NoRule("scan: no input of the body carries the split axis to this result")
+
+
+def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """The axis through the body: every operand and result at its body axis (one more for the
+    scanned and stacked ones)."""
+    body, axes, _ = _body_axes(eqn, side, axis)
+    p = eqn.params
+    scanned_in = p["num_consts"] + p["num_carry"]
+    jaxpr = body.jaxpr
+
+    def outer(k: int, v: Any, scanned: bool) -> int | None:
+        a = axes.get(v)
+        return None if a is None else a + int(scanned)
+
+    ins = tuple(outer(k, v, k >= scanned_in) for k, v in enumerate(jaxpr.invars))
+    outs = tuple(outer(k, v, k >= p["num_carry"]) for k, v in enumerate(jaxpr.outvars))
+    given = ins[side[1]] if side[0] == "in" else outs[side[1]]
+    if given != axis:
+        raise NoRule("scan: the split axis does not pass through the body")
+    return Mapping(ins=ins, outs=outs)
+
+
+@split_rule("scan", rebind=lambda *a: _rebind_scan(*a))
+def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Along the loop's length: a carry-free scan's iterations run in chunks. Along another
+    axis: the body must map it through (the whole loop runs on each chunk)."""
+    if _along_length(eqn, side, axis):
+        return _length_map(eqn)
+    return _body_map(eqn, side, axis)
+
+
+def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
+    """Along the length: the same loop over the chunk's ``n`` iterations. Along another axis:
+    the loop over the chunk, its body re-traced at the chunk's shapes (the chunk's start enters
+    as one more constant)."""
+    p = eqn.params
+    xs = range(p["num_consts"] + p["num_carry"], len(eqn.invars))
+    if any(m.ins[k] == 0 for k in xs) or (not p["num_carry"] and 0 in m.outs):
+        return bind_eqn_with(eqn, invals, length=n)
+    side, axis = next((("in", k), a) for k, a in enumerate(m.ins) if a is not None)
+    body, axes, maps = _body_axes(eqn, side, axis)
+    in_avals = [v.aval for v in body.jaxpr.invars]
+    new = loop_body.chunk_body(body, axes, maps, n, in_avals)
+    extra = {"linear": (False, *p["linear"])} if "linear" in p else {}
+    return bind_eqn_with(
+        eqn,
+        [jnp.asarray(start, jnp.int32), *invals],
+        jaxpr=new,
+        num_consts=p["num_consts"] + 1,
+        **extra,
+    )
