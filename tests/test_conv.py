@@ -1,0 +1,186 @@
+"""Convolutions split along every axis their dimension numbers name (batch, output feature,
+input feature as a sum sink, output spatial axes through windows of the whole input), their
+gradients split along the batch axis, and CNN training steps run under the limit with jax.jit's
+answers."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from memsafe.graph import Graph, inline_calls
+from memsafe.passes.split import strategy
+from memsafe.split import sinks
+from memsafe.split.emit import emit
+from memsafe.split.region import grow
+from memsafe.split.registry import Mapping, NoRule, axis_map
+from memsafe.split.sinks import Sink
+from memsafe.xla import memsafe_jit
+
+
+def _conv(x, w, strides=(1, 1), padding="SAME", dn=("NHWC", "HWIO", "NHWC"), **kw):
+    return lax.conv_general_dilated(x, w, strides, padding, dimension_numbers=dn, **kw)
+
+
+def _arrays(*shapes, seed=0):
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(s, dtype=np.float32)) for s in shapes]
+
+
+def _split_at(fun, args, axis, chunk, name="conv_general_dilated"):
+    """``fun`` with the result of its first ``name`` equation split along ``axis`` in chunks
+    of ``chunk`` (a remainder included), evaluated; and jax.jit's answer."""
+    closed = inline_calls(jax.make_jaxpr(fun)(*args))
+    graph = Graph(closed)
+    seed = next(e.outvars[0] for e in graph.eqns if e.primitive.name == name)
+    region = grow(graph, seed, axis, 1, 10**9)
+    new = emit(closed, graph, strategy(graph, region), chunk)
+    assert "scan" in str(new.jaxpr)
+    got = memsafe_jit(lambda *a: jax.core.eval_jaxpr(new.jaxpr, new.consts, *a))(*args)
+    return got, memsafe_jit(fun)(*args)
+
+
+def _close(got, want, rtol=1e-5):
+    for g, w in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+        scale = max(1.0, float(np.abs(np.asarray(w)).max()))
+        np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=rtol, atol=rtol * scale)
+
+
+# (name, program, argument shapes, the conv result's axis to split)
+SPATIAL = {
+    "same_h": (lambda x, w: _conv(x, w), [(2, 23, 19, 3), (3, 3, 3, 5)], 1),
+    "same_w": (lambda x, w: _conv(x, w), [(2, 23, 19, 3), (3, 3, 3, 5)], 2),
+    "valid_stride2": (
+        lambda x, w: _conv(x, w, (2, 3), "VALID"),
+        [(2, 29, 31, 3), (5, 4, 3, 4)],
+        1,
+    ),
+    "padded_strided_w": (
+        lambda x, w: _conv(x, w, (2, 3), ((2, 1), (3, 0))),
+        [(2, 29, 31, 3), (5, 4, 3, 4)],
+        2,
+    ),
+    "negative_padding": (
+        lambda x, w: _conv(x, w, (1, 2), ((-2, 3), (1, -1))),
+        [(2, 29, 31, 3), (3, 3, 3, 4)],
+        1,
+    ),
+    "rhs_dilated": (
+        lambda x, w: _conv(x, w, (1, 1), "SAME", rhs_dilation=(3, 2)),
+        [(2, 29, 31, 3), (3, 3, 3, 4)],
+        1,
+    ),
+    "lhs_dilated": (
+        lambda x, w: _conv(x, w, (1, 2), ((2, 1), (1, 2)), lhs_dilation=(2, 3)),
+        [(2, 17, 13, 3), (3, 4, 3, 4)],
+        1,
+    ),
+    "nchw": (
+        lambda x, w: _conv(x, w, (2, 1), "SAME", ("NCHW", "OIHW", "NCHW")),
+        [(2, 3, 29, 31), (4, 3, 3, 5)],
+        2,
+    ),
+    "nchw_w": (
+        lambda x, w: _conv(x, w, (2, 1), "SAME", ("NCHW", "OIHW", "NCHW")),
+        [(2, 3, 29, 31), (4, 3, 3, 5)],
+        3,
+    ),
+    "one_d": (
+        lambda x, w: lax.conv_general_dilated(x, w, (2,), ((3, 1),), (1,), (2,)),
+        [(2, 3, 101), (4, 3, 5)],
+        2,
+    ),
+    "grouped": (
+        lambda x, w: _conv(x, w, (1, 1), "SAME", feature_group_count=3),
+        [(2, 23, 19, 6), (3, 3, 2, 9)],
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SPATIAL))
+def test_spatial_axis_reads_windows_of_the_input(name):
+    """Output rows in chunks (with a remainder) read their halo of the whole input: padding,
+    strides and both dilations, NHWC and NCHW, equal jax.jit. The input has NaN and inf."""
+    fun, shapes, axis = SPATIAL[name]
+    x, w = _arrays(*shapes)
+    x = x.at[(0,) * (x.ndim - 1) + (1,)].set(jnp.nan).at[(1,) * x.ndim].set(jnp.inf)
+    chunk = max(2, fun(x, w).shape[axis] // 3 - 1)
+    got, want = _split_at(lambda x, w: jnp.tanh(fun(x, w)), [x, w], axis, chunk)
+    _close(got[0], want)
+
+
+def _conv_eqn(fun, *args):
+    closed = inline_calls(jax.make_jaxpr(fun)(*args))
+    return next(e for e in Graph(closed).eqns if e.primitive.name == "conv_general_dilated")
+
+
+def test_axis_maps_from_the_dimension_numbers():
+    x, w = jnp.ones((2, 3, 9, 8)), jnp.ones((5, 3, 3, 3))  # NCHW, OIHW
+    eqn = _conv_eqn(lambda x, w: _conv(x, w, dn=("NCHW", "OIHW", "NCHW")), x, w)
+    assert axis_map(eqn, ("in", 0), 0) == Mapping(ins=(0, None), outs=(0,))
+    assert axis_map(eqn, ("out", 0), 1) == Mapping(ins=(None, 0), outs=(1,))
+    assert axis_map(eqn, ("in", 0), 1) == Sink(sinks.DOT, ins=(1, 1))
+    assert axis_map(eqn, ("in", 1), 1) == Sink(sinks.DOT, ins=(1, 1))
+    assert axis_map(eqn, ("out", 0), 3) == Mapping(ins=(None, None), outs=(3,))
+    with pytest.raises(NoRule, match="overlapping windows"):
+        axis_map(eqn, ("in", 0), 2)
+    with pytest.raises(NoRule, match="kernel's spatial axis"):
+        axis_map(eqn, ("in", 1), 2)
+    nhwc = _conv_eqn(lambda x, w: _conv(x, w), jnp.ones((2, 9, 8, 3)), jnp.ones((1, 1, 3, 5)))
+    assert axis_map(nhwc, ("in", 0), 1) == Mapping(ins=(1, None), outs=(1,))  # 1x1: passes
+    assert axis_map(nhwc, ("in", 1), 3) == Mapping(ins=(None, 3), outs=(3,))
+    assert axis_map(nhwc, ("in", 0), 3) == Sink(sinks.DOT, ins=(3, 2))
+
+
+def test_grouped_feature_axes_are_refused_by_name():
+    x, w = jnp.ones((4, 9, 8, 6)), jnp.ones((3, 3, 2, 9))
+    eqn = _conv_eqn(lambda x, w: _conv(x, w, feature_group_count=3), x, w)
+    assert axis_map(eqn, ("in", 0), 0) == Mapping(ins=(0, None), outs=(0,))
+    with pytest.raises(NoRule, match="feature_group_count=3 along its output-feature axis"):
+        axis_map(eqn, ("out", 0), 3)
+    with pytest.raises(NoRule, match="feature_group_count=3 along its input-feature axis"):
+        axis_map(eqn, ("in", 0), 3)
+    eqn = _conv_eqn(lambda x, w: _conv(x, w, batch_group_count=2), x, jnp.ones((3, 3, 6, 4)))
+    with pytest.raises(NoRule, match="batch_group_count=2 along its batch axis"):
+        axis_map(eqn, ("in", 0), 0)
+
+
+# (program, argument shapes, the axis of the conv result to split)
+AXES = {
+    "batch": (lambda x, w: _conv(x, w, (2, 1)), [(9, 12, 10, 3), (3, 3, 3, 8)], 0),
+    "out_feature": (lambda x, w: _conv(x, w, (2, 1)), [(3, 12, 10, 3), (3, 3, 3, 23)], 3),
+    "out_feature_nchw": (
+        lambda x, w: _conv(x, w, (1, 1), "VALID", ("NCHW", "OIHW", "NCHW")),
+        [(3, 4, 12, 10), (23, 4, 3, 3)],
+        1,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(AXES))
+def test_batch_and_feature_axes_pass(name):
+    fun, shapes, axis = AXES[name]
+    x, w = _arrays(*shapes, seed=1)
+    got, want = _split_at(lambda x, w: jnp.max(jnp.sin(fun(x, w)), axis=(1, 2)), [x, w], axis, 4)
+    _close(got[0], want)
+
+
+def test_input_features_are_a_sum_sink():
+    """The conv's input channels are contracted: chunks of them (input and kernel) are summed."""
+    x, w, v = _arrays((3, 12, 10, 64), (3, 3, 64, 5), (3, 12, 10, 64), seed=2)
+
+    def fun(x, w, v):
+        return _conv(jnp.cos(x) * v, w)
+
+    closed = inline_calls(jax.make_jaxpr(fun)(x, w, v))
+    graph = Graph(closed)
+    seed = next(e.outvars[0] for e in graph.eqns if e.primitive.name == "mul")
+    region = grow(graph, seed, 3, 1, 10**9)
+    assert [s.kind for s in region.sinks.values()] == ["dot"]
+    new = emit(closed, graph, strategy(graph, region), 24)
+    got = memsafe_jit(lambda *a: jax.core.eval_jaxpr(new.jaxpr, new.consts, *a))(x, w, v)
+    _close(got[0], memsafe_jit(fun)(x, w, v), rtol=1e-4)
