@@ -184,3 +184,91 @@ def test_input_features_are_a_sum_sink():
     new = emit(closed, graph, strategy(graph, region), 24)
     got = memsafe_jit(lambda *a: jax.core.eval_jaxpr(new.jaxpr, new.consts, *a))(x, w, v)
     _close(got[0], memsafe_jit(fun)(x, w, v), rtol=1e-4)
+
+
+def _max_pool(x, window=(1, 3, 3, 1), strides=(1, 2, 2, 1), padding="VALID"):
+    return lax.reduce_window(x, -jnp.inf, lax.max, window, strides, padding)
+
+
+def _avg_pool(x, window=(1, 2, 3, 1), strides=(1, 2, 1, 1), padding="SAME"):
+    return lax.reduce_window(x, 0.0, lax.add, window, strides, padding) / 6
+
+
+def _min_dilated(x):
+    pad = ((2, 1), (0, 0), (1, 1), (0, 0))
+    dilation = {"base_dilation": (1, 2, 1, 1), "window_dilation": (1, 1, 2, 1)}
+    return lax.reduce_window(x, jnp.inf, lax.min, (1, 3, 2, 1), (1, 2, 1, 1), pad, **dilation)
+
+
+def _general_pool(x):
+    def fold(a, b):
+        return a[0] + b[0], a[1] * b[1]
+
+    return lax.reduce_window((x, jnp.cos(x)), (0.0, 1.0), fold, (1, 3, 1, 1), (1, 2, 1, 1), "SAME")
+
+
+POOLS = {
+    "max_valid": (_max_pool, 1),
+    "max_same_w": (lambda x: _max_pool(x, padding="SAME"), 2),
+    "min_dilated": (_min_dilated, 2),
+    "avg_same": (_avg_pool, 1),
+    "int_max": (lambda x: _max_pool((x * 4).astype(jnp.int32), padding="SAME"), 1),
+    "general": (_general_pool, 1),
+    "channels": (_max_pool, 3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(POOLS))
+def test_pooling_splits_along_pooled_and_passing_axes(name):
+    """Pooled axes read their windows (padding with the reduction's identity), the others pass;
+    -inf, inf and NaN in the input keep jax.jit's answer."""
+    fun, axis = POOLS[name]
+    (x,) = _arrays((3, 23, 21, 5), seed=3)
+    x = x.at[0, 4, 4, 0].set(jnp.nan).at[1, 0, 0, 1].set(-jnp.inf).at[2, -1, -1, 2].set(jnp.inf)
+    pool = next(
+        e.primitive.name
+        for e in inline_calls(jax.make_jaxpr(fun)(x)).jaxpr.eqns
+        if e.primitive.name.startswith("reduce_window")
+    )
+    got, want = _split_at(
+        lambda x: jax.tree.map(jnp.tanh, fun(jnp.sin(x))), [x], axis, 2, name=pool
+    )
+    _close(got, want)
+
+
+def _max_pool_grad(x, window, strides):
+    return jax.grad(lambda x: jnp.sum(jnp.sin(_max_pool(x, window, strides)) * 3))(x)
+
+
+@pytest.mark.parametrize(
+    ("window", "strides", "axis"),
+    [
+        ((1, 3, 3, 1), (1, 2, 2, 1), 1),
+        ((1, 2, 2, 1), (1, 2, 2, 1), 2),
+        ((1, 2, 3, 1), (1, 4, 1, 1), 1),
+        ((1, 3, 3, 1), (1, 2, 2, 1), 0),
+        ((1, 3, 3, 1), (1, 2, 2, 1), 3),
+    ],
+)
+def test_max_pool_gradient_scatters_per_chunk(window, strides, axis):
+    """select_and_scatter_add: chunks of the input gradient gather the windows overlapping
+    them; ties (integer values) go where jax.jit sends them."""
+    (x,) = _arrays((5, 23, 21, 6), seed=4)
+    x = jnp.round(x * 2)  # many ties inside windows
+    got, want = _split_at(
+        lambda x: jnp.tanh(_max_pool_grad(x, window, strides)),
+        [x],
+        axis,
+        2,
+        name="select_and_scatter_add",
+    )
+    _close(got, want)
+
+
+def test_padded_select_and_scatter_is_refused():
+    x = jnp.ones((2, 8, 8, 3))
+    closed = inline_calls(jax.make_jaxpr(jax.grad(lambda x: _max_pool(x, padding="SAME").sum()))(x))
+    eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "select_and_scatter_add")
+    assert axis_map(eqn, ("out", 0), 0) == Mapping(ins=(0, 0), outs=(0,))
+    with pytest.raises(NoRule, match="padded axis"):
+        axis_map(eqn, ("out", 0), 1)

@@ -55,9 +55,14 @@ class Window:
         n)`` read, ``fill`` in padding and dilation holes (length :meth:`width`)."""
         first = lax.convert_element_type(start, jnp.int32) * self.stride
         q = first + jnp.arange(self.width(n), dtype=jnp.int32) - self.pad_lo
-        length = x.shape[axis]
         d = self.base_dilation
-        valid = (q >= 0) & (q % d == 0) & (q // d < length)
-        got = jnp.take(x, jnp.clip(q // d, 0, length - 1), axis=axis)
-        keep = lax.broadcast_in_dim(valid, got.shape, (axis,))
-        return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
+        valid = (q >= 0) & (q % d == 0) & (q // d < x.shape[axis])
+        return take(x, axis, q // d, valid, fill)
+
+
+def take(x: Any, axis: int, index: Any, valid: Any, fill: Any) -> Any:
+    """``x`` at positions ``index`` along ``axis``, ``fill`` where ``valid`` is false (positions
+    outside ``x`` included)."""
+    got = jnp.take(x, jnp.clip(index, 0, x.shape[axis] - 1), axis=axis)
+    keep = lax.broadcast_in_dim(valid, got.shape, (axis,))
+    return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
