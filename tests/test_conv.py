@@ -15,6 +15,7 @@ from memsafe.graph import Graph, inline_calls
 from memsafe.passes.split import strategy
 from memsafe.split import sinks
 from memsafe.split.emit import emit
+from memsafe.split.prims.conv import TAPS
 from memsafe.split.region import grow
 from memsafe.split.registry import Mapping, NoRule, axis_map
 from memsafe.split.sinks import Sink
@@ -128,8 +129,7 @@ def test_axis_maps_from_the_dimension_numbers():
     assert axis_map(eqn, ("out", 0), 3) == Mapping(ins=(None, None), outs=(3,))
     with pytest.raises(NoRule, match="overlapping windows"):
         axis_map(eqn, ("in", 0), 2)
-    with pytest.raises(NoRule, match="kernel's spatial axis"):
-        axis_map(eqn, ("in", 1), 2)
+    assert axis_map(eqn, ("in", 1), 2) == Sink(TAPS, ins=(None, 2))
     nhwc = _conv_eqn(lambda x, w: _conv(x, w), jnp.ones((2, 9, 8, 3)), jnp.ones((1, 1, 3, 5)))
     assert axis_map(nhwc, ("in", 0), 1) == Mapping(ins=(1, None), outs=(1,))  # 1x1: passes
     assert axis_map(nhwc, ("in", 1), 3) == Mapping(ins=(None, 3), outs=(3,))
@@ -272,3 +272,35 @@ def test_padded_select_and_scatter_is_refused():
     assert axis_map(eqn, ("out", 0), 0) == Mapping(ins=(0, 0), outs=(0,))
     with pytest.raises(NoRule, match="padded axis"):
         axis_map(eqn, ("out", 0), 1)
+
+
+KERNEL_GRADS = {
+    "same": ((1, 1), "SAME", {}),
+    "strided": ((2, 3), ((2, 1), (0, 2)), {}),
+    "dilated": ((1, 2), "SAME", {"rhs_dilation": (2, 3)}),
+    "nchw": ((2, 1), "VALID", {"dn": ("NCHW", "OIHW", "NCHW")}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(KERNEL_GRADS))
+def test_kernel_gradient_sums_chunks_of_its_taps(name):
+    """The kernel gradient is a convolution contracting the cotangent's spatial axis (its
+    "kernel" taps): chunks of the cotangent read their window of the whole input and sum."""
+    strides, padding, kw = KERNEL_GRADS[name]
+    nchw = "dn" in kw
+    x, w = _arrays(
+        (2, 3, 37, 31) if nchw else (2, 37, 31, 3), (5, 3, 3, 3) if nchw else (3, 3, 3, 5)
+    )
+
+    def grad(x, w):
+        return jax.grad(lambda w: jnp.sum(jnp.sin(_conv(x, w, strides, padding, **kw))))(w)
+
+    closed = inline_calls(jax.make_jaxpr(grad)(x, w))
+    graph = Graph(closed)
+    convs = [e for e in graph.eqns if e.primitive.name == "conv_general_dilated"]
+    seed = convs[0].outvars[0]  # the forward conv: split along its rows
+    region = grow(graph, seed, 2 if nchw else 1, 1, 10**9)
+    assert "conv taps" in [s.kind for s in region.sinks.values()]
+    new = emit(closed, graph, strategy(graph, region), 4)
+    got = memsafe_jit(lambda *a: jax.core.eval_jaxpr(new.jaxpr, new.consts, *a))(x, w)
+    _close(got[0], memsafe_jit(grad)(x, w), rtol=1e-4)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from jax import lax
+
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import sinks
 from memsafe.split.halo import Window
@@ -72,10 +74,44 @@ def _contracting(eqn: JaxprEqn) -> Sink:
     return Sink(sinks.DOT, ins=(lhs[1], rhs[1]))
 
 
-def _spatial(eqn: JaxprEqn, side: Side, k: int) -> Mapping:
+class KernelTaps(sinks.Monoid):
+    """A kernel's spatial axis in chunks of taps: each chunk's taps convolved with the window of
+    the whole input they read (a shift of ``start * rhs_dilation`` padded positions), summed.
+
+    Output position ``o`` and tap ``j`` read padded input position ``o * stride + j *
+    rhs_dilation``: the roles of outputs and taps swap, so the window of taps ``[start, start +
+    n)`` over all ``O`` outputs is a :class:`Window` of size ``O`` with stride ``rhs_dilation``
+    and dilation ``stride``. This is the kernel gradient's convolution split along the spatial
+    axis of its cotangent."""
+
+    def __init__(self) -> None:
+        super().__init__("conv taps", lax.add, rescalable=True, collective=lax.psum)
+
+    def partial(self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int):
+        lhs_spec, rhs_spec, out_spec = _specs(eqn)
+        k = rhs_spec.index(axis) - 2
+        w = window(eqn, k)
+        outputs = shape(eqn.outvars[0])[out_spec[2 + k]]
+        taps = Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, w.base_dilation, w.stride)
+        lhs = taps.read(invals[0], lhs_spec[2 + k], start, size, 0)
+        return tuple(bind_eqn_with(eqn, [lhs, invals[1]], **_unpadded(eqn, k)))
+
+
+TAPS = KernelTaps()
+
+
+def _unpadded(eqn: JaxprEqn, k: int) -> dict[str, Any]:
+    """Padding and lhs dilation params with spatial dimension ``k`` read as it is (its window
+    already taken)."""
+    padding, dilation = list(eqn.params["padding"]), list(eqn.params["lhs_dilation"])
+    padding[k], dilation[k] = (0, 0), 1
+    return {"padding": tuple(padding), "lhs_dilation": tuple(dilation)}
+
+
+def _spatial(eqn: JaxprEqn, side: Side, k: int) -> Mapping | Sink:
     lhs, _, out = _specs(eqn)
     if side == ("in", 1):
-        raise NoRule(f"{_NAME} contracts its kernel's spatial axis")
+        return Sink(TAPS, ins=(None, _specs(eqn)[1][2 + k]))
     if window(eqn, k).trivial:
         return Mapping(ins=(lhs[2 + k], None), outs=(out[2 + k],))
     if side[0] == "out":
@@ -104,11 +140,7 @@ def _rebind_conv(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     lhs_spec, _, out_spec = _specs(eqn)
     k = out_spec.index(m.outs[0]) - 2
     lhs = window(eqn, k).read(invals[0], lhs_spec[2 + k], start, n, 0)
-    padding, dilation = list(eqn.params["padding"]), list(eqn.params["lhs_dilation"])
-    padding[k], dilation[k] = (0, 0), 1
-    return bind_eqn_with(
-        eqn, [lhs, invals[1]], padding=tuple(padding), lhs_dilation=tuple(dilation)
-    )
+    return bind_eqn_with(eqn, [lhs, invals[1]], **_unpadded(eqn, k))
 
 
 split_rule(_NAME, rebind=_rebind_conv)(_conv_map)
