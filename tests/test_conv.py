@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from jax import lax
 
+import memsafe
 from memsafe.graph import Graph, inline_calls
 from memsafe.passes.split import strategy
 from memsafe.split import sinks
@@ -19,7 +20,8 @@ from memsafe.split.prims.conv import TAPS
 from memsafe.split.region import grow
 from memsafe.split.registry import Mapping, NoRule, axis_map
 from memsafe.split.sinks import Sink
-from memsafe.xla import memsafe_jit
+from memsafe.xla import Footprint, memsafe_jit
+from tests.fuzz.accuracy import check
 
 
 def _conv(x, w, strides=(1, 1), padding="SAME", dn=("NHWC", "HWIO", "NHWC"), **kw):
@@ -304,3 +306,97 @@ def test_kernel_gradient_sums_chunks_of_its_taps(name):
     new = emit(closed, graph, strategy(graph, region), 4)
     got = memsafe_jit(lambda *a: jax.core.eval_jaxpr(new.jaxpr, new.consts, *a))(x, w)
     _close(got[0], memsafe_jit(grad)(x, w), rtol=1e-4)
+
+
+# -- end to end: memsafe.jit under a limit, against jax.jit ---------------------------------------
+
+
+def _float64(fun, *args):
+    with jax.enable_x64():
+        wide = jax.tree.map(lambda a: np.asarray(a, np.float64) if a.dtype.kind == "f" else a, args)
+        return memsafe_jit(fun)(*wide)
+
+
+def _footprint(fun, args):
+    return Footprint.from_compiled(memsafe_jit(fun).lower(*args).compile())
+
+
+def _a_third(fun, args):
+    """A third of jax.jit's footprint."""
+    return _footprint(fun, args).total // 3
+
+
+def _a_quarter_of_temps(fun, args):
+    """Arguments and outputs, and a quarter of jax.jit's temporaries."""
+    plain = _footprint(fun, args)
+    fixed = plain.arguments + plain.outputs
+    return fixed + (plain.total - fixed) // 4
+
+
+def _under_limit(fun, args, limit):
+    """memsafe's plan of ``fun`` under ``limit(fun, args)`` bytes, checked: it splits, meets the
+    limit, and its answers obey the accuracy rule against jax.jit and a float64 reference."""
+    limit = limit(fun, args)
+    f = memsafe.jit(fun, memory_limit=limit)
+    plan = f.plan(*args)
+    assert plan.splits and plan.after.total <= limit, plan
+    assert check(f(*args), memsafe_jit(fun)(*args), _float64(fun, *args)) == []
+    return plan
+
+
+def _two_convs(params, x):
+    """The issue's program: two 3x3 convolutions with ReLU, a sum of squares."""
+    w1, w2 = params
+    h = jax.nn.relu(_conv(x, w1))
+    return jnp.sum(jax.nn.relu(_conv(h, w2)) ** 2)
+
+
+def test_issue_two_convs_relu_gradient_splits_the_batch():
+    """Issue 12's case, scaled down (batch 32 of 32x32x16; refused with "no splitting rule for
+    primitive 'conv_general_dilated'" before): under a third of jax.jit's footprint."""
+    x, w1, w2 = _arrays((32, 32, 32, 16), (3, 3, 16, 16), (3, 3, 16, 16), seed=5)
+    params = (w1 * 0.1, w2 * 0.1)
+    plan = _under_limit(jax.grad(_two_convs), [params, x], _a_third)
+    assert {s.axis for s in plan.splits} == {0}
+
+
+def _image_features(w, x):
+    """A strided depthwise 5x5 convolution of one large image (grouped: its features cannot
+    split), ReLU, global average pooling."""
+    h = jax.nn.relu(_conv(x, w, (2, 1), ((2, 2), (1, 2)), feature_group_count=x.shape[-1]))
+    return jnp.mean(h, (1, 2))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_one_large_image_splits_along_its_rows(grad):
+    """Batch 1: only a spatial axis can split. Rows of the result read their halo of the image;
+    the kernel gradient sums chunks of its taps."""
+    x, w = _arrays((1, 256, 256, 8), (5, 5, 1, 32), seed=6)
+    fun = _image_features
+    if grad:
+        fun = jax.grad(lambda w, x: jnp.sum(jnp.sin(_image_features(w, x))))
+    plan = _under_limit(fun, [w * 0.1, x], _a_quarter_of_temps)
+    assert {s.axis for s in plan.splits} <= {1, 2}
+
+
+GRADIENTS = {
+    "nchw_strided": (
+        lambda x, w: _conv(x, w, (2, 2), "SAME", ("NCHW", "OIHW", "NCHW")),
+        [(32, 16, 32, 32), (16, 16, 3, 3)],
+    ),
+    "nhwc_dilated": (
+        lambda x, w: _conv(x, w, (1, 1), ((2, 2), (2, 2)), rhs_dilation=(2, 2)),
+        [(32, 32, 32, 16), (3, 3, 16, 16)],
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GRADIENTS))
+def test_conv_gradients_under_the_limit(name):
+    """Input and kernel gradients (a dilated convolution against the reversed kernel, and a
+    convolution contracting the batch axis) split along the batch."""
+    conv, shapes = GRADIENTS[name]
+    x, w = _arrays(*shapes, seed=7)
+    fun = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w)) ** 2), argnums=(0, 1))
+    plan = _under_limit(fun, [x, w * 0.1], _a_quarter_of_temps)
+    assert {s.axis for s in plan.splits} == {0}
