@@ -13,7 +13,9 @@ from jax import lax
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
+from memsafe.passes import split as split_pass
 from memsafe.passes.split import strategy
+from memsafe.split import region as region_module
 from memsafe.split import sinks
 from memsafe.split.emit import emit
 from memsafe.split.prims.conv import TAPS
@@ -399,4 +401,55 @@ def test_conv_gradients_under_the_limit(name):
     x, w = _arrays(*shapes, seed=7)
     fun = jax.grad(lambda x, w: jnp.sum(jnp.tanh(conv(x, w)) ** 2), argnums=(0, 1))
     plan = _under_limit(fun, [x, w * 0.1], _a_quarter_of_temps)
+    assert {s.axis for s in plan.splits} == {0}
+
+
+# -- a ResNet-style CNN: conv, batch-norm with batch statistics, ReLU, pooling, residual ----------
+
+
+def _batch_norm(x, gamma, beta):
+    mean, var = jnp.mean(x, (0, 1, 2)), jnp.var(x, (0, 1, 2))
+    return (x - mean) * lax.rsqrt(var + 1e-5) * gamma + beta
+
+
+def _resnet_loss(p, x, labels):
+    """A stem and one residual block (3x3 convs, batch-norm, ReLU), max pooling, global average
+    pooling, a dense head, mean cross-entropy."""
+    h = jax.nn.relu(_batch_norm(_conv(x, p["w0"]), p["g0"], p["b0"]))
+    r = jax.nn.relu(_batch_norm(_conv(h, p["w1"]), p["g1"], p["b1"]))
+    r = _batch_norm(_conv(r, p["w2"]), p["g2"], p["b2"])
+    h = _max_pool(jax.nn.relu(h + r), (1, 2, 2, 1), (1, 2, 2, 1))
+    logits = jnp.mean(h, (1, 2)) @ p["wd"] + p["bd"]
+    return -jnp.mean(jnp.sum(jax.nn.log_softmax(logits) * jax.nn.one_hot(labels, 10), -1))
+
+
+def _resnet_inputs(batch=32, size=32, channels=16):
+    c = channels
+    shapes = {"w0": (3, 3, 3, c), "w1": (3, 3, c, c), "w2": (3, 3, c, c), "wd": (c, 10)}
+    shapes |= {k: (c,) for k in ("g0", "b0", "g1", "b1", "g2", "b2")} | {"bd": (10,)}
+    values = _arrays(*shapes.values(), (batch, size, size, 3), seed=8)
+    params = {k: 0.2 * v + (k[0] == "g") for k, v in zip(shapes, values)}
+    labels = jnp.asarray(np.random.default_rng(8).integers(0, 10, batch))
+    return params, values[-1], labels
+
+
+def test_resnet_gradient_is_refused_under_a_third_today():
+    """Under a third of jax.jit's footprint the engine refuses (never exceeds) the CNN's
+    gradient: no single activation is over a quarter of the budget (passes.split.SHARE), and the
+    batch split through three batch-norms, forward and backward, needs 13 stages
+    (split.region.MAX_STAGES is 4). The test below lifts both."""
+    fun, args = jax.grad(_resnet_loss), _resnet_inputs()
+    with pytest.raises(memsafe.MemoryLimitError, match="no rewrite brought the footprint"):
+        memsafe.jit(fun, memory_limit=_a_third(fun, args)).plan(*args)
+
+
+@pytest.mark.slow
+def test_resnet_gradient_fits_a_third_with_deep_staging(monkeypatch):
+    """With candidates down to an eighth of the budget and 16 stages, one region splits the
+    whole training step along the batch: batch statistics are exact sum sinks, each
+    normalization a later stage, the parameter gradients sum sinks; jax.jit's answers."""
+    monkeypatch.setattr(split_pass, "SHARE", 8)
+    monkeypatch.setattr(region_module, "MAX_STAGES", 16)
+    fun, args = jax.grad(_resnet_loss), _resnet_inputs()
+    plan = _under_limit(fun, args, _a_third)
     assert {s.axis for s in plan.splits} == {0}
