@@ -10,7 +10,10 @@ spatial...):
 - a spatial axis of the result is computed chunk by chunk from its window of the whole input
   (:class:`memsafe.split.halo.Window`: padding, strides and both dilations), so the input is
   used whole there, as the layout ops of ``prims/windows.py`` read theirs. A spatial axis whose
-  window is one position wide (a 1x1 convolution, stride 1, no padding) passes like a batch axis.
+  window is one position wide (a 1x1 convolution, stride 1, no padding) passes like a batch axis;
+- a spatial axis of the kernel is contracted: a sum sink over chunks of its taps
+  (:class:`KernelTaps`), the input read whole. A spatial axis of the input is refused (its
+  windows overlap: the result is split instead).
 
 The gradients of a convolution are convolutions with other dimension numbers (the input's: the
 cotangent dilated by the stride against the reversed kernel; the kernel's: input and cotangent
