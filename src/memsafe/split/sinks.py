@@ -270,7 +270,6 @@ class Sink:
 
     @property
     def axis(self) -> int:
-        """The split axis in the sink's first operand."""
-        axis = self.ins[0]
-        assert axis is not None
-        return axis
+        """The split axis in the first operand that carries it (a convolution's kernel taps
+        are split with the input read whole)."""
+        return next(a for a in self.ins if a is not None)
