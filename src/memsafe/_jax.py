@@ -200,3 +200,12 @@ def is_batch_tracer(x: Any) -> bool:
     from jax._src.interpreters import batching
 
     return isinstance(x, batching.BatchTracer)
+
+
+def context_mesh() -> Any:
+    """The concrete mesh set with ``jax.set_mesh`` (also under a trace, where the public
+    ``jax.sharding.get_mesh`` refuses), or None when none is set."""
+    from jax._src import mesh as mesh_lib
+
+    got = mesh_lib.get_concrete_mesh()
+    return None if got is None or got.empty else got

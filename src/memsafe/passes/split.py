@@ -73,20 +73,25 @@ def strategy(graph: Graph, region: Region) -> Split:
         return StagedSplit(region)
 
 
-def _option(graph: Graph, var: Var, axis: int, budget: int) -> tuple[Split, ChunkPlan]:
-    """The split of ``var`` along ``axis`` and its chunk; raises SplitFailure."""
+def _option(
+    graph: Graph, var: Var, axis: int, budget: int, mesh: Any = None
+) -> tuple[Split, ChunkPlan]:
+    """The split of ``var`` along ``axis`` (sharded over ``mesh``'s devices where given) and
+    its chunk; raises SplitFailure."""
     region = grow(graph, var, axis, max(1, budget // SMALL), max(1, budget // 2))
     split = strategy(graph, region)
+    if mesh is not None:
+        split = mesh.shard(graph, split)
     chunk = choose_chunk(graph, split, budget)
     if chunk is None:
         raise SplitFailure("even one element per chunk exceeds the memory budget")
-    if chunk.loops < 2:
+    if chunk.loops * chunk.devices < 2:
         raise SplitFailure("splitting along this axis saves nothing")
     return split, chunk
 
 
 def best_split(
-    graph: Graph, var: Var, budget: int
+    graph: Graph, var: Var, budget: int, mesh: Any = None
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """The cheapest way to split ``var`` (fewest loop iterations), or why each axis failed."""
     options: list[tuple[Split, ChunkPlan]] = []
@@ -95,7 +100,7 @@ def best_split(
         if n < 2:
             continue
         try:
-            options.append(_option(graph, var, axis, budget))
+            options.append(_option(graph, var, axis, budget, mesh))
         except SplitFailure as failure:
             failures.append((axis, failure))
     if not options:
@@ -182,7 +187,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         for var in candidates(graph, budget):
             if _key(graph, var) in failed:
                 continue
-            got = best_split(graph, var, budget)
+            got = best_split(graph, var, budget, ctx.mesh)
             if isinstance(got, tuple):
                 chosen = (var, *got, absorbed(graph, got[0].region, var, budget))
                 break
@@ -220,6 +225,8 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                 size=region.size,
                 chunk=chunk.chunk,
                 loops=chunk.iterations,
+                devices=chunk.devices,
+                share=chunk.share,
                 ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
                 sinks=tuple(sinks),
                 where=source_line(eqns[graph.info(var).producer]),

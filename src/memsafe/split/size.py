@@ -34,6 +34,8 @@ class ChunkPlan:
     stages: int
     per_unit: int  # bytes stored per unit of the split axis, in the largest stage
     fixed: int  # bytes the loops hold regardless of the chunk (accumulators, buffers, leaves)
+    share: int  # length of the axis one device loops over (the whole axis on one device)
+    devices: int = 1  # devices sharing the axis, each looping over its share (memsafe.mesh)
 
     @property
     def iterations(self) -> int:
@@ -142,23 +144,23 @@ def _evened(size: int, chunk: int, lowest: int) -> tuple[int, int]:
 
 
 def choose_chunk(graph: Graph, split: Split, budget: int) -> ChunkPlan | None:
-    """The largest chunk whose modelled bytes fit ``budget``, evened out over the loop count;
-    None if even the smallest chunk does not fit."""
-    region = split.region
+    """The largest chunk whose modelled bytes fit ``budget``, evened out over the loop count
+    over one device's share of the axis; None if even the smallest chunk does not fit."""
+    region, share = split.region, split.share
     per_unit, fixed = bytes_model(graph, region)
     fixed += split.fixed_bytes(graph)
     lowest = _lowest(graph, region)
     room = budget - fixed
-    if room < per_unit * lowest:
+    if room < per_unit * lowest or share < lowest:
         return None
-    chunk = min(region.size, room // max(per_unit, 1))
+    chunk = min(share, room // max(per_unit, 1))
     for _ in range(3):  # the candidates shrink with the chunk: settle the two
         fits = (room - _chunk_bytes(graph, region, chunk)) // max(per_unit, 1)
         if fits >= chunk:
             break
         chunk = max(fits, lowest)
-    chunk, loops = _evened(region.size, chunk, lowest)
-    return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed)
+    chunk, loops = _evened(share, chunk, lowest)
+    return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed, share, split.devices)
 
 
 #: Modelled bytes per chunk above which a larger chunk no longer runs faster, for memory-bound
@@ -198,5 +200,5 @@ def speed_cap(graph: Graph, region: Region, plan: ChunkPlan) -> ChunkPlan:
     cap = max(SPEED_CHUNK_BYTES // max(plan.per_unit, 1), 1)
     if plan.chunk <= cap:
         return plan
-    chunk, loops = _evened(region.size, cap, _lowest(graph, region))
+    chunk, loops = _evened(plan.share, cap, _lowest(graph, region))
     return dataclasses.replace(plan, chunk=chunk, loops=loops)
