@@ -177,14 +177,20 @@ class Sharding:
         )
 
     def record(self, graph: Graph, split: Split) -> None:
-        """Program inputs ``split`` slices: placed sharded along the axis where it divides."""
+        """Program inputs ``split`` slices: placed sharded along the split axis where the
+        devices divide it, else along the longest axis they divide (XLA moves the rows to the
+        devices that run them), else replicated."""
         inputs = list(graph.inputs)
         region = split.region
         for v in region.sliced:
-            if v not in inputs or region.size % self.devices:
+            if v not in inputs:
                 continue
-            spec = _spec(region.axis_of[v], len(v.aval.shape), self.names)
-            self.placements.setdefault(inputs.index(v), spec)
+            shape = v.aval.shape
+            axis = region.axis_of[v]
+            if shape[axis] % self.devices:
+                fits = [a for a, n in enumerate(shape) if n % self.devices == 0]
+                axis = max(fits, key=lambda a: shape[a], default=None)
+            self.placements.setdefault(inputs.index(v), _spec(axis, len(shape), self.names))
 
 
 @dataclass(frozen=True)
@@ -200,10 +206,12 @@ class Sharded:
         return self.inner.region
 
     @property
-    def label(self) -> str:
-        names = ", ".join(self.sharding.names)
-        inner = f"{self.inner.label}, " if self.inner.label else ""
-        return f"{inner}sharded over mesh axes ({names}): {self.devices} devices"
+    def label(self) -> str | None:
+        return self.inner.label
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        return self.sharding.names
 
     @property
     def devices(self) -> int:

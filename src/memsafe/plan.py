@@ -51,6 +51,7 @@ class SplitRecord:
     where: str = ""
     devices: int = 1  # devices sharing the axis (a mesh); ``loops`` chunks run on each
     share: int = 0  # positions of the axis each device runs (``size`` on one device)
+    mesh_axes: tuple[str, ...] = ()  # the mesh axes the devices lie along
 
     def describe(self) -> str:
         where = f"(size {self.size}) into {self.loops} chunks of {self.chunk}"
@@ -58,7 +59,8 @@ class SplitRecord:
             rest = self.size - self.share * self.devices
             extra = f", the last {rest} after them" if rest else ""
             where = (
-                f"(size {self.size}) over {self.devices} devices, {self.share} each{extra}; "
+                f"(size {self.size}) sharded over mesh axes ({', '.join(self.mesh_axes)}): "
+                f"{self.devices} devices, {self.share} each{extra}; "
                 f"each device runs {self.loops} chunks of {self.chunk}"
             )
         return (

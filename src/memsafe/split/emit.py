@@ -126,8 +126,10 @@ class StagedSplit:
     #: Name added to the split's record (None: nothing to add).
     label: ClassVar[str | None] = None
 
-    #: Devices sharing the axis (memsafe.mesh wraps a split to shard it).
+    #: Devices sharing the axis and the mesh axes they lie along (memsafe.mesh wraps a split
+    #: to shard it).
     devices: ClassVar[int] = 1
+    mesh_axes: ClassVar[tuple[str, ...]] = ()
 
     @property
     def share(self) -> int:
@@ -161,6 +163,9 @@ class Split(Protocol):
 
     @property
     def devices(self) -> int: ...
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]: ...
 
     @property
     def share(self) -> int: ...

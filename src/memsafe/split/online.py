@@ -520,8 +520,10 @@ class OnlineSplit:
     plan: OnlinePlan
     cost_weight: ClassVar[float] = ONLINE_WEIGHT
     label: ClassVar[str | None] = "online_softmax"
-    #: Devices sharing the axis (memsafe.mesh wraps a split to shard it).
+    #: Devices sharing the axis and the mesh axes they lie along (memsafe.mesh wraps a split
+    #: to shard it).
     devices: ClassVar[int] = 1
+    mesh_axes: ClassVar[tuple[str, ...]] = ()
 
     @property
     def share(self) -> int:
