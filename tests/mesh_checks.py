@@ -67,6 +67,12 @@ def check_knn(m: int = 65536, limit: int = 6 * MiB) -> None:
     np.testing.assert_array_equal(np.asarray(idx), knn_reference(x, y))
     got = footprint(f, x, y)
     assert got <= limit, got
+    try:  # even an eighth of the database exceeds 1 MiB
+        memsafe.jit(knn, memory_limit=MiB, mesh=mesh8())(x, y)
+    except memsafe.MemoryLimitError as err:
+        assert "even sharded over the 8 devices" in str(err), err
+    else:
+        raise AssertionError("the per-device share should not fit")
     plan = str(f.plan(x, y))
     assert "sharded over mesh axes (d): 8 devices, 8192 each" in plan, plan
     print(f"knn m={m}: footprint per device {got / MiB:.2f} MiB <= {limit / MiB:.0f} MiB")
