@@ -63,20 +63,38 @@ def _bind_params(eqn: JaxprEqn) -> tuple[Sequence[Any], dict[str, Any]]:
 
 @contextlib.contextmanager
 def eqn_context(eqn: JaxprEqn) -> Iterator[None]:
-    """Trace code under ``eqn``'s source location, so rewritten code keeps the user's lines."""
+    """Trace code under ``eqn``'s source location, so rewritten code keeps the user's lines.
+    The mesh in context stays the current one: an equation re-bound inside ``shard_map``
+    (memsafe.mesh) sees the manual mesh of the devices' shares, not the one it was traced in."""
+    from jax._src import mesh as mesh_lib
     from jax._src import source_info_util
 
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    current = mesh_lib.get_abstract_mesh()
     with (
         source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack),
         eqn.ctx.manager,
+        mesh_lib.use_abstract_mesh(current),
     ):
         yield
+
+
+def _in_this_mesh(params: dict[str, Any]) -> dict[str, Any]:
+    """``params`` with an output ``sharding`` over a mesh other than the current one dropped
+    (an equation traced under ``jax.set_mesh``, re-bound inside ``shard_map``)."""
+    from jax._src import mesh as mesh_lib
+
+    sharding = params.get("sharding")
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh == mesh_lib.get_abstract_mesh():
+        return params
+    return {**params, "sharding": None}
 
 
 def bind_eqn(eqn: JaxprEqn, invals: Sequence[Any]) -> list[Any]:
     """Apply ``eqn``'s primitive to ``invals`` exactly as ``jax.core.eval_jaxpr`` does."""
     subfuns, params = _bind_params(eqn)
+    params = _in_this_mesh(params)
     with eqn_context(eqn):
         out = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(out) if eqn.primitive.multiple_results else [out]
@@ -200,3 +218,12 @@ def is_batch_tracer(x: Any) -> bool:
     from jax._src.interpreters import batching
 
     return isinstance(x, batching.BatchTracer)
+
+
+def context_mesh() -> Any:
+    """The concrete mesh set with ``jax.set_mesh`` (also under a trace, where the public
+    ``jax.sharding.get_mesh`` refuses), or None when none is set."""
+    from jax._src import mesh as mesh_lib
+
+    got = mesh_lib.get_concrete_mesh()
+    return None if got is None or got.empty else got

@@ -18,6 +18,7 @@ class Blocker:
     operation: str
     reason: str
     where: str = ""
+    inherent: bool = False  # no chunked program gets past it (else: one may, without a rule)
 
     def describe(self) -> str:
         loc = f" at {self.where}" if self.where else ""
@@ -32,6 +33,10 @@ class MemoryLimitError(MemoryError):
 
     ``limit``, ``footprint`` (best achieved, bytes or None), ``blockers`` (list of
     :class:`Blocker`) and ``minimum`` (smallest limit known to work, or None) are attributes.
+    ``missing_rules`` lists the operations that stopped a split for want of a rule: when it is
+    empty no chunked program memsafe can build fits the limit (the limit is below what chunking
+    reaches: arguments and outputs, the smallest chunks, sorts along the axis); when it is not,
+    a chunked program may exist that memsafe has no rule for. The message says which.
     """
 
     def __init__(
@@ -53,11 +58,26 @@ class MemoryLimitError(MemoryError):
         if self.blockers:
             lines.append("  values that could not be split:")
             lines.extend(b.describe() for b in self.blockers)
+        lines.append(self._verdict())
         if minimum is not None:
             lines.append(
                 f"  smallest limit known to work: {format_bytes(minimum)} ({minimum} bytes)"
             )
         super().__init__("\n".join(lines))
+
+    @property
+    def missing_rules(self) -> list[str]:
+        """Operations that stopped a split for want of a rule (a chunked form may exist)."""
+        return sorted({b.operation for b in self.blockers if not b.inherent})
+
+    def _verdict(self) -> str:
+        missing = self.missing_rules
+        if missing:
+            return (
+                "  a chunked program may exist: memsafe has no rule to split through "
+                f"{', '.join(missing)} here (docs: how-it-works, contributing)"
+            )
+        return "  no chunked program memsafe can build fits this limit"
 
 
 class ForwardModeError(TypeError):

@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, log, passes, stages
+from memsafe import _jax, log, mesh, passes, stages
 from memsafe.arguments import ArgSpec, Call
 from memsafe.batching import BatchedProgram, planning
 from memsafe.errors import ForwardModeError, MemoryLimitError
@@ -53,9 +53,13 @@ class Program:
     closed: _jax.ClosedJaxpr  # the program that runs (original when it fits unchanged)
     compiled: Any = None  # the verified executable, called directly to avoid a second compile
     source: Any = None  # the flat function planned, where it differs from the user's (backward)
+    on_mesh: mesh.MeshPlan | None = None  # the mesh it runs on (limit per device), if any
 
     def run(self, flat: Sequence[Any]) -> Any:
-        """Run on concrete arrays: the verified executable, or jit's path for odd argument types."""
+        """Run on concrete arrays: the verified executable, or jit's path for odd argument types.
+        On a mesh the arguments are first placed as the program was compiled for."""
+        if any(getattr(a, "sharding", None) is not None for a in self.avals):
+            flat = mesh.place(flat, self.avals)
         if self.compiled is not None:
             try:
                 return self.compiled(*flat)
@@ -183,14 +187,17 @@ def build_program(
     name: str = "function",
     compiler_options: Mapping[str, Any] | None = None,
     rewrite_from: Callable[..., Any] | None = None,
+    on_mesh: mesh.MeshPlan | None = None,
 ) -> Program:
     """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``.
 
     The original program is returned, unchanged, when it fits. Otherwise the passes rewrite
     ``rewrite_from`` (default ``flat_fun``; an equivalent start, such as the gradient of an
     algebraically rewritten forward), shrinking chunks until a compile fits. ``compiler_options``
-    are the user's, merged with memsafe's (see ``xla.merged_options``). Raises
-    :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
+    are the user's, merged with memsafe's (see ``xla.merged_options``). With ``on_mesh`` the
+    limit is per device, ``avals`` carry the arguments' placement for the original program, and
+    the split axes are sharded over the mesh (memsafe.mesh). Raises :class:`MemoryLimitError`
+    when no rewrite brings the footprint under the limit."""
     closed, out_tree = _trace(flat_fun, avals, name)
     plan = Plan(memory_limit=memory_limit)
     hidden = hidden_constant_bytes(closed.consts)
@@ -204,7 +211,10 @@ def build_program(
         return Program(
             original.jitted, flat_fun, tuple(avals), out_tree, plan, closed, original.compiled
         )
-    fixed = _check_fixed(before, memory_limit, name)
+    if on_mesh is None:
+        fixed = _check_fixed(before, memory_limit, name)
+    else:
+        fixed = on_mesh.check_fixed(before, avals, memory_limit, name)
     start = closed if rewrite_from is None else _trace(rewrite_from, avals, name)[0]
     flat = inline_calls(start)
     pipeline = passes.named_passes()
@@ -212,23 +222,28 @@ def build_program(
     for attempt in range(MAX_ATTEMPTS):
         attempt_plan = Plan(memory_limit=memory_limit, before=before)
         ctx = PassContext(memory_limit, fixed + hidden, attempt_plan, chunk_scale=scale)
+        ctx.mesh = None if on_mesh is None else on_mesh.sharding()
         program = flat
         for pass_name, run in pipeline:
             program = _run_logged(pass_name, run, program, ctx, name)
         blockers = ctx.blockers
+        if attempt_plan.splits and attempt_plan.splits == previous:
+            scale *= 0.5  # the same chunks as the last compile: shrink further, compile nothing
+            continue
         emitted = _emit(program)
         what = (name, f"attempt {attempt + 1} (chunk scale {scale:.3g})", memory_limit)
         hidden_now = hidden_constant_bytes(program.consts)
-        got = _compile(emitted, avals, compiler_options, donate, hidden_now, what)
+        placed = avals if ctx.mesh is None else ctx.mesh.placed(avals)
+        got = _compile(emitted, placed, compiler_options, donate, hidden_now, what)
         after = got.footprint
         fits = after.total <= memory_limit
         plan.attempts.append(Attempt(scale, after, fits))
         best = after if best is None or after.total < best.total else best
         if fits:
             plan.records, plan.after = attempt_plan.records, after
-            return Program(got.jitted, emitted, tuple(avals), out_tree, plan, program, got.compiled)
-        if not attempt_plan.splits or attempt_plan.splits == previous:
-            break  # nothing size-dependent was done, or chunks cannot shrink further
+            return Program(got.jitted, emitted, placed, out_tree, plan, program, got.compiled)
+        if not attempt_plan.splits:
+            break  # nothing size-dependent was done: smaller chunks cannot help
         previous = attempt_plan.splits
         scale = _next_scale(scale, attempt, after, memory_limit, fixed)
     raise _refusal(flat, name, memory_limit, before, best, blockers)
@@ -251,8 +266,10 @@ class MemsafeFunction:
         donate_argnames: str | Sequence[str] = (),
         compiler_options: Mapping[str, Any] | None = None,
         progress: bool | None = None,
+        mesh: Any = None,
     ) -> None:
         self.fun = fun
+        self.mesh = mesh
         self.memory_limit = parse_limit(memory_limit)
         self._spec = ArgSpec.infer(
             fun, static_argnums, static_argnames, donate_argnums, donate_argnames
@@ -276,23 +293,36 @@ class MemsafeFunction:
     def _planned(self, args: tuple, kwargs: dict) -> tuple[Program, Call]:
         """The verified program for this call's arguments (planned on first sight), and the call."""
         call = self._spec.split(args, kwargs)
-        program = self._programs.get(call.key)
+        on_mesh = self._on_mesh(call.flat)
+        program = self._programs.get(self._key(call, on_mesh))
         if program is None:
+            avals = call.avals if on_mesh is None else on_mesh.given(call.avals, call.flat)
             program = build_program(
                 call.rebuild,
-                call.avals,
+                avals,
                 self.memory_limit,
                 call.donate,
                 self._name,
+                on_mesh=on_mesh,
                 **self._build_options,
             )
             program.out_tree = call.out_tree[0]  # the user's output structure
-            self._programs[call.key] = program
+            program.on_mesh = on_mesh
+            self._programs[self._key(call, on_mesh)] = program
         return program, call
+
+    def _on_mesh(self, flat: Sequence[Any]) -> mesh.MeshPlan | None:
+        """The mesh this call runs on (memsafe.mesh.resolve), None for one device."""
+        found = mesh.resolve(self.mesh, flat)
+        return None if found is None else mesh.MeshPlan(found)
+
+    @staticmethod
+    def _key(call: Call, on_mesh: mesh.MeshPlan | None) -> Any:
+        return call.key if on_mesh is None else (call.key, on_mesh)
 
     def _program(self, args: tuple, kwargs: dict) -> tuple[Program, list[Any], Callable, Any]:
         program, call = self._planned(args, kwargs)
-        return program, call.flat, call.rebuild, call.key
+        return program, call.flat, call.rebuild, self._key(call, program.on_mesh)
 
     @property
     def _name(self) -> str:
@@ -436,6 +466,7 @@ class MemsafeFunction:
             (),
             f"gradient of {self._name}",
             rewrite_from=vjp_of(forward),
+            on_mesh=program.on_mesh,
             **self._build_options,
         )
         if not backward.plan.fits_unchanged:
@@ -533,6 +564,7 @@ def jit(
     donate_argnames: str | Sequence[str] = (),
     compiler_options: Mapping[str, Any] | None = None,
     progress: bool | None = None,
+    mesh: Any = None,
 ) -> Any:
     """Compile ``fun`` so that its whole footprint (arguments + outputs + temporaries - aliases +
     constants) stays under ``memory_limit``, splitting large intermediates into sequential chunks.
@@ -553,6 +585,10 @@ def jit(
             YNNPACK fusions off); an option given here wins over memsafe's.
         progress: show a one-line progress display on stderr for plans longer than about two
             seconds; None (default) reads the environment variable ``MEMSAFE_PROGRESS=1``.
+        mesh: a ``jax.sharding.Mesh`` to run on, with ``memory_limit`` per device: the split
+            axes are sharded over its devices (memsafe.mesh). None (default): the mesh set
+            with ``jax.set_mesh``, else the one the arguments' ``NamedSharding`` carry, else
+            one device.
 
     Returns:
         A :class:`MemsafeFunction` (or, without ``fun``, a decorator making one).
@@ -575,6 +611,7 @@ def jit(
         "donate_argnames": donate_argnames,
         "compiler_options": compiler_options,
         "progress": progress,
+        "mesh": mesh,
     }
     if fun is None:
         parse_limit(memory_limit)  # a bad limit is an error at the decorator already

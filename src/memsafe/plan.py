@@ -49,12 +49,23 @@ class SplitRecord:
     ops: tuple[str, ...]  # primitives inside the loop body
     sinks: tuple[str, ...] = ()  # how the axis is consumed: "reduce_sum", "top_k", "output", ...
     where: str = ""
+    devices: int = 1  # devices sharing the axis (a mesh); ``loops`` chunks run on each
+    share: int = 0  # positions of the axis each device runs (``size`` on one device)
+    mesh_axes: tuple[str, ...] = ()  # the mesh axes the devices lie along
 
     def describe(self) -> str:
+        where = f"(size {self.size}) into {self.loops} chunks of {self.chunk}"
+        if self.devices > 1:
+            rest = self.size - self.share * self.devices
+            extra = f", the last {rest} after them" if rest else ""
+            where = (
+                f"(size {self.size}) sharded over mesh axes ({', '.join(self.mesh_axes)}): "
+                f"{self.devices} devices, {self.share} each{extra}; "
+                f"each device runs {self.loops} chunks of {self.chunk}"
+            )
         return (
             f"split {self.value} ({format_bytes(self.bytes)}) along axis {self.axis} "
-            f"(size {self.size}) into {self.loops} chunks of {self.chunk}; sinks: "
-            f"{', '.join(self.sinks) or '-'}; ops: {', '.join(self.ops)}"
+            f"{where}; sinks: {', '.join(self.sinks) or '-'}; ops: {', '.join(self.ops)}"
         )
 
 

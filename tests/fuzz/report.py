@@ -25,7 +25,7 @@ def blockers_by_family(results: Iterable[Result]) -> dict[str, Counter]:
     """Per family, how many refused programs named each blocking operation."""
     table: dict[str, Counter] = defaultdict(Counter)
     for r in results:
-        if r.outcome != "refused":
+        if r.outcome not in ("refused", "unreachable"):
             continue
         ops = {op for op, _ in r.blockers} or {"(no blocker named)"}
         for fam in ["all", *r.families]:
@@ -35,18 +35,18 @@ def blockers_by_family(results: Iterable[Result]) -> dict[str, Counter]:
 
 def format_table(results: list[Result]) -> str:
     """A fixed-width table: one row per family, columns programs and each outcome, plus the
-    refusal rate among programs memsafe did not run unchanged."""
+    refusal rate among programs that have a chunked form (neither unchanged nor unreachable)."""
     counts = tally(results)
     cols = ("programs", *OUTCOMES)
     width = max([len("family"), *(len(f) for f in counts)])
-    head = f"{'family':<{width}} " + " ".join(f"{c:>9}" for c in cols) + "  refused%"
+    head = f"{'family':<{width}} " + " ".join(f"{c:>11}" for c in cols) + "  refused%"
     lines = [head, "-" * len(head)]
     order = ["all", *sorted(f for f in counts if f != "all")]
     for fam in order:
         c = counts[fam]
-        needing = c["programs"] - c["unchanged"]
+        needing = c["programs"] - c["unchanged"] - c["unreachable"]
         rate = f"{100 * c['refused'] / needing:8.1f}%" if needing else "        -"
-        lines.append(f"{fam:<{width}} " + " ".join(f"{c[k]:>9}" for k in cols) + " " + rate)
+        lines.append(f"{fam:<{width}} " + " ".join(f"{c[k]:>11}" for k in cols) + " " + rate)
     return "\n".join(lines)
 
 

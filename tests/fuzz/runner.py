@@ -1,7 +1,9 @@
 """Run one case: choose the limit, run memsafe and jax.jit, check footprints and accuracy.
 
 Outcomes: ``unchanged`` (memsafe ran the program as is), ``split`` (rewritten and verified),
-``refused`` (MemoryLimitError, a legitimate answer), ``outer`` (memsafe's own programs fit, but
+``refused`` (MemoryLimitError naming operations memsafe has no rule for: a chunked program may
+exist), ``unreachable`` (MemoryLimitError with no rule missing: no chunked program memsafe can
+build fits, the limit is below what chunking reaches), ``outer`` (memsafe's own programs fit, but
 called inside an outer ``jax.jit`` the outer compile's footprint is above the limit: memsafe
 cannot verify that compile and says so with ``OuterJitWarning``), and the failures ``wrong``
 (a result breaks the accuracy rule), ``over`` (a footprint memsafe verified above the limit)
@@ -30,7 +32,7 @@ from .program import Case, build, generate, render
 from .wrappers import WRAPPERS
 
 FAILURES = ("wrong", "over", "crash")
-OUTCOMES = ("split", "unchanged", "refused", "outer", *FAILURES)
+OUTCOMES = ("split", "unchanged", "refused", "unreachable", "outer", *FAILURES)
 
 
 @dataclass
@@ -130,7 +132,7 @@ def _run(case: Case, result: Result) -> None:
                 obj = wrapper.make(ns, result.limit)
                 ms_out = jax.block_until_ready(wrapper.call(obj, args))
         except memsafe.MemoryLimitError as err:
-            result.outcome = "refused"
+            result.outcome = "refused" if err.missing_rules else "unreachable"
             result.blockers = [(b.operation, b.reason) for b in err.blockers]
             result.message = str(err).splitlines()[0]
             return

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from memsafe._jax import ClosedJaxpr
 from memsafe.errors import Blocker
@@ -19,6 +20,8 @@ class PassContext:
     a verified compile still exceeds the limit, so size-choosing passes pick smaller pieces.
     ``keep_custom_derivatives``: rewrites keep the custom derivative rules their replacements
     carry (the program is to be differentiated); otherwise only their primal computation is kept.
+    ``mesh``: where set (a :class:`memsafe.mesh.Sharding`), the split pass shards the axis of
+    each top-level region over its devices, and the limit is per device.
     """
 
     memory_limit: int
@@ -26,6 +29,7 @@ class PassContext:
     plan: Plan
     chunk_scale: float = 1.0
     keep_custom_derivatives: bool = False
+    mesh: Any = None
     blockers: list[Blocker] = field(default_factory=list)
 
     @property

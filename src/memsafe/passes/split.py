@@ -26,6 +26,8 @@ from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, speed_ca
 
 #: A value is split when it exceeds this share of the temporary budget.
 SHARE = 4
+#: Where no value exceeds budget / SHARE, values over budget / MANY_SHARE are split.
+MANY_SHARE = 16
 #: Values up to budget / SMALL may stay whole outside a region.
 SMALL = 8
 #: Most regions one run of the pass emits.
@@ -58,6 +60,7 @@ def _floor_blocker(graph: Graph, var: Var, axis: int, chunk: ChunkPlan) -> Block
         operation="split",
         reason=f"axis {axis}: even the smallest chunk ({chunk.chunk}) leaves too little room "
         "for the rest of the program",
+        inherent=True,
     )
 
 
@@ -68,12 +71,13 @@ def _key(graph: Graph, var: Var) -> tuple:
 
 
 def candidates(graph: Graph, budget: int) -> list[Var]:
-    """Intermediates over ``budget / SHARE`` bytes, largest first."""
-    out = [
-        vi
-        for vi in graph.values()
-        if vi.producer is not None and not vi.is_output and vi.bytes > budget // SHARE
-    ]
+    """Intermediates over ``budget / SHARE`` bytes, largest first; where none is (many moderate
+    values alive at once, as in a deep network's backward pass: the pass runs only on programs
+    over the limit), those over ``budget / MANY_SHARE``."""
+    values = [vi for vi in graph.values() if vi.producer is not None and not vi.is_output]
+    out = [vi for vi in values if vi.bytes > budget // SHARE]
+    if not out:
+        out = [vi for vi in values if vi.bytes > budget // MANY_SHARE]
     out.sort(key=lambda vi: (-vi.bytes, vi.producer))
     return [vi.var for vi in out]
 
@@ -87,18 +91,23 @@ def strategy(graph: Graph, region: Region) -> Split:
         return StagedSplit(region)
 
 
-def _option(graph: Graph, var: Var, axis: int, budget: int) -> tuple[Split, ChunkPlan]:
-    """The split of ``var`` along ``axis`` and its chunk; raises SplitFailure."""
+def _option(
+    graph: Graph, var: Var, axis: int, budget: int, mesh: Any = None
+) -> tuple[Split, ChunkPlan]:
+    """The split of ``var`` along ``axis`` (sharded over ``mesh``'s devices where given) and
+    its chunk; raises SplitFailure."""
     region = grow(graph, var, axis, max(1, budget // SMALL), max(1, budget // 2))
     split = strategy(graph, region)
+    if mesh is not None:
+        split = mesh.shard(graph, split)
     chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split)
-    if chunk.loops < 2:
-        raise SplitFailure("splitting along this axis saves nothing")
+    if chunk.loops * chunk.devices < 2:
+        raise SplitFailure("splitting along this axis saves nothing", inherent=True)
     return split, chunk
 
 
 def best_split(
-    graph: Graph, var: Var, budget: int
+    graph: Graph, var: Var, budget: int, mesh: Any = None
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
     before the smallest chunks of axes where none does), or why each axis failed."""
@@ -108,7 +117,7 @@ def best_split(
         if n < 2:
             continue
         try:
-            options.append(_option(graph, var, axis, budget))
+            options.append(_option(graph, var, axis, budget, mesh))
         except SplitFailure as failure:
             failures.append((axis, failure))
     if not options:
@@ -196,7 +205,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         for var in candidates(graph, budget):
             if _key(graph, var) in failed:
                 continue
-            got = best_split(graph, var, budget)
+            got = best_split(graph, var, budget, ctx.mesh)
             if isinstance(got, tuple):
                 chosen = (var, *got, absorbed(graph, got[0].region, var, budget))
                 break
@@ -212,6 +221,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                         operation=failure.operation,
                         reason=f"axis {axis}: {failure.reason}",
                         where=failure.where,
+                        inherent=failure.inherent,
                     )
                 )
         if chosen is None:
@@ -236,6 +246,9 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                 size=region.size,
                 chunk=chunk.chunk,
                 loops=chunk.iterations,
+                devices=chunk.devices,
+                share=chunk.share,
+                mesh_axes=split.mesh_axes,
                 ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
                 sinks=tuple(sinks),
                 where=source_line(eqns[graph.info(var).producer]),

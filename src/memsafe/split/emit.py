@@ -67,8 +67,15 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
     return loops
 
 
-def _loop_group(graph: Graph, region: Region, loop: Loop, chunk: int, dead: frozenset[int]):
-    """One stage as a group of the interpreter: its loop over every chunk."""
+def _loop_group(
+    graph: Graph,
+    region: Region,
+    loop: Loop,
+    chunk: int,
+    dead: frozenset[int],
+    runner: chunk_loop.Runner,
+):
+    """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``."""
     eqns = graph.eqns
     peep = peephole.plan(graph, region, loop.eqns, chunk)
     running = tuple(
@@ -94,8 +101,10 @@ def _loop_group(graph: Graph, region: Region, loop: Loop, chunk: int, dead: froz
                 parts.append(env.partial(i))
         return (parts, [env.carries[i] for i in running]), [env.local[v] for v in loop.surviving]
 
+    axes = (*(region.axis_of[v] for v in loop.sliced), *(None for _ in loop.whole))
+
     def run_loop(operands: list[Any]) -> list[Any]:
-        results, bufs = chunk_loop.run(body, region.size, chunk, operands, carry, written)
+        results, bufs = runner(body, region.size, chunk, operands, carry, written, axes)
         return results + bufs
 
     return Group(
@@ -117,17 +126,30 @@ class StagedSplit:
     #: Name added to the split's record (None: nothing to add).
     label: ClassVar[str | None] = None
 
+    #: Devices sharing the axis and the mesh axes they lie along (memsafe.mesh wraps a split
+    #: to shard it).
+    devices: ClassVar[int] = 1
+    mesh_axes: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def share(self) -> int:
+        """Length of the axis one device runs in chunks: all of it."""
+        return self.region.size
+
     def fixed_bytes(self, graph: Graph) -> int:
         """Bytes the loops carry beyond the sinks' accumulators."""
         return 0
 
-    def groups(self, graph: Graph, chunk: int) -> list[Group]:
-        """The interpreter groups running the region in chunks of ``chunk``."""
+    def groups(
+        self, graph: Graph, chunk: int, runner: chunk_loop.Runner = chunk_loop.run
+    ) -> list[Group]:
+        """The interpreter groups running the region in chunks of ``chunk``, each loop run by
+        ``runner``."""
         loops = plan_loops(graph, self.region)
         covered = frozenset().union(*(lp.eqns for lp in loops))
         dead = frozenset(self.region.maps) - covered
         return [
-            _loop_group(graph, self.region, lp, chunk, dead if k == 0 else frozenset())
+            _loop_group(graph, self.region, lp, chunk, dead if k == 0 else frozenset(), runner)
             for k, lp in enumerate(loops)
         ]
 
@@ -139,9 +161,20 @@ class Split(Protocol):
     cost_weight: ClassVar[float]
     label: ClassVar[str | None]
 
+    @property
+    def devices(self) -> int: ...
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]: ...
+
+    @property
+    def share(self) -> int: ...
+
     def fixed_bytes(self, graph: Graph) -> int: ...
 
-    def groups(self, graph: Graph, chunk: int) -> list[Group]: ...
+    def groups(
+        self, graph: Graph, chunk: int, runner: chunk_loop.Runner = chunk_loop.run
+    ) -> list[Group]: ...
 
 
 def emit(closed: ClosedJaxpr, graph: Graph, split: Split, chunk: int) -> ClosedJaxpr:

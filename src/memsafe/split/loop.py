@@ -55,6 +55,12 @@ class Carry:
         """The loop's sink results from the final state."""
         raise NotImplementedError
 
+    def across(self, state: Any, axis_name: Any, operands: list[Any]) -> Any:
+        """The states of every device along mesh axis ``axis_name`` combined in device order
+        (inside ``shard_map``; each device ran the loop over its share of the axis, so device
+        order is chunk order). ``operands`` are the loop's operands on this device."""
+        raise NotImplementedError
+
 
 @dataclass(frozen=True)
 class Fold(Carry):
@@ -74,6 +80,12 @@ class Fold(Carry):
     def results(self, state: tuple) -> list[Any]:
         return [r for (_, s), a in zip(self.sinks, state[0]) for r in s.reducer.finish(a)]
 
+    def across(self, state: tuple, axis_name: Any, operands: list[Any]) -> tuple:
+        if self.running:
+            raise NotImplementedError("a scan along the axis cannot combine across devices")
+        parts = [s.reducer.across(e, p, axis_name) for (e, s), p in zip(self.sinks, state[0])]
+        return parts, state[1]
+
 
 @dataclass(frozen=True)
 class Written:
@@ -86,14 +98,69 @@ class Written:
     def of(cls, values: Sequence[Var], axis_of: Mapping_[Var, int]) -> Written:
         return cls(tuple(values), tuple(axis_of[v] for v in values))
 
-    def empty(self) -> list[Any]:
-        return [jnp.zeros(v.aval.shape, v.aval.dtype) for v in self.values]
-
     def write(self, bufs: list[Any], vals: list[Any], start: Any) -> list[Any]:
         return [
-            lax.dynamic_update_slice_in_dim(b, v, start, ax)
+            lax.dynamic_update_slice_in_dim(b, v, local_start(start, b.shape[ax]), ax)
             for b, v, ax in zip(bufs, vals, self.axes)
         ]
+
+
+def local_start(start: Any, length: int) -> Any:
+    """Where the chunk starting at global position ``start`` begins in a value of ``length``
+    along the axis. A value covering the whole axis: ``start`` itself. A device's share of an
+    axis sharded in equal shares of ``length`` (memsafe.mesh) holds positions ``[d * length,
+    (d + 1) * length)`` and every chunk lies within one share: ``start`` modulo ``length``."""
+    return lax.rem(start, jnp.int32(length))
+
+
+#: Runs a chunk body over the split axis: (body, axis size, chunk, operands, carry, written,
+#: the split axis of each operand or None where it is read whole) -> (sink results, buffers).
+#: :func:`run` runs it on one device; memsafe.mesh shards the axis over devices.
+Runner = Callable[..., tuple[list[Any], list[Any]]]
+
+
+def chunked(
+    body: Body,
+    size: int,
+    chunk: int,
+    operands: list[Any],
+    carry: Carry,
+    written: Written,
+    origin: Any = 0,
+) -> tuple[Any, list[Any]]:
+    """Run ``body`` over positions ``[origin, origin + size)`` of the axis in chunks of
+    ``chunk``; (the carry's final state, written buffers of length ``size``)."""
+
+    def at(n: int) -> Callable[..., tuple[Any, list[Any]]]:
+        return jax.checkpoint(lambda start, ops, fed: body(start, n, ops, fed))
+
+    origin = jnp.asarray(origin, jnp.int32)
+    full = at(chunk)
+    parts, vals = full(origin, operands, None)
+    empty = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals, written.axes)]
+    state, bufs = carry.start(parts), written.write(empty, vals, origin)
+    n_full, rem = divmod(size, chunk)
+    if n_full > 1:
+
+        def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
+            state, bufs = c
+            start = origin + i * chunk
+            parts, vals = full(start, operands, carry.feed(state))
+            return (carry.fold(state, parts), written.write(bufs, vals, start)), None
+
+        steps = jnp.arange(1, n_full, dtype=jnp.int32)
+        (state, bufs), _ = lax.scan(step, (state, bufs), steps)
+    if rem:
+        start = origin + n_full * chunk
+        parts, vals = at(rem)(start, operands, carry.feed(state))
+        state, bufs = carry.fold(state, parts), written.write(bufs, vals, start)
+    return state, bufs
+
+
+def _with_axis(value: Any, axis: int, size: int) -> tuple[int, ...]:
+    shape = list(value.shape)
+    shape[axis] = size
+    return tuple(shape)
 
 
 def run(
@@ -103,30 +170,11 @@ def run(
     operands: list[Any],
     carry: Carry,
     written: Written,
+    axes: Sequence[int | None] = (),
 ) -> tuple[list[Any], list[Any]]:
-    """Run ``body`` over ``size`` in chunks of ``chunk``; (sink results, written buffers)."""
-
-    def at(n: int) -> Callable[..., tuple[Any, list[Any]]]:
-        return jax.checkpoint(lambda start, ops, fed: body(start, n, ops, fed))
-
-    full = at(chunk)
-    parts, vals = full(jnp.int32(0), operands, None)
-    state, bufs = carry.start(parts), written.write(written.empty(), vals, jnp.int32(0))
-    n_full, rem = divmod(size, chunk)
-    if n_full > 1:
-
-        def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
-            state, bufs = c
-            start = i * chunk
-            parts, vals = full(start, operands, carry.feed(state))
-            return (carry.fold(state, parts), written.write(bufs, vals, start)), None
-
-        steps = jnp.arange(1, n_full, dtype=jnp.int32)
-        (state, bufs), _ = lax.scan(step, (state, bufs), steps)
-    if rem:
-        start = jnp.int32(n_full * chunk)
-        parts, vals = at(rem)(start, operands, carry.feed(state))
-        state, bufs = carry.fold(state, parts), written.write(bufs, vals, start)
+    """Run ``body`` over ``size`` in chunks of ``chunk`` on one device; (sink results, written
+    buffers). ``axes`` (where each operand carries the axis) is for sharded runners."""
+    state, bufs = chunked(body, size, chunk, operands, carry, written)
     return carry.results(state), bufs
 
 
@@ -160,7 +208,10 @@ class ChunkEnv:
         carried: dict[int, Any] | None = None,
     ) -> ChunkEnv:
         """A body's environment with chunk ``[start, start + n)`` of each sliced input."""
-        local = {v: lax.dynamic_slice_in_dim(val, start, n, region.axis_of[v]) for v, val in sliced}
+        local = {}
+        for v, val in sliced:
+            ax = region.axis_of[v]
+            local[v] = lax.dynamic_slice_in_dim(val, local_start(start, val.shape[ax]), n, ax)
         return cls(graph, region, peep, start, n, local, whole, carried)
 
     def read(self, atom: Any, ax: int | None) -> Any:

@@ -445,19 +445,63 @@ class Rescale(Carry):
     def fold(self, state: tuple, parts: tuple) -> tuple:
         _, u_old, accs = state
         maxes, u_new, new = parts
+        return maxes, u_new, self._fold_others(self._rescaled(accs, u_old, u_new), new)
+
+    def _fold_others(self, accs: list, new: list) -> list:
+        eqns = self.graph.eqns
+        return [
+            self.region.maps[i].reducer.fold(eqns[i], acc, part)
+            for i, acc, part in zip(self.others, accs, new)
+        ]
+
+    def _rescaled(self, accs: list, u_old: list, u_new: list) -> list:
+        """Accumulators made relative to the shifts ``u_new`` from ``u_old``."""
         ratio = {
             u: jnp.where(a == b, jnp.ones_like(a), jnp.exp(a - b))
             for u, a, b in zip(self.plan.shifts, u_old, u_new)
         }
         out = []
-        for i, acc, part in zip(self.others, accs, new):
+        for i, acc in zip(self.others, accs):
             factor = self.plan.factors.get(i)
             scale = None if factor is None else factor.value(self.graph, ratio)
             if scale is not None:
                 scale = scale.astype(acc[0].dtype)
                 acc = tuple(jnp.where(scale == 0, jnp.zeros_like(a), a * scale) for a in acc)
-            out.append(self.region.maps[i].reducer.fold(self.graph.eqns[i], acc, part))
-        return maxes, u_new, out
+            out.append(acc)
+        return out
+
+    def across(self, state: tuple, axis_name: Any, operands: list[Any]) -> tuple:
+        """Every device's running maxima and accumulators, merged in device order: the maxima
+        folded, the shifts recomputed from them, both sides rescaled to the new shifts."""
+        whole = operands[len(self.region.sliced) :]
+        gathered = jax.tree.map(lambda a: lax.all_gather(a, axis_name), state)
+        devices = jax.tree.leaves(gathered)[0].shape[0]
+        acc = jax.tree.map(lambda g: g[0], gathered)
+        for d in range(1, devices):
+            new = jax.tree.map(lambda g, d=d: g[d], gathered)
+            acc = self._merge(acc, new, whole)
+        return acc
+
+    def _merge(self, a: tuple, b: tuple, whole: list[Any]) -> tuple:
+        eqns = self.graph.eqns
+        maxes = [
+            self.region.maps[i].reducer.fold(eqns[i], x, y)
+            for i, x, y in zip(self.plan.sources, a[0], b[0])
+        ]
+        u = self._shifts(maxes, whole)
+        accs = self._fold_others(self._rescaled(a[2], a[1], u), self._rescaled(b[2], b[1], u))
+        return maxes, u, accs
+
+    def _shifts(self, maxes: list, whole: list[Any]) -> list[Any]:
+        """The shifts from the running maxima: the chain equations evaluated whole."""
+        eqns = self.graph.eqns
+        env: dict[Any, Any] = dict(zip(self.plan.whole, whole))
+        for i, part in zip(self.plan.sources, maxes):
+            env.update(zip(eqns[i].outvars, self.region.maps[i].reducer.finish(part)))
+        for i in self.plan.chain:
+            ins = [a.val if isinstance(a, Literal) else env[a] for a in eqns[i].invars]
+            env.update(zip(eqns[i].outvars, bind_eqn(eqns[i], ins)))
+        return [env[u] for u in self.plan.shifts]
 
     def results(self, state: tuple) -> list[Any]:
         finals = dict(zip(self.plan.sources, state[0])) | dict(zip(self.others, state[2]))
@@ -476,16 +520,27 @@ class OnlineSplit:
     plan: OnlinePlan
     cost_weight: ClassVar[float] = ONLINE_WEIGHT
     label: ClassVar[str | None] = "online_softmax"
+    #: Devices sharing the axis and the mesh axes they lie along (memsafe.mesh wraps a split
+    #: to shard it).
+    devices: ClassVar[int] = 1
+    mesh_axes: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def share(self) -> int:
+        """Length of the axis one device runs in chunks: all of it."""
+        return self.region.size
 
     def fixed_bytes(self, graph: Graph) -> int:
         """Running shifts: old, new and the rescale factor."""
         return 3 * sum(graph.info(u).bytes for u in self.plan.shifts)
 
-    def groups(self, graph: Graph, chunk: int) -> list[Group]:
-        """The loop over every chunk, and the late factors applied after it."""
-        return [self._loop(graph, chunk), self._finish(graph)]
+    def groups(
+        self, graph: Graph, chunk: int, runner: chunk_loop.Runner = chunk_loop.run
+    ) -> list[Group]:
+        """The loop over every chunk (run by ``runner``), and the late factors applied after."""
+        return [self._loop(graph, chunk, runner), self._finish(graph)]
 
-    def _loop(self, graph: Graph, chunk: int) -> Group:
+    def _loop(self, graph: Graph, chunk: int, runner: chunk_loop.Runner) -> Group:
         region, plan = self.region, self.plan
         sliced = tuple(region.sliced)
         order = sorted(set(region.maps) | set(plan.chain))
@@ -501,8 +556,10 @@ class OnlineSplit:
         for i in sorted(region.sinks):
             gives.extend([raw_key(i)] if i in plan.deferred else graph.eqns[i].outvars)
 
+        axes = (*(region.axis_of[v] for v in sliced), *(None for _ in plan.whole))
+
         def run_loop(operands: list[Any]) -> list[Any]:
-            results, bufs = chunk_loop.run(body, region.size, chunk, operands, carry, written)
+            results, bufs = runner(body, region.size, chunk, operands, carry, written, axes)
             return results + bufs
 
         return Group(

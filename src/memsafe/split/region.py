@@ -25,8 +25,10 @@ from memsafe.primitives import CHEAP
 from memsafe.split.registry import Mapping, NoRule, axis_map
 from memsafe.split.sinks import Sink
 
-#: Most loops a region may be staged into (each stage recomputes the region's shared prefix).
-MAX_STAGES = 4
+#: Most loops a region may be staged into (each stage recomputes the region's shared prefix):
+#: a ResNet gradient with three batch-norms needs 13 (statistics, then what reads them, forward
+#: and backward).
+MAX_STAGES = 16
 
 
 @dataclass
@@ -35,6 +37,7 @@ class SplitFailure(Exception):
 
     reason: str
     eqn: JaxprEqn | None = None
+    inherent: bool = False  # no chunked program along this axis exists (see NoRule)
 
     @property
     def operation(self) -> str:
@@ -187,7 +190,7 @@ class _Growth:
         try:
             self.add(i, axis_map(eqn, side, ax))
         except NoRule as err:
-            stopped[var] = SplitFailure(str(err), eqn)
+            stopped[var] = SplitFailure(str(err), eqn, err.inherent)
 
     def mapped_results(self) -> set[Var]:
         eqns = self.graph.eqns

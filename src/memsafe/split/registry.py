@@ -34,7 +34,15 @@ class Mapping:
 
 
 class NoRule(Exception):
-    """The split axis cannot pass through this equation (the message says why)."""
+    """The split axis cannot pass through this equation (the message says why).
+
+    ``inherent`` is True when no chunked program along the axis exists (each result of a sort
+    depends on every element along it); False when one may exist that memsafe has no rule for.
+    """
+
+    def __init__(self, message: str, *, inherent: bool = False) -> None:
+        super().__init__(message)
+        self.inherent = inherent
 
 
 #: Side of the equation the known axis is on: ("in", operand index) or ("out", result index).
@@ -173,14 +181,18 @@ def elementwise(*names: str) -> None:
 
 
 def identity_unless(
-    names: Sequence[str], acting_axes: Callable[[JaxprEqn], Sequence[int]], what: str
+    names: Sequence[str],
+    acting_axes: Callable[[JaxprEqn], Sequence[int]],
+    what: str,
+    inherent: bool = False,
 ) -> None:
     """Register primitives acting along ``acting_axes`` (scans, sorts, ...): the split axis
-    passes unchanged if it is not among them; ``what`` says what they do along it."""
+    passes unchanged if it is not among them; ``what`` says what they do along it, and
+    ``inherent`` whether no chunked program along such an axis exists."""
 
     def rule(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
         if axis in tuple(acting_axes(eqn)):
-            raise NoRule(f"{eqn.primitive.name} {what} along the split axis")
+            raise NoRule(f"{eqn.primitive.name} {what} along the split axis", inherent=inherent)
         return passing(eqn, axis)
 
     split_rule(*names)(rule)

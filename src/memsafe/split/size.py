@@ -18,7 +18,7 @@ from memsafe._jax import Var
 from memsafe.graph import Graph
 from memsafe.primitives import FUSIBLE
 from memsafe.split.emit import Split
-from memsafe.split.region import Region
+from memsafe.split.region import Region, SplitFailure
 from memsafe.split.sinks import TOP_K, Sink
 
 #: Operations that read their operands without storing them (elementwise, layout, generators).
@@ -34,6 +34,8 @@ class ChunkPlan:
     stages: int
     per_unit: int  # bytes stored per unit of the split axis, in the largest stage
     fixed: int  # bytes the loops hold regardless of the chunk (accumulators, buffers, leaves)
+    share: int  # length of the axis one device loops over (the whole axis on one device)
+    devices: int = 1  # devices sharing the axis, each looping over its share (memsafe.mesh)
     floored: bool = False  # the model expects even this smallest chunk over the budget
 
     @property
@@ -143,23 +145,23 @@ def _evened(size: int, chunk: int, lowest: int) -> tuple[int, int]:
 
 
 def choose_chunk(graph: Graph, split: Split, budget: int) -> ChunkPlan | None:
-    """The largest chunk whose modelled bytes fit ``budget``, evened out over the loop count;
-    None if even the smallest chunk does not fit."""
-    region = split.region
+    """The largest chunk whose modelled bytes fit ``budget``, evened out over the loop count
+    over one device's share of the axis; None if even the smallest chunk does not fit."""
+    region, share = split.region, split.share
     per_unit, fixed = bytes_model(graph, region)
     fixed += split.fixed_bytes(graph)
     lowest = _lowest(graph, region)
     room = budget - fixed
-    if room < per_unit * lowest:
+    if room < per_unit * lowest or share < lowest:
         return None
-    chunk = min(region.size, room // max(per_unit, 1))
+    chunk = min(share, room // max(per_unit, 1))
     for _ in range(3):  # the candidates shrink with the chunk: settle the two
         fits = (room - _chunk_bytes(graph, region, chunk)) // max(per_unit, 1)
         if fits >= chunk:
             break
         chunk = max(fits, lowest)
-    chunk, loops = _evened(region.size, chunk, lowest)
-    return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed)
+    chunk, loops = _evened(share, chunk, lowest)
+    return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed, share, split.devices)
 
 
 def smallest_chunk(graph: Graph, split: Split) -> ChunkPlan:
@@ -168,9 +170,14 @@ def smallest_chunk(graph: Graph, split: Split) -> ChunkPlan:
     the compile, not the model, decides whether this fits."""
     region = split.region
     per_unit, fixed = bytes_model(graph, region)
-    chunk, loops = _evened(region.size, _lowest(graph, region), _lowest(graph, region))
+    share, lowest = split.share, _lowest(graph, region)
+    if share < lowest:
+        raise SplitFailure(f"a share of {share} is shorter than the smallest chunk ({lowest})")
+    chunk, loops = _evened(share, lowest, lowest)
     fixed += split.fixed_bytes(graph)
-    return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed, floored=True)
+    return ChunkPlan(
+        chunk, loops, region.n_stages, per_unit, fixed, share, split.devices, floored=True
+    )
 
 
 #: Modelled bytes per chunk above which a larger chunk no longer runs faster, for memory-bound
@@ -210,5 +217,5 @@ def speed_cap(graph: Graph, region: Region, plan: ChunkPlan) -> ChunkPlan:
     cap = max(SPEED_CHUNK_BYTES // max(plan.per_unit, 1), 1)
     if plan.chunk <= cap:
         return plan
-    chunk, loops = _evened(region.size, cap, _lowest(graph, region))
+    chunk, loops = _evened(plan.share, cap, _lowest(graph, region))
     return dataclasses.replace(plan, chunk=chunk, loops=loops)

@@ -42,4 +42,4 @@ for _name, _combine in {
 }.items():
     split_rule(_name, running=Running(_combine, _scan_axis))(_scan)
 
-identity_unless(["sort"], lambda e: (e.params["dimension"] % _rank(e),), "sorts")
+identity_unless(["sort"], lambda e: (e.params["dimension"] % _rank(e),), "sorts", inherent=True)

@@ -1,0 +1,296 @@
+"""Scaling past one device: the split axis sharded over a mesh with JAX's own SPMD.
+
+With a mesh, ``memory_limit`` is per device. The split pass plans each top-level region as on
+one device, but the region's loop runs inside ``jax.shard_map``: the values it slices along the
+axis are sharded over the mesh (each device holds ``size // devices`` positions), the values it
+reads whole are replicated, each device runs the ordinary chunk loop over its share (chunks
+chosen from the per-device budget), and the sinks' running results are combined across devices
+by their reducers' ``across`` (sums and contractions with ``psum``; max, min, argmax, argmin,
+top-k and picks gathered and folded in device order, so ties and NaN keep the one-device answer;
+online-softmax accumulators rescaled to the merged maxima). Values the region writes along the
+axis come back sharded. An axis that does not divide evenly runs its last ``size % devices``
+positions as one more chunk after the devices' results are combined (replicated; no padding
+reaches a max or a top-k). Program inputs the sharded loops slice are placed sharded along the
+axis; others are replicated.
+
+Every device's footprint is what XLA's ``memory_analysis()`` of the SPMD program reports (per
+device), verified against the limit like a one-device program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from memsafe._jax import context_mesh, nbytes_of_aval
+from memsafe.errors import MemoryLimitError
+from memsafe.graph import Graph
+from memsafe.graph.interpret import Group
+from memsafe.limits import format_bytes
+from memsafe.split import loop as chunk_loop
+from memsafe.split.emit import Split
+from memsafe.split.loop import Body, Carry, Written
+from memsafe.split.region import SplitFailure
+from memsafe.split.registry import Mapping, running_along
+from memsafe.xla import Footprint
+
+
+def resolve(mesh: Any, flat: Sequence[Any]) -> Mesh | None:
+    """The mesh a call runs on: ``mesh`` if given, else the one set with ``jax.set_mesh``, else
+    the mesh of the first argument placed with a ``NamedSharding``; None for one device.
+
+    Raises:
+        TypeError: ``mesh`` is not a ``jax.sharding.Mesh``.
+    """
+    if mesh is None:
+        mesh = context_mesh()
+    if mesh is None:
+        mesh = next(
+            (
+                x.sharding.mesh
+                for x in flat
+                if isinstance(getattr(x, "sharding", None), NamedSharding)
+                and x.sharding.mesh.size > 1
+            ),
+            None,
+        )
+    if mesh is None:
+        return None
+    if not isinstance(mesh, Mesh):
+        raise TypeError(f"memsafe.jit: mesh must be a jax.sharding.Mesh, got {type(mesh).__name__}")
+    if mesh.size < 2:
+        return None
+    return Mesh(mesh.devices, mesh.axis_names, axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+
+
+def _spec(axis: int | None, ndim: int, names: tuple[str, ...]) -> P:
+    """The partition of a value carrying the split axis at ``axis`` over the mesh axes."""
+    if axis is None:
+        return P()
+    parts: list[Any] = [None] * ndim
+    parts[axis] = names if len(names) > 1 else names[0]
+    return P(*parts)
+
+
+@dataclass(frozen=True)
+class MeshPlan:
+    """The mesh one memsafe function runs on (its limit per device)."""
+
+    mesh: Mesh
+
+    @property
+    def devices(self) -> int:
+        return int(self.mesh.size)
+
+    def given(self, avals: Sequence[Any], flat: Sequence[Any]) -> tuple[Any, ...]:
+        """``avals`` placed as the arguments are (their ``NamedSharding`` on this mesh's
+        devices) or else replicated: how the original program runs."""
+        out = []
+        for aval, x in zip(avals, flat):
+            s = getattr(x, "sharding", None)
+            spec = s.spec if self._on_this_mesh(s) else P()
+            out.append(_placed(aval, NamedSharding(self.mesh, spec)))
+        return tuple(out)
+
+    def _on_this_mesh(self, s: Any) -> bool:
+        """Whether ``s`` is a NamedSharding over this mesh's devices, in the same layout."""
+        if not isinstance(s, NamedSharding) or s.mesh.devices.shape != self.mesh.devices.shape:
+            return False
+        same = s.mesh.axis_names == self.mesh.axis_names
+        return same and bool((s.mesh.devices == self.mesh.devices).all())
+
+    def check_fixed(self, before: Footprint, avals: Sequence[Any], limit: int, name: str) -> int:
+        """Per-device bytes no rewrite can shrink at best (arguments and outputs split evenly
+        over the devices); raises when even that exceeds the limit."""
+        args = sum(nbytes_of_aval(a) for a in avals)
+        least = -(-(args + before.outputs) // self.devices)
+        if least > limit:
+            raise MemoryLimitError(
+                f"{name}: even sharded over the {self.devices} devices of the mesh, the "
+                f"per-device share of its arguments and outputs needs {format_bytes(least)} "
+                f"(arguments {format_bytes(args)}, outputs {format_bytes(before.outputs)} in all),"
+                " more than the per-device limit",
+                limit=limit,
+                footprint=before.total,
+            )
+        return least
+
+    def sharding(self) -> Sharding:
+        """A fresh sharding state for one run of the pipeline."""
+        return Sharding(self.mesh)
+
+
+def _placed(aval: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype, sharding=sharding)
+
+
+def place(flat: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+    """The arguments moved to the placement the program was compiled for (``device_put`` does
+    nothing to an array already placed so)."""
+    out = []
+    for x, aval in zip(flat, avals):
+        s = getattr(aval, "sharding", None)
+        out.append(x if s is None else jax.device_put(x, s))
+    return out
+
+
+@dataclass
+class Sharding:
+    """The state of one pipeline run on a mesh (``PassContext.mesh``): shards the splits the
+    pass chooses, and records where the program inputs they slice must be placed."""
+
+    mesh: Mesh
+    placements: dict[int, P] = field(default_factory=dict)
+
+    @property
+    def devices(self) -> int:
+        return int(self.mesh.size)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.mesh.axis_names)
+
+    def shard(self, graph: Graph, split: Split) -> Sharded:
+        """``split`` with its axis sharded over every device; raises SplitFailure."""
+        region = split.region
+        if region.size < self.devices:
+            raise SplitFailure(f"the axis ({region.size}) is shorter than the mesh")
+        for i, m in region.maps.items():
+            if isinstance(m, Mapping) and running_along(graph.eqns[i], m) is not None:
+                raise SplitFailure(
+                    "a scan along the axis cannot be sharded over devices", graph.eqns[i]
+                )
+        return Sharded(split, self)
+
+    def placed(self, avals: Sequence[Any]) -> tuple[Any, ...]:
+        """``avals`` with the placement the sharded loops want (others replicated)."""
+        return tuple(
+            _placed(a, NamedSharding(self.mesh, self.placements.get(i, P())))
+            for i, a in enumerate(avals)
+        )
+
+    def record(self, graph: Graph, split: Split) -> None:
+        """Program inputs ``split`` slices: placed sharded along the split axis where the
+        devices divide it, else along the longest axis they divide (XLA moves the rows to the
+        devices that run them), else replicated."""
+        inputs = list(graph.inputs)
+        region = split.region
+        for v in region.sliced:
+            if v not in inputs:
+                continue
+            shape = v.aval.shape
+            axis = region.axis_of[v]
+            if shape[axis] % self.devices:
+                fits = [a for a, n in enumerate(shape) if n % self.devices == 0]
+                axis = max(fits, key=lambda a: shape[a], default=None)
+            self.placements.setdefault(inputs.index(v), _spec(axis, len(shape), self.names))
+
+
+@dataclass(frozen=True)
+class Sharded:
+    """A split whose axis is sharded over a mesh, each device looping over its share."""
+
+    inner: Split
+    sharding: Sharding
+    cost_weight: ClassVar[float] = 1.0
+
+    @property
+    def region(self) -> Any:
+        return self.inner.region
+
+    @property
+    def label(self) -> str | None:
+        return self.inner.label
+
+    @property
+    def mesh_axes(self) -> tuple[str, ...]:
+        return self.sharding.names
+
+    @property
+    def devices(self) -> int:
+        return self.sharding.devices
+
+    @property
+    def share(self) -> int:
+        return self.region.size // self.devices
+
+    def fixed_bytes(self, graph: Graph) -> int:
+        """The inner split's, and every device's partials gathered to combine them."""
+        eqns = graph.eqns
+        outs = sum(graph.info(o).bytes for i in self.region.sinks for o in eqns[i].outvars)
+        return self.inner.fixed_bytes(graph) + 2 * self.devices * outs
+
+    def groups(
+        self, graph: Graph, chunk: int, runner: chunk_loop.Runner = chunk_loop.run
+    ) -> list[Group]:
+        """The inner split's groups, each loop run sharded over the mesh."""
+        self.sharding.record(graph, self.inner)
+        return self.inner.groups(graph, chunk, ShardedRun(self.sharding))
+
+
+@dataclass(frozen=True)
+class ShardedRun:
+    """A chunk-loop runner (memsafe.split.loop.Runner) over the devices of a mesh."""
+
+    sharding: Sharding
+
+    def __call__(
+        self,
+        body: Body,
+        size: int,
+        chunk: int,
+        operands: list[Any],
+        carry: Carry,
+        written: Written,
+        axes: Sequence[int | None] = (),
+    ) -> tuple[list[Any], list[Any]]:
+        devices, names = self.sharding.devices, self.sharding.names
+        share, rest = divmod(size, devices)
+        main = [
+            op if ax is None or not rest else lax.slice_in_dim(op, 0, share * devices, axis=ax)
+            for op, ax in zip(operands, axes)
+        ]
+        in_specs = tuple(_spec(ax, jnp.ndim(op), names) for op, ax in zip(operands, axes))
+        out_bufs = [
+            _spec(ax, len(v.aval.shape), names) for v, ax in zip(written.values, written.axes)
+        ]
+
+        def per_device(*ops: Any) -> tuple[Any, list[Any]]:
+            origin = lax.axis_index(names) * share
+            state, bufs = chunk_loop.chunked(body, share, chunk, list(ops), carry, written, origin)
+            return carry.across(state, names, list(ops)), bufs
+
+        state, bufs = jax.shard_map(
+            per_device,
+            mesh=self.sharding.mesh,
+            in_specs=in_specs,
+            out_specs=(P(), out_bufs),
+            check_vma=False,
+        )(*main)
+        if rest:
+            state, bufs = _last(body, share * devices, rest, operands, carry, written, state, bufs)
+        return carry.results(state), bufs
+
+
+def _last(
+    body: Body,
+    start: int,
+    n: int,
+    operands: list[Any],
+    carry: Carry,
+    written: Written,
+    state: Any,
+    bufs: list[Any],
+) -> tuple[Any, list[Any]]:
+    """The positions after the devices' equal shares, as one more chunk (on every device)."""
+    run = jax.checkpoint(lambda s, ops, fed: body(s, n, ops, fed))
+    parts, vals = run(jnp.int32(start), operands, carry.feed(state))
+    bufs = [lax.concatenate([b, v], ax) for b, v, ax in zip(bufs, vals, written.axes)]
+    return carry.fold(state, parts), bufs
