@@ -15,7 +15,7 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, log, passes, stages
+from memsafe import _jax, cache, log, passes, stages
 from memsafe.arguments import ArgSpec, Call
 from memsafe.batching import BatchedProgram, planning
 from memsafe.errors import ForwardModeError, MemoryLimitError
@@ -26,7 +26,8 @@ from memsafe.passes import PassContext
 from memsafe.plan import Attempt, PassRecord, Plan
 from memsafe.progress import display as progress_display
 from memsafe.progress import enabled as progress_enabled
-from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit
+from memsafe.rules.registry import registered_rules
+from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit, merged_options
 
 #: How many compile-and-verify rounds the driver tries, shrinking chunk sizes each time.
 MAX_ATTEMPTS = 6
@@ -189,14 +190,71 @@ def build_program(
     The original program is returned, unchanged, when it fits. Otherwise the passes rewrite
     ``rewrite_from`` (default ``flat_fun``; an equivalent start, such as the gradient of an
     algebraically rewritten forward), shrinking chunks until a compile fits. ``compiler_options``
-    are the user's, merged with memsafe's (see ``xla.merged_options``). Raises
-    :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
+    are the user's, merged with memsafe's (see ``xla.merged_options``). A program traced the same
+    under the same settings before, by any memsafe function, is reused (:mod:`memsafe.cache`).
+    Raises :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
     closed, out_tree = _trace(flat_fun, avals, name)
+    start = None if rewrite_from is None else _trace(rewrite_from, avals, name)[0]
+    settings = _settings(memory_limit, donate, compiler_options, start)
+    key = cache.program_key(closed, avals, settings)
+    found = cache.PROGRAMS.get(key)
+    if found is not None:
+        log.reused(name)
+        return _adopted(found, flat_fun, out_tree, compiler_options, donate)
+    program = _search(flat_fun, closed, start, avals, memory_limit, donate, name, compiler_options)
+    program.out_tree = out_tree
+    cache.PROGRAMS.put(key, program, (closed, start, settings))
+    return program
+
+
+def _settings(
+    memory_limit: int,
+    donate: tuple[int, ...],
+    compiler_options: Mapping[str, Any] | None,
+    start: _jax.ClosedJaxpr | None,
+) -> tuple[Any, ...]:
+    """What a plan depends on besides the traced program (for :func:`cache.program_key`)."""
+    options = tuple(sorted((k, repr(v)) for k, v in merged_options(compiler_options).items()))
+    rewrite = None if start is None else cache.program_key(start, (), ())
+    rules = tuple(registered_rules())  # user rules, hashed by identity
+    return (memory_limit, donate, options, rules, jax.default_backend(), rewrite)
+
+
+def _adopted(
+    found: Program,
+    flat_fun: Callable[..., Any],
+    out_tree: Any,
+    compiler_options: Mapping[str, Any] | None,
+    donate: tuple[int, ...],
+) -> Program:
+    """A cached program for this caller: its output tree, and where the original program runs
+    unchanged, this caller's function (what runs inside an outer trace, or through jit for
+    argument types the executable refuses)."""
+    found.out_tree = out_tree
+    if found.plan.fits_unchanged:
+        found.fun = flat_fun
+        found.jitted = memsafe_jit(flat_fun, compiler_options, donate_argnums=donate)
+    return found
+
+
+def _search(
+    flat_fun: Callable[..., Any],
+    closed: _jax.ClosedJaxpr,
+    start: _jax.ClosedJaxpr | None,
+    avals: Sequence[jax.ShapeDtypeStruct],
+    memory_limit: int,
+    donate: tuple[int, ...],
+    name: str,
+    compiler_options: Mapping[str, Any] | None,
+) -> Program:
+    """The original program when it fits, else the rewrite of ``start`` (default ``closed``)
+    with the largest chunks that compile under the limit."""
     plan = Plan(memory_limit=memory_limit)
     hidden = hidden_constant_bytes(closed.consts)
     what = (name, "original program", memory_limit)
     original = _compile(flat_fun, avals, compiler_options, donate, hidden, what)
     before = plan.before = original.footprint
+    out_tree = None  # set by build_program
     if before.total <= memory_limit:
         plan.fits_unchanged = True
         plan.after = before
@@ -205,8 +263,7 @@ def build_program(
             original.jitted, flat_fun, tuple(avals), out_tree, plan, closed, original.compiled
         )
     fixed = _check_fixed(before, memory_limit, name)
-    start = closed if rewrite_from is None else _trace(rewrite_from, avals, name)[0]
-    flat = inline_calls(start)
+    flat = inline_calls(closed if start is None else start)
     pipeline = passes.named_passes()
     scale, best, blockers = 1.0, None, []
     for attempt in range(MAX_ATTEMPTS):
