@@ -18,6 +18,7 @@ import jax
 from memsafe import _jax, cache, log, passes, stages
 from memsafe.arguments import ArgSpec, Call
 from memsafe.batching import BatchedProgram, planning
+from memsafe.dispatch import MISS, FastPath
 from memsafe.errors import ForwardModeError, MemoryLimitError
 from memsafe.gradient import differentiable
 from memsafe.graph import Graph, estimate, inline_calls
@@ -325,6 +326,8 @@ class MemsafeFunction:
         self._latest_backward: dict[Any, Program] = {}
         self._batched_programs: dict[Any, BatchedProgram] = {}
         self._warned = [False]  # the outer-jit warning, given once (memsafe.batching)
+        static = self._spec.static_argnums or self._spec.static_argnames
+        self._fast = None if static else FastPath()  # calls of programs already verified
         functools.update_wrapper(self, fun)
 
     # -- argument handling -------------------------------------------------------------------
@@ -357,6 +360,10 @@ class MemsafeFunction:
     # -- public API --------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fast is not None:
+            outs = self._fast.call(args, kwargs)
+            if outs is not MISS:
+                return outs
         program, flat, rebuild, key = self._program(args, kwargs)
         if any(_jax.is_forward_mode_tracer(x) for x in flat):
             raise ForwardModeError(self._name)
@@ -364,6 +371,8 @@ class MemsafeFunction:
             outs = self._differentiable(program, rebuild, key)(*flat)
         else:
             outs = program.run(flat)
+            if self._fast is not None:
+                self._fast.remember(args, kwargs, program)
         return jax.tree_util.tree_unflatten(program.out_tree, list(outs))
 
     def __repr__(self) -> str:
