@@ -3,7 +3,9 @@ counted; the dispatch fast path; JAX's persistent compilation cache honoured."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -19,6 +21,7 @@ from memsafe import cache
 from memsafe.rules import Rule, register_rule, unregister_rule
 from memsafe.xla import compiler_options, memsafe_jit
 
+jit_module = importlib.import_module("memsafe.jit")
 N, M, D = 512, 2048, 8
 LIMIT = "2MiB"  # the 512 x 2048 product (4 MiB) must be split
 
@@ -251,3 +254,29 @@ def test_jax_persistent_compilation_cache_holds_memsafe_executables(tmp_path):
     second = _run_persistent(tmp_path)
     assert second["hits"] >= 2 and second["misses"] == 0  # the original and the split program
     assert second["out"] == first["out"]
+
+
+def _knn(x, y):
+    return jax.lax.top_k(-(x @ y.T), 5)
+
+
+@pytest.mark.parametrize("fun", [_kernel_sum, _knn], ids=["one output", "two outputs"])
+def test_compiling_the_original_beside_the_first_attempt_changes_no_plan(fun, monkeypatch, caplog):
+    """Speculation (the original compiled in a worker while the first attempt is planned from
+    the fixed bytes expected) gives the plan of compiling first, with no extra compile."""
+    x, y, v = _inputs()
+    args = (x, y, v) if fun is _kernel_sum else (x, y)
+    caplog.set_level(logging.INFO, logger="memsafe")
+    speculative = memsafe.jit(fun, memory_limit=LIMIT)
+    out, n = _compiles_during(lambda: speculative(*args))
+    plan = speculative.plan(*args)
+    assert plan.splits and n == 1 + len(plan.attempts)
+    order = [m for r in caplog.records for m in ("attempt 1", "original") if m in r.getMessage()]
+    assert order[:2] == ["attempt 1", "original"]  # the attempt was made beside the original
+    cache.clear()
+    monkeypatch.setattr(jit_module, "SPECULATE_ABOVE", float("inf"))
+    sequential = memsafe.jit(fun, memory_limit=LIMIT)
+    expected = sequential(*args)
+    assert str(sequential.plan(*args)) == str(plan)
+    for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(expected)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

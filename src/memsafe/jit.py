@@ -5,11 +5,13 @@ The driver only orders passes and verifies; the passes do the rewriting (memsafe
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -117,6 +119,46 @@ class _Compiled:
     footprint: Footprint
 
 
+class _Compiling:
+    """``fun`` lowered (here: tracing runs in the caller's thread, with its JAX settings) and
+    compiled with memsafe's options, in a worker thread when ``background``; :meth:`result`
+    waits for it and measures the footprint (logged as ``what``: name, description, limit)."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        avals: Sequence[Any],
+        options: Mapping[str, Any] | None,
+        donate: tuple[int, ...],
+        hidden: int,
+        what: tuple[str, str, int],
+        background: bool = False,
+    ) -> None:
+        self._watch = log.Stopwatch()
+        self._jitted = memsafe_jit(fun, options, donate_argnums=donate)
+        lowered = self._jitted.lower(*avals)
+        self._hidden, self._what = hidden, what
+        self._future: Future | None = None
+        if background:
+            job = functools.partial(contextvars.copy_context().run, lowered.compile)
+            self._future = _compile_pool().submit(job)
+        else:
+            self._compiled = lowered.compile()
+
+    def result(self) -> _Compiled:
+        compiled = self._compiled if self._future is None else self._future.result()
+        footprint = Footprint.from_compiled(compiled, self._hidden)
+        name, what, limit = self._what
+        log.compiled(name, what, footprint.total, limit, self._watch.elapsed)
+        return _Compiled(self._jitted, compiled, footprint)
+
+
+@functools.cache
+def _compile_pool() -> ThreadPoolExecutor:
+    """The one worker that compiles an original program while its rewrite is planned."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="memsafe-compile")
+
+
 def _compile(
     fun: Callable[..., Any],
     avals: Sequence[Any],
@@ -127,12 +169,7 @@ def _compile(
 ) -> _Compiled:
     """``fun`` compiled with memsafe's options and its footprint (logged as ``what``: name,
     description, limit)."""
-    watch = log.Stopwatch()
-    jitted = memsafe_jit(fun, options, donate_argnums=donate)
-    compiled = jitted.lower(*avals).compile()
-    footprint = Footprint.from_compiled(compiled, hidden)
-    log.compiled(what[0], what[1], footprint.total, what[2], watch.elapsed)
-    return _Compiled(jitted, compiled, footprint)
+    return _Compiling(fun, avals, options, donate, hidden, what).result()
 
 
 def _check_fixed(before: Footprint, memory_limit: int, name: str) -> int:
@@ -249,46 +286,125 @@ def _search(
     compiler_options: Mapping[str, Any] | None,
 ) -> Program:
     """The original program when it fits, else the rewrite of ``start`` (default ``closed``)
-    with the largest chunks that compile under the limit."""
-    plan = Plan(memory_limit=memory_limit)
+    with the largest chunks that compile under the limit.
+
+    Where the original is estimated well over the limit, it compiles in a worker thread while
+    the first attempt is planned and compiled, from the fixed bytes its arguments and outputs
+    are expected to take; the attempt is used only if the original does not fit and its fixed
+    bytes are the ones expected, so the outcome is the one of compiling first and planning
+    after."""
     hidden = hidden_constant_bytes(closed.consts)
+    search = _Search(start or closed, avals, memory_limit, donate, name, compiler_options, hidden)
+    guess = _speculative_fixed(closed, donate, memory_limit)
     what = (name, "original program", memory_limit)
-    original = _compile(flat_fun, avals, compiler_options, donate, hidden, what)
-    before = plan.before = original.footprint
+    compiling = _Compiling(
+        flat_fun, avals, compiler_options, donate, hidden, what, background=guess is not None
+    )
+    first = None if guess is None else search.attempt_or_none(guess)
+    original = compiling.result()
+    plan = Plan(memory_limit=memory_limit, before=original.footprint)
     out_tree = None  # set by build_program
-    if before.total <= memory_limit:
+    if original.footprint.total <= memory_limit:
         plan.fits_unchanged = True
-        plan.after = before
-        plan.attempts.append(Attempt(1.0, before, True, "original program"))
+        plan.after = original.footprint
+        plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
         return Program(
             original.jitted, flat_fun, tuple(avals), out_tree, plan, closed, original.compiled
         )
-    fixed = _check_fixed(before, memory_limit, name)
-    flat = inline_calls(closed if start is None else start)
-    pipeline = passes.named_passes()
-    scale, best, blockers = 1.0, None, []
-    for attempt in range(MAX_ATTEMPTS):
-        attempt_plan = Plan(memory_limit=memory_limit, before=before)
-        ctx = PassContext(memory_limit, fixed + hidden, attempt_plan, chunk_scale=scale)
-        program = flat
-        for pass_name, run in pipeline:
-            program = _run_logged(pass_name, run, program, ctx, name)
-        blockers = ctx.blockers
+    fixed = _check_fixed(original.footprint, memory_limit, name)
+    return search.run(plan, fixed, first if guess == fixed else None)
+
+
+#: The original program is compiled beside the first attempt when its estimated peak exceeds
+#: the limit by this factor (below, it may well fit, and the attempt would be wasted work).
+SPECULATE_ABOVE = 1.5
+
+
+def _speculative_fixed(
+    closed: _jax.ClosedJaxpr, donate: tuple[int, ...], memory_limit: int
+) -> int | None:
+    """The arguments' and outputs' bytes as XLA counts them on this backend (a tuple of
+    outputs adds a pointer each), when the original is estimated over SPECULATE_ABOVE times the
+    limit and nothing is donated; else None (no speculation)."""
+    if donate or estimate(Graph(closed)).peak_bytes <= SPECULATE_ABOVE * memory_limit:
+        return None
+    arguments = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars)
+    outs = closed.jaxpr.outvars
+    table = 8 * len(outs) if len(outs) > 1 else 0
+    return arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
+
+
+@dataclass
+class _Tried:
+    """One attempt: the rewritten program, its compile, its plan and what blocked splits."""
+
+    program: _jax.ClosedJaxpr
+    emitted: Callable[..., Any]
+    got: _Compiled
+    plan: Plan
+    blockers: list
+    scale: float
+
+
+class _Search:
+    """The passes run at shrinking chunk scales until a compile fits the limit."""
+
+    def __init__(
+        self,
+        start: _jax.ClosedJaxpr,
+        avals: Sequence[jax.ShapeDtypeStruct],
+        memory_limit: int,
+        donate: tuple[int, ...],
+        name: str,
+        compiler_options: Mapping[str, Any] | None,
+        hidden: int,
+    ) -> None:
+        self.flat = inline_calls(start)
+        self.avals, self.limit, self.donate, self.name = avals, memory_limit, donate, name
+        self.options, self.hidden = compiler_options, hidden
+
+    def attempt(self, index: int, scale: float, fixed: int) -> _Tried:
+        """The passes at chunk ``scale`` given ``fixed`` bytes, then the compile."""
+        attempt_plan = Plan(memory_limit=self.limit)
+        ctx = PassContext(self.limit, fixed + self.hidden, attempt_plan, chunk_scale=scale)
+        program = self.flat
+        for pass_name, run in passes.named_passes():
+            program = _run_logged(pass_name, run, program, ctx, self.name)
         emitted = _emit(program)
-        what = (name, f"attempt {attempt + 1} (chunk scale {scale:.3g})", memory_limit)
+        what = (self.name, f"attempt {index + 1} (chunk scale {scale:.3g})", self.limit)
         hidden_now = hidden_constant_bytes(program.consts)
-        got = _compile(emitted, avals, compiler_options, donate, hidden_now, what)
-        after = got.footprint
-        fits = after.total <= memory_limit
-        plan.attempts.append(Attempt(scale, after, fits))
-        best = after if best is None or after.total < best.total else best
-        if fits:
-            plan.records, plan.after = attempt_plan.records, after
-            return Program(got.jitted, emitted, tuple(avals), out_tree, plan, program, got.compiled)
-        if not attempt_plan.splits:
-            break  # nothing size-dependent was done: smaller chunks cannot help
-        scale = _next_scale(scale, attempt, after, memory_limit, fixed)
-    raise _refusal(flat, name, memory_limit, before, best, blockers)
+        got = _compile(emitted, self.avals, self.options, self.donate, hidden_now, what)
+        return _Tried(program, emitted, got, attempt_plan, ctx.blockers, scale)
+
+    def attempt_or_none(self, fixed: int) -> _Tried | None:
+        """The first attempt, or None where it fails (raised again, if the original does not
+        fit, when the attempt is made in turn)."""
+        try:
+            return self.attempt(0, 1.0, fixed)
+        except Exception:  # the original may fit: then the rewrite's failure does not matter
+            return None
+
+    def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
+        """The first attempt that fits (``first``, made already, or planned now), recorded in
+        ``plan``; raises MemoryLimitError when none does."""
+        scale, best, last = 1.0, None, None
+        for index in range(MAX_ATTEMPTS):
+            last = first if index == 0 and first is not None else self.attempt(index, scale, fixed)
+            after = last.got.footprint
+            fits = after.total <= self.limit
+            plan.attempts.append(Attempt(scale, after, fits))
+            best = after if best is None or after.total < best.total else best
+            if fits:
+                plan.records, plan.after = last.plan.records, after
+                return Program(
+                    last.got.jitted, last.emitted, tuple(self.avals), None, plan, last.program,
+                    last.got.compiled,
+                )  # fmt: skip
+            if not last.plan.splits:
+                break  # nothing size-dependent was done: smaller chunks cannot help
+            scale = _next_scale(scale, index, after, self.limit, fixed)
+        blockers = [] if last is None else last.blockers
+        raise _refusal(self.flat, self.name, self.limit, plan.before, best, blockers)
 
 
 class MemsafeFunction:
