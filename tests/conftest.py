@@ -8,6 +8,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A pass that raises is a bug in that pass: under the tests it fails instead of being skipped.
 os.environ.setdefault("MEMSAFE_STRICT", "1")
 
+import pytest
 from hypothesis import HealthCheck, settings
 
 settings.register_profile(
@@ -21,3 +22,12 @@ settings.load_profile("memsafe")
 
 # Plan snapshots (tests/plan_snapshot.py), inactive unless MEMSAFE_PLAN_SNAPSHOT names a directory.
 pytest_plugins = ["plan_snapshot"]
+
+
+@pytest.fixture(autouse=True)
+def _fresh_program_cache():
+    """Each test plans its own programs: memsafe.cache would hand it those of an earlier test
+    (tests/test_compile_cache.py tests the cache itself)."""
+    from memsafe import cache
+
+    cache.clear()

@@ -223,3 +223,11 @@ def test_distance_rules_fire_only_where_the_gemm_pays_off(monkeypatch, d, fires)
     monkeypatch.setattr(distance, "MIN_GEMM_DEPTH", 6)
     x, y = _rand((40, d), 0), _rand((50, d), 1)
     assert (fired(SQDIST_FORMS["pow"], x, y) == ["pairwise_sqdist"]) is fires
+
+
+@pytest.mark.parametrize("rule", builtin_rules(), ids=lambda r: r.name)
+def test_builtin_patterns_do_not_match_their_replacement(rule):
+    """The check built-in rules skip at run time (check_replacement=False), run on each form."""
+    assert not rule.check_replacement
+    for variant in rule.variants:
+        variant.check_not_self_matching()

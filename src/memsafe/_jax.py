@@ -15,6 +15,7 @@ import jax
 import jax.extend.core as _jex_core
 import numpy as np
 from jax import core as _public_core
+from jax._src.array import ArrayImpl as _ArrayImpl
 
 # Jaxpr classes (jax.extend.core is the sanctioned home for these).
 ClosedJaxpr = _jex_core.ClosedJaxpr
@@ -27,6 +28,8 @@ Primitive = _jex_core.Primitive
 ShapedArray = _public_core.ShapedArray
 eval_jaxpr = _public_core.eval_jaxpr
 jaxpr_as_fun = _jex_core.jaxpr_as_fun
+#: The type of concrete JAX arrays (never a tracer): what the dispatch fast path passes as is.
+ConcreteArray = _ArrayImpl
 
 
 #: Primitives that only wrap a sub-jaxpr and can be inlined for a forward (primal) program.

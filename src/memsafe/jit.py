@@ -5,19 +5,22 @@ The driver only orders passes and verifies; the passes do the rewriting (memsafe
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import os
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from memsafe import _jax, log, mesh, passes, stages
+from memsafe import _jax, cache, log, mesh, passes, stages
 from memsafe.arguments import ArgSpec, Call
 from memsafe.batching import BatchedProgram, planning
+from memsafe.dispatch import MISS, FastPath
 from memsafe.errors import ForwardModeError, MemoryLimitError
 from memsafe.gradient import differentiable
 from memsafe.graph import Graph, estimate, inline_calls
@@ -26,7 +29,8 @@ from memsafe.passes import PassContext
 from memsafe.plan import Attempt, PassRecord, Plan
 from memsafe.progress import display as progress_display
 from memsafe.progress import enabled as progress_enabled
-from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit
+from memsafe.rules.registry import registered_rules
+from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit, merged_options
 
 #: How many compile-and-verify rounds the driver tries, shrinking chunk sizes each time.
 MAX_ATTEMPTS = 6
@@ -119,6 +123,46 @@ class _Compiled:
     footprint: Footprint
 
 
+class _Compiling:
+    """``fun`` lowered (here: tracing runs in the caller's thread, with its JAX settings) and
+    compiled with memsafe's options, in a worker thread when ``background``; :meth:`result`
+    waits for it and measures the footprint (logged as ``what``: name, description, limit)."""
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        avals: Sequence[Any],
+        options: Mapping[str, Any] | None,
+        donate: tuple[int, ...],
+        hidden: int,
+        what: tuple[str, str, int],
+        background: bool = False,
+    ) -> None:
+        self._watch = log.Stopwatch()
+        self._jitted = memsafe_jit(fun, options, donate_argnums=donate)
+        lowered = self._jitted.lower(*avals)
+        self._hidden, self._what = hidden, what
+        self._future: Future | None = None
+        if background:
+            job = functools.partial(contextvars.copy_context().run, lowered.compile)
+            self._future = _compile_pool().submit(job)
+        else:
+            self._compiled = lowered.compile()
+
+    def result(self) -> _Compiled:
+        compiled = self._compiled if self._future is None else self._future.result()
+        footprint = Footprint.from_compiled(compiled, self._hidden)
+        name, what, limit = self._what
+        log.compiled(name, what, footprint.total, limit, self._watch.elapsed)
+        return _Compiled(self._jitted, compiled, footprint)
+
+
+@functools.cache
+def _compile_pool() -> ThreadPoolExecutor:
+    """The one worker that compiles an original program while its rewrite is planned."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="memsafe-compile")
+
+
 def _compile(
     fun: Callable[..., Any],
     avals: Sequence[Any],
@@ -129,12 +173,7 @@ def _compile(
 ) -> _Compiled:
     """``fun`` compiled with memsafe's options and its footprint (logged as ``what``: name,
     description, limit)."""
-    watch = log.Stopwatch()
-    jitted = memsafe_jit(fun, options, donate_argnums=donate)
-    compiled = jitted.lower(*avals).compile()
-    footprint = Footprint.from_compiled(compiled, hidden)
-    log.compiled(what[0], what[1], footprint.total, what[2], watch.elapsed)
-    return _Compiled(jitted, compiled, footprint)
+    return _Compiling(fun, avals, options, donate, hidden, what).result()
 
 
 def _check_fixed(before: Footprint, memory_limit: int, name: str) -> int:
@@ -196,57 +235,207 @@ def build_program(
     algebraically rewritten forward), shrinking chunks until a compile fits. ``compiler_options``
     are the user's, merged with memsafe's (see ``xla.merged_options``). With ``on_mesh`` the
     limit is per device, ``avals`` carry the arguments' placement for the original program, and
-    the split axes are sharded over the mesh (memsafe.mesh). Raises :class:`MemoryLimitError`
-    when no rewrite brings the footprint under the limit."""
+    the split axes are sharded over the mesh (memsafe.mesh). A program traced the same under the
+    same settings before, by any memsafe function, is reused (:mod:`memsafe.cache`). Raises
+    :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
     closed, out_tree = _trace(flat_fun, avals, name)
-    plan = Plan(memory_limit=memory_limit)
+    start = None if rewrite_from is None else _trace(rewrite_from, avals, name)[0]
+    settings = (*_settings(memory_limit, donate, compiler_options, start), on_mesh)
+    key = cache.program_key(closed, avals, settings)
+    found = cache.PROGRAMS.get(key)
+    if found is not None:
+        log.reused(name)
+        return _adopted(found, flat_fun, out_tree, compiler_options, donate)
+    program = _search(
+        flat_fun, closed, start, avals, memory_limit, donate, name, compiler_options, on_mesh
+    )
+    program.out_tree = out_tree
+    cache.PROGRAMS.put(key, program, (closed, start, settings))
+    return program
+
+
+def _settings(
+    memory_limit: int,
+    donate: tuple[int, ...],
+    compiler_options: Mapping[str, Any] | None,
+    start: _jax.ClosedJaxpr | None,
+) -> tuple[Any, ...]:
+    """What a plan depends on besides the traced program (for :func:`cache.program_key`)."""
+    options = tuple(sorted((k, repr(v)) for k, v in merged_options(compiler_options).items()))
+    rewrite = None if start is None else cache.program_key(start, (), ())
+    rules = tuple(registered_rules())  # user rules, hashed by identity
+    return (memory_limit, donate, options, rules, jax.default_backend(), rewrite)
+
+
+def _adopted(
+    found: Program,
+    flat_fun: Callable[..., Any],
+    out_tree: Any,
+    compiler_options: Mapping[str, Any] | None,
+    donate: tuple[int, ...],
+) -> Program:
+    """A cached program for this caller: its output tree, and where the original program runs
+    unchanged, this caller's function (what runs inside an outer trace, or through jit for
+    argument types the executable refuses)."""
+    found.out_tree = out_tree
+    if found.plan.fits_unchanged:
+        found.fun = flat_fun
+        found.jitted = memsafe_jit(flat_fun, compiler_options, donate_argnums=donate)
+    return found
+
+
+def _search(
+    flat_fun: Callable[..., Any],
+    closed: _jax.ClosedJaxpr,
+    start: _jax.ClosedJaxpr | None,
+    avals: Sequence[jax.ShapeDtypeStruct],
+    memory_limit: int,
+    donate: tuple[int, ...],
+    name: str,
+    compiler_options: Mapping[str, Any] | None,
+    on_mesh: mesh.MeshPlan | None = None,
+) -> Program:
+    """The original program when it fits, else the rewrite of ``start`` (default ``closed``)
+    with the largest chunks that compile under the limit (per device, sharded, on a mesh).
+
+    Where the original is estimated well over the limit, it compiles in a worker thread while
+    the first attempt is planned and compiled, from the fixed bytes its arguments and outputs
+    are expected to take; the attempt is used only if the original does not fit and its fixed
+    bytes are the ones expected, so the outcome is the one of compiling first and planning
+    after."""
     hidden = hidden_constant_bytes(closed.consts)
+    search = _Search(
+        start or closed, avals, memory_limit, donate, name, compiler_options, hidden, on_mesh
+    )
+    guess = None if on_mesh is not None else _speculative_fixed(closed, donate, memory_limit)
     what = (name, "original program", memory_limit)
-    original = _compile(flat_fun, avals, compiler_options, donate, hidden, what)
-    before = plan.before = original.footprint
-    if before.total <= memory_limit:
+    compiling = _Compiling(
+        flat_fun, avals, compiler_options, donate, hidden, what, background=guess is not None
+    )
+    first = None if guess is None else search.attempt_or_none(guess)
+    original = compiling.result()
+    plan = Plan(memory_limit=memory_limit, before=original.footprint)
+    out_tree = None  # set by build_program
+    if original.footprint.total <= memory_limit:
         plan.fits_unchanged = True
-        plan.after = before
-        plan.attempts.append(Attempt(1.0, before, True, "original program"))
+        plan.after = original.footprint
+        plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
         return Program(
             original.jitted, flat_fun, tuple(avals), out_tree, plan, closed, original.compiled
         )
     if on_mesh is None:
-        fixed = _check_fixed(before, memory_limit, name)
+        fixed = _check_fixed(original.footprint, memory_limit, name)
     else:
-        fixed = on_mesh.check_fixed(before, avals, memory_limit, name)
-    start = closed if rewrite_from is None else _trace(rewrite_from, avals, name)[0]
-    flat = inline_calls(start)
-    pipeline = passes.named_passes()
-    scale, best, blockers, previous = 1.0, None, [], None
-    for attempt in range(MAX_ATTEMPTS):
-        attempt_plan = Plan(memory_limit=memory_limit, before=before)
-        ctx = PassContext(memory_limit, fixed + hidden, attempt_plan, chunk_scale=scale)
-        ctx.mesh = None if on_mesh is None else on_mesh.sharding()
-        program = flat
-        for pass_name, run in pipeline:
-            program = _run_logged(pass_name, run, program, ctx, name)
-        blockers = ctx.blockers
+        fixed = on_mesh.check_fixed(original.footprint, avals, memory_limit, name)
+    return search.run(plan, fixed, first if guess == fixed else None)
+
+
+#: The original program is compiled beside the first attempt when its estimated peak exceeds
+#: the limit by this factor (below, it may well fit, and the attempt would be wasted work).
+SPECULATE_ABOVE = 1.5
+
+
+def _speculative_fixed(
+    closed: _jax.ClosedJaxpr, donate: tuple[int, ...], memory_limit: int
+) -> int | None:
+    """The arguments' and outputs' bytes as XLA counts them on this backend (a tuple of
+    outputs adds a pointer each), when the original is estimated over SPECULATE_ABOVE times the
+    limit and nothing is donated; else None (no speculation)."""
+    if donate or estimate(Graph(closed)).peak_bytes <= SPECULATE_ABOVE * memory_limit:
+        return None
+    arguments = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars)
+    outs = closed.jaxpr.outvars
+    table = 8 * len(outs) if len(outs) > 1 else 0
+    return arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
+
+
+@dataclass
+class _Tried:
+    """One attempt: the rewritten program, its compile, its plan and what blocked splits."""
+
+    program: _jax.ClosedJaxpr
+    emitted: Callable[..., Any]
+    got: _Compiled
+    plan: Plan
+    blockers: list
+    scale: float
+
+
+class _Search:
+    """The passes run at shrinking chunk scales until a compile fits the limit."""
+
+    def __init__(
+        self,
+        start: _jax.ClosedJaxpr,
+        avals: Sequence[jax.ShapeDtypeStruct],
+        memory_limit: int,
+        donate: tuple[int, ...],
+        name: str,
+        compiler_options: Mapping[str, Any] | None,
+        hidden: int,
+        on_mesh: mesh.MeshPlan | None = None,
+    ) -> None:
+        self.flat = inline_calls(start)
+        self.avals, self.limit, self.donate, self.name = avals, memory_limit, donate, name
+        self.options, self.hidden = compiler_options, hidden
+        self.sharding = None if on_mesh is None else on_mesh.sharding()
+        self.placed = avals if self.sharding is None else self.sharding.placed(avals)
+
+    def attempt(
+        self, index: int, scale: float, fixed: int, previous: list | None = None
+    ) -> _Tried | None:
+        """The passes at chunk ``scale`` given ``fixed`` bytes, then the compile; None, with
+        nothing compiled, when the chunks are those of the ``previous`` attempt's splits."""
+        attempt_plan = Plan(memory_limit=self.limit)
+        ctx = PassContext(self.limit, fixed + self.hidden, attempt_plan, chunk_scale=scale)
+        ctx.mesh = self.sharding
+        program = self.flat
+        for pass_name, run in passes.named_passes():
+            program = _run_logged(pass_name, run, program, ctx, self.name)
         if attempt_plan.splits and attempt_plan.splits == previous:
-            scale *= 0.5  # the same chunks as the last compile: shrink further, compile nothing
-            continue
+            return None
         emitted = _emit(program)
-        what = (name, f"attempt {attempt + 1} (chunk scale {scale:.3g})", memory_limit)
+        what = (self.name, f"attempt {index + 1} (chunk scale {scale:.3g})", self.limit)
         hidden_now = hidden_constant_bytes(program.consts)
-        placed = avals if ctx.mesh is None else ctx.mesh.placed(avals)
-        got = _compile(emitted, placed, compiler_options, donate, hidden_now, what)
-        after = got.footprint
-        fits = after.total <= memory_limit
-        plan.attempts.append(Attempt(scale, after, fits))
-        best = after if best is None or after.total < best.total else best
-        if fits:
-            plan.records, plan.after = attempt_plan.records, after
-            return Program(got.jitted, emitted, placed, out_tree, plan, program, got.compiled)
-        if not attempt_plan.splits:
-            break  # nothing size-dependent was done: smaller chunks cannot help
-        previous = attempt_plan.splits
-        scale = _next_scale(scale, attempt, after, memory_limit, fixed)
-    raise _refusal(flat, name, memory_limit, before, best, blockers)
+        got = _compile(emitted, self.placed, self.options, self.donate, hidden_now, what)
+        return _Tried(program, emitted, got, attempt_plan, ctx.blockers, scale)
+
+    def attempt_or_none(self, fixed: int) -> _Tried | None:
+        """The first attempt, or None where it fails (raised again, if the original does not
+        fit, when the attempt is made in turn)."""
+        try:
+            return self.attempt(0, 1.0, fixed)
+        except Exception:  # the original may fit: then the rewrite's failure does not matter
+            return None
+
+    def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
+        """The first attempt that fits (``first``, made already, or planned now), recorded in
+        ``plan``; raises MemoryLimitError when none does."""
+        scale, best, last, previous = 1.0, None, None, None
+        for index in range(MAX_ATTEMPTS):
+            if index == 0 and first is not None:
+                last = first
+            else:
+                last = self.attempt(index, scale, fixed, previous)
+            if last is None:  # the same chunks as the last compile: shrink further
+                scale *= 0.5
+                continue
+            after = last.got.footprint
+            fits = after.total <= self.limit
+            plan.attempts.append(Attempt(scale, after, fits))
+            best = after if best is None or after.total < best.total else best
+            if fits:
+                plan.records, plan.after = last.plan.records, after
+                return Program(
+                    last.got.jitted, last.emitted, tuple(self.placed), None, plan, last.program,
+                    last.got.compiled,
+                )  # fmt: skip
+            if not last.plan.splits:
+                break  # nothing size-dependent was done: smaller chunks cannot help
+            previous = last.plan.splits
+            scale = _next_scale(scale, index, after, self.limit, fixed)
+        blockers = [] if last is None else last.blockers
+        raise _refusal(self.flat, self.name, self.limit, plan.before, best, blockers)
 
 
 class MemsafeFunction:
@@ -286,6 +475,8 @@ class MemsafeFunction:
         self._latest_backward: dict[Any, Program] = {}
         self._batched_programs: dict[Any, BatchedProgram] = {}
         self._warned = [False]  # the outer-jit warning, given once (memsafe.batching)
+        static = self._spec.static_argnums or self._spec.static_argnames
+        self._fast = None if static else FastPath()  # calls of programs already verified
         functools.update_wrapper(self, fun)
 
     # -- argument handling -------------------------------------------------------------------
@@ -331,6 +522,10 @@ class MemsafeFunction:
     # -- public API --------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._fast is not None:
+            outs = self._fast.call(args, kwargs)
+            if outs is not MISS:
+                return outs
         program, flat, rebuild, key = self._program(args, kwargs)
         if any(_jax.is_forward_mode_tracer(x) for x in flat):
             raise ForwardModeError(self._name)
@@ -338,6 +533,8 @@ class MemsafeFunction:
             outs = self._differentiable(program, rebuild, key)(*flat)
         else:
             outs = program.run(flat)
+            if self._fast is not None and program.on_mesh is None:  # a mesh places arguments
+                self._fast.remember(args, kwargs, program)
         return jax.tree_util.tree_unflatten(program.out_tree, list(outs))
 
     def __repr__(self) -> str:

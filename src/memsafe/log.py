@@ -94,6 +94,11 @@ def traced(name: str, n_eqns: int, seconds: float) -> None:
     note(logging.INFO, "%s: traced in %.2f s (%d equations)", name, seconds, n_eqns)
 
 
+def reused(name: str) -> None:
+    """Report that ``name``'s program was found verified already (memsafe.cache)."""
+    note(logging.INFO, "%s: the same program was verified before: reused", name)
+
+
 def compiled(name: str, what: str, total: int, limit: int, seconds: float) -> None:
     """Report one compile-and-verify: ``what`` was compiled, its footprint against the limit."""
     verdict = "fits" if total <= limit else f"over by {format_bytes(total - limit)}"

@@ -72,6 +72,7 @@ SQDIST = Rule(
     dtypes=(jnp.floating,),
     filters=(_deep_enough,),
     description="pairwise squared distance -> |x|^2 + |y|^2 - 2 x y^T (one centred GEMM), clamped",
+    check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
 L2DIST = Rule(
@@ -87,6 +88,7 @@ L2DIST = Rule(
     dtypes=(jnp.floating,),
     filters=(_deep_enough,),
     description="pairwise distance -> sqrt of the clamped GEMM expansion",
+    check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
 PAIRWISE_DOT = Rule(
@@ -97,6 +99,7 @@ PAIRWISE_DOT = Rule(
     dtypes=(jnp.floating, jnp.complexfloating),
     filters=(_deep_enough,),
     description="sum(x[:, None] * y[None], -1) -> x @ y.T",
+    check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
 COSINE = Rule(
@@ -110,6 +113,7 @@ COSINE = Rule(
     dtypes=(jnp.floating,),
     min_bytes_saved=1,
     description="normalized rows then x @ y.T -> scale the GEMM by inverse norms (no copies)",
+    check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
 #: The pairwise distance and similarity rules, in the order match-and-replace tries them.

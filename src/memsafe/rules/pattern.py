@@ -115,6 +115,7 @@ class Variant:
     inputs: list[Node] = field(init=False)
     syms: dict[int, dict[tuple, sym.SizeExpr]] = field(init=False)
     size: int = field(init=False)
+    sizes: dict[str, int] = field(init=False)  # the sizes it was traced at
 
     def __post_init__(self) -> None:
         sizes_a = sym.assign(self.specs, sym.PRIMES_A)
@@ -147,12 +148,16 @@ class Variant:
                 self.syms[a.uid] = found
         self.ir, self.root, self.inputs = ir_a, root_a, inputs_a
         self.size = len(ir_a.nodes)
-        self._check_not_self_matching(sizes_a)
+        self.sizes = sizes_a
+        if self.rule.check_replacement:
+            self.check_not_self_matching()
 
-    def _check_not_self_matching(self, sizes: dict[str, int]) -> None:
-        """A replacement that the pattern matches would be rewritten again and again."""
+    def check_not_self_matching(self) -> None:
+        """Raise ValueError if the pattern matches (part of) the replacement, which would be
+        rewritten again and again."""
         args = [
-            jax.ShapeDtypeStruct(sym.concrete(s, sizes), d) for s, d in zip(self.specs, self.dtypes)
+            jax.ShapeDtypeStruct(sym.concrete(s, self.sizes), d)
+            for s, d in zip(self.specs, self.dtypes)
         ]
         try:
             closed = inline_calls(jax.make_jaxpr(self.replacement)(*args))
@@ -507,6 +512,9 @@ class Rule:
     ``filters`` are predicates on a :class:`Match`. ``batched`` also matches the rule vmapped over
     a leading axis. ``min_bytes_saved``: fire only where XLA's compiled temporaries of the pattern
     exceed the replacement's by at least that many bytes (None: always fire).
+    ``check_replacement``: refuse the rule, when it is first traced, if the pattern matches its
+    own replacement (it would fire forever); memsafe's built-in rules skip this check at run time
+    (it traces every replacement, about a second) because the tests run it on each of them.
     """
 
     def __init__(
@@ -523,6 +531,7 @@ class Rule:
         batched: bool = True,
         min_bytes_saved: int | None = None,
         description: str = "",
+        check_replacement: bool = True,
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("Rule: name must be a non-empty string")
@@ -552,6 +561,7 @@ class Rule:
         self.filters = tuple(filters)
         self.batched = batched
         self.min_bytes_saved = min_bytes_saved
+        self.check_replacement = check_replacement
         self.description = description or (replacement.__doc__ or "").strip().split("\n")[0]
         self._variants: list[Variant] | None = None
 
