@@ -14,7 +14,7 @@ from typing import Any
 
 from memsafe._jax import ClosedJaxpr, Var, bind_eqn_with, source_line
 from memsafe.errors import Blocker
-from memsafe.graph import Graph
+from memsafe.graph import Graph, estimate
 from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
@@ -70,13 +70,13 @@ def _key(graph: Graph, var: Var) -> tuple:
     return (eqn.primitive.name, info.shape, str(info.dtype), source_line(eqn))
 
 
-def candidates(graph: Graph, budget: int) -> list[Var]:
-    """Intermediates over ``budget / SHARE`` bytes, largest first; where none is (many moderate
-    values alive at once, as in a deep network's backward pass: the pass runs only on programs
-    over the limit), those over ``budget / MANY_SHARE``."""
+def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]:
+    """Intermediates over ``budget / SHARE`` bytes, largest first. Where none is, but the
+    program is still estimated over ``limit`` (many moderate values alive at once, as in a deep
+    network's backward pass), those over ``budget / MANY_SHARE``."""
     values = [vi for vi in graph.values() if vi.producer is not None and not vi.is_output]
     out = [vi for vi in values if vi.bytes > budget // SHARE]
-    if not out:
+    if not out and limit is not None and estimate(graph).peak_bytes > limit:
         out = [vi for vi in values if vi.bytes > budget // MANY_SHARE]
     out.sort(key=lambda vi: (-vi.bytes, vi.producer))
     return [vi.var for vi in out]
@@ -202,7 +202,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         graph = Graph(closed)
         budget = ctx.temp_budget
         chosen = None
-        for var in candidates(graph, budget):
+        for var in candidates(graph, budget, ctx.memory_limit):
             if _key(graph, var) in failed:
                 continue
             got = best_split(graph, var, budget, ctx.mesh)
