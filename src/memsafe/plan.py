@@ -52,6 +52,14 @@ class SplitRecord:
     devices: int = 1  # devices sharing the axis (a mesh); ``loops`` chunks run on each
     share: int = 0  # positions of the axis each device runs (``size`` on one device)
     mesh_axes: tuple[str, ...] = ()  # the mesh axes the devices lie along
+    stages: int = 1  # loops over the axis (a staged region runs one per stage)
+    recompute_flops: int = 0  # estimated flops later stages spend re-evaluating earlier ones
+
+    def _staging(self) -> str:
+        """``; 3 stages recomputing ~2.1e+09 flops`` (nothing for a single loop)."""
+        if self.stages < 2:
+            return ""
+        return f"; {self.stages} stages recomputing ~{self.recompute_flops:.2g} flops"
 
     def describe(self) -> str:
         where = f"(size {self.size}) into {self.loops} chunks of {self.chunk}"
@@ -65,7 +73,8 @@ class SplitRecord:
             )
         return (
             f"split {self.value} ({format_bytes(self.bytes)}) along axis {self.axis} "
-            f"{where}; sinks: {', '.join(self.sinks) or '-'}; ops: {', '.join(self.ops)}"
+            f"{where}{self._staging()}; sinks: {', '.join(self.sinks) or '-'}; "
+            f"ops: {', '.join(self.ops)}"
         )
 
 
@@ -125,6 +134,12 @@ class Plan:
         return [r for r in self.records if isinstance(r, SplitRecord)]
 
     @property
+    def recompute_flops(self) -> int:
+        """Estimated flops the staged splits of this plan and its backward plan recompute."""
+        own = sum(s.recompute_flops for s in self.splits)
+        return own + (self.backward.recompute_flops if self.backward is not None else 0)
+
+    @property
     def passes(self) -> list[PassRecord]:
         return [r for r in self.records if isinstance(r, PassRecord)]
 
@@ -136,6 +151,8 @@ class Plan:
             lines.append("  fits unchanged: the original program runs as is")
         for rec in self.records:
             lines.append("  " + rec.describe())
+        if self.recompute_flops:
+            lines.append(f"  recompute cost: ~{self.recompute_flops:.2g} flops in staged passes")
         if self.after is not None and not self.fits_unchanged:
             lines.append(f"  after:  {self.after.describe()}")
         if len(self.attempts) > 1:
