@@ -194,7 +194,8 @@ def _cell(row: dict[str, Any], key: str) -> str:
     if key in row:
         return f"{row[key]:,.0f}"
     if "refused" in row:
-        return f"refused ({row.get('best', '').replace('best footprint reached: ', 'best ')})"
+        best = row.get("best", "").replace("best footprint reached: ", "")
+        return f"refused (best {best.split(' (')[0]})" if best else "refused"
     return "timeout" if "timeout_s" in row else row.get("error", "-")
 
 
@@ -238,7 +239,7 @@ def _speed_table(s: dict[str, Any]) -> list[str]:
         "",
         f"memsafe against the hand-written peer: {s['memsafe_step_s'] / s['hand_step_s']:.2f}x per "
         f"step; first call {s['memsafe_first_s'] / s['jax_first_s']:.1f}x jax.jit's "
-        f"({s['attempts']} compile attempts); estimated recompute "
+        f"({s['attempts']} compile attempt(s)); estimated recompute "
         f"{s['recompute_flops']:.2g} flops; "
         f"loss relative difference {s['loss_rel_diff']:.1e}, largest gradient difference "
         f"{s['grad_max_abs_diff']:.1e}; load average {s['loadavg'][0]:.1f} at the start.",
