@@ -78,3 +78,10 @@ def test_plan_text_names_stages_and_recompute_flops():
     assert "stages" not in single.describe() and "recompute cost" not in str(
         Plan(1, records=[single])
     )
+
+
+def test_values_repeated_per_layer_are_counted():
+    value = " + ".join(["f32[4,64] (dot_general at m.py:3)"] * 3 + ["f32[4,8] (exp at m.py:4)"])
+    rec = SplitRecord(value, 4096, 0, 4, 1, 4, ("dot_general",), ("sum",))
+    text = rec.describe()
+    assert text.startswith("split 3 x f32[4,64] (dot_general at m.py:3) + f32[4,8] (exp at m.py:4)")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,13 @@ def _saves(nbytes: int, flops: int) -> str:
     memory = f"saves {format_bytes(nbytes)}" if nbytes >= 0 else f"costs {format_bytes(-nbytes)}"
     work = f"{flops:.3g} flops" if flops >= 0 else f"{-flops:.3g} more flops"
     return f"{memory}, {work}"
+
+
+def _collapsed(value: str) -> str:
+    """Merged values as ``4 x f32[...] (dot_general at m.py:3) + f32[...] (...)``: a deep
+    program's split repeats the same value once per layer."""
+    counts = Counter(value.split(" + "))
+    return " + ".join(f"{n} x {part}" if n > 1 else part for part, n in counts.items())
 
 
 @dataclass(frozen=True)
@@ -72,7 +80,7 @@ class SplitRecord:
                 f"each device runs {self.loops} chunks of {self.chunk}"
             )
         return (
-            f"split {self.value} ({format_bytes(self.bytes)}) along axis {self.axis} "
+            f"split {_collapsed(self.value)} ({format_bytes(self.bytes)}) along axis {self.axis} "
             f"{where}{self._staging()}; sinks: {', '.join(self.sinks) or '-'}; "
             f"ops: {', '.join(self.ops)}"
         )
