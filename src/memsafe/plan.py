@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +18,13 @@ def _saves(nbytes: int, flops: int) -> str:
     memory = f"saves {format_bytes(nbytes)}" if nbytes >= 0 else f"costs {format_bytes(-nbytes)}"
     work = f"{flops:.3g} flops" if flops >= 0 else f"{-flops:.3g} more flops"
     return f"{memory}, {work}"
+
+
+def _collapsed(value: str) -> str:
+    """Merged values as ``4 x f32[...] (dot_general at m.py:3) + f32[...] (...)``: a deep
+    program's split repeats the same value once per layer."""
+    counts = Counter(value.split(" + "))
+    return " + ".join(f"{n} x {part}" if n > 1 else part for part, n in counts.items())
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,14 @@ class SplitRecord:
     devices: int = 1  # devices sharing the axis (a mesh); ``loops`` chunks run on each
     share: int = 0  # positions of the axis each device runs (``size`` on one device)
     mesh_axes: tuple[str, ...] = ()  # the mesh axes the devices lie along
+    stages: int = 1  # loops over the axis (a staged region runs one per stage)
+    recompute_flops: int = 0  # estimated flops later stages spend re-evaluating earlier ones
+
+    def _staging(self) -> str:
+        """``; 3 stages recomputing ~2.1e+09 flops`` (nothing for a single loop)."""
+        if self.stages < 2:
+            return ""
+        return f"; {self.stages} stages recomputing ~{self.recompute_flops:.2g} flops"
 
     def describe(self) -> str:
         where = f"(size {self.size}) into {self.loops} chunks of {self.chunk}"
@@ -64,8 +80,9 @@ class SplitRecord:
                 f"each device runs {self.loops} chunks of {self.chunk}"
             )
         return (
-            f"split {self.value} ({format_bytes(self.bytes)}) along axis {self.axis} "
-            f"{where}; sinks: {', '.join(self.sinks) or '-'}; ops: {', '.join(self.ops)}"
+            f"split {_collapsed(self.value)} ({format_bytes(self.bytes)}) along axis {self.axis} "
+            f"{where}{self._staging()}; sinks: {', '.join(self.sinks) or '-'}; "
+            f"ops: {', '.join(self.ops)}"
         )
 
 
@@ -125,6 +142,12 @@ class Plan:
         return [r for r in self.records if isinstance(r, SplitRecord)]
 
     @property
+    def recompute_flops(self) -> int:
+        """Estimated flops the staged splits of this plan and its backward plan recompute."""
+        own = sum(s.recompute_flops for s in self.splits)
+        return own + (self.backward.recompute_flops if self.backward is not None else 0)
+
+    @property
     def passes(self) -> list[PassRecord]:
         return [r for r in self.records if isinstance(r, PassRecord)]
 
@@ -136,6 +159,8 @@ class Plan:
             lines.append("  fits unchanged: the original program runs as is")
         for rec in self.records:
             lines.append("  " + rec.describe())
+        if self.recompute_flops:
+            lines.append(f"  recompute cost: ~{self.recompute_flops:.2g} flops in staged passes")
         if self.after is not None and not self.fits_unchanged:
             lines.append(f"  after:  {self.after.describe()}")
         if len(self.attempts) > 1:

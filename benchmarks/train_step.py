@@ -1,0 +1,307 @@
+"""A GPT-style model's training step under a memory limit (issue 12's benchmark), on this CPU.
+
+The model and the hand-tuned peer are in ``train_step_model.py`` (4 pre-LN causal blocks, width
+256, 4 heads, vocabulary 512). Every measurement runs in a fresh process (``--worker``):
+
+(a) ``reach``: under a fixed limit (512 MiB), the longest sequence (batch 1, L doubling from 256)
+    and the largest batch (L=1024, batch doubling from 1) for which memsafe verifies a program and
+    for which plain jax.jit's footprint (``memory_analysis()``) is under the limit; the footprints
+    of both at each size (the plot);
+(b) ``speed``: at batch 4, L=1024, the time per step (median of 3 after a first call) of plain
+    jax.jit without a limit, of memsafe under arguments + outputs + a quarter of jax.jit's
+    temporaries, and of the hand-written peer (``jax.checkpoint`` + ``lax.scan`` over stacked
+    blocks + micro-batches, the fewest micro-batches whose footprint is under the same limit);
+(c) the first call (trace, plan, compiles, one step) of memsafe and of jax.jit.
+
+The machine is shared (2 cores): each result records the load average. ``python -m
+benchmarks.train_step`` writes ``results/train-step.{json,md,png}``; ``--render`` redraws the table
+and plot from the JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).parent / "results"
+LIMIT_MIB = 512
+#: A memsafe plan taking longer than this (seconds, one process) is recorded as a timeout.
+WORKER_TIMEOUT_S = 420
+MiB = 2**20
+
+
+def _setup(batch: int, length: int) -> tuple[Any, Any, Any]:
+    from benchmarks import train_step_model as gpt
+
+    cfg = gpt.Config(batch=batch, length=length)
+    return gpt, gpt.init(cfg), gpt.tokens(cfg)
+
+
+def _footprint(jitted: Any, *args: Any) -> int:
+    from memsafe.xla import Footprint
+
+    return Footprint.from_compiled(jitted.lower(*args).compile()).total
+
+
+def _timed(fun: Callable[..., Any], *args: Any, repeats: int = 3) -> tuple[float, float, Any]:
+    """The first call's seconds, the median of ``repeats`` later calls, the last result."""
+    import jax
+
+    start = time.perf_counter()
+    out = jax.block_until_ready(fun(*args))
+    first = time.perf_counter() - start
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = jax.block_until_ready(fun(*args))
+        times.append(time.perf_counter() - start)
+    return first, statistics.median(times), out
+
+
+def reach_worker(batch: int, length: int) -> dict[str, Any]:
+    """jax.jit's footprints and memsafe's plan of one size under ``LIMIT_MIB``."""
+    import jax
+
+    import memsafe
+    from memsafe.xla import memsafe_jit
+
+    gpt, params, ids = _setup(batch, length)
+    grad = jax.value_and_grad(gpt.loss)
+    out: dict[str, Any] = {
+        "jax_mib": _footprint(jax.jit(grad), params, ids) / MiB,
+        "jax_ynn_off_mib": _footprint(memsafe_jit(grad), params, ids) / MiB,
+    }
+    start = time.perf_counter()
+    try:
+        plan = memsafe.jit(grad, memory_limit=LIMIT_MIB * MiB).plan(params, ids)
+        out.update(memsafe_mib=plan.after.total / MiB, splits=len(plan.splits))
+        out["recompute_flops"] = plan.recompute_flops
+    except memsafe.MemoryLimitError as err:
+        out["refused"] = str(err).splitlines()[0][:300]
+        best = [ln for ln in str(err).splitlines() if "best footprint" in ln]
+        out["best"] = best[0].strip() if best else ""
+    out["plan_s"] = time.perf_counter() - start
+    return out
+
+
+def _hand_tuned(gpt: Any, params: Any, ids: Any, limit: int) -> tuple[Any, tuple, int, int]:
+    """The peer with the fewest micro-batches whose footprint is under ``limit``."""
+    import jax
+
+    stacked = gpt.stacked(params)
+    fp = 0
+    for micro in (1, 2, 4):
+        fun = jax.jit(lambda p, t, m=micro: gpt.hand_tuned_grad(p, t, m))
+        fp = _footprint(fun, stacked, ids)
+        if fp <= limit:
+            break
+    return fun, (stacked, ids), micro, fp
+
+
+def speed_worker(batch: int, length: int) -> dict[str, Any]:
+    """Times per step and first calls of jax.jit, memsafe and the hand-tuned peer."""
+    import jax
+    import numpy as np
+
+    import memsafe
+    from memsafe.xla import Footprint
+
+    gpt, params, ids = _setup(batch, length)
+    grad = jax.value_and_grad(gpt.loss)
+    plain = Footprint.from_compiled(jax.jit(grad).lower(params, ids).compile())
+    limit = plain.arguments + plain.outputs + plain.temps // 4
+    jax.clear_caches()
+    out: dict[str, Any] = {"jax_mib": plain.total / MiB, "limit_mib": limit / MiB}
+    out["jax_first_s"], out["jax_step_s"], want = _timed(jax.jit(grad), params, ids)
+    safe = memsafe.jit(grad, memory_limit=limit)
+    out["memsafe_first_s"], out["memsafe_step_s"], got = _timed(safe, params, ids)
+    plan = safe.plan(params, ids)
+    out.update(memsafe_mib=plan.after.total / MiB, attempts=len(plan.attempts))
+    out["recompute_flops"] = plan.recompute_flops
+    out["loss_rel_diff"] = float(abs(got[0] - want[0]) / abs(want[0]))
+    flat_got, flat_want = jax.tree.leaves(got[1]), jax.tree.leaves(want[1])
+    out["grad_max_abs_diff"] = max(
+        float(np.max(np.abs(a - b))) for a, b in zip(flat_got, flat_want)
+    )
+    fun, args, micro, fp = _hand_tuned(gpt, params, ids, limit)
+    out.update(hand_micro_batches=micro, hand_mib=fp / MiB)
+    out["hand_first_s"], out["hand_step_s"], _ = _timed(fun, *args)
+    return out
+
+
+WORKERS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+    "reach": reach_worker,
+    "speed": speed_worker,
+}
+
+
+def _run(kind: str, batch: int, length: int) -> dict[str, Any]:
+    """One worker in a fresh process; a timeout or crash is recorded, not raised."""
+    env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
+    cmd = [sys.executable, "-m", "benchmarks.train_step", "--worker", kind, str(batch), str(length)]
+    base = {"batch": batch, "length": length, "loadavg": os.getloadavg()}
+    try:
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S, check=False
+        )
+    except subprocess.TimeoutExpired:
+        return {**base, "timeout_s": WORKER_TIMEOUT_S}
+    if done.returncode != 0:
+        return {**base, "error": done.stderr.strip().splitlines()[-1][:300]}
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(kind, batch, length, json.dumps(result), flush=True)
+    return {**base, **result, "loadavg_end": os.getloadavg()}
+
+
+def _sweep(sizes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+    """Reach results for ``sizes`` in order, stopping after the first size memsafe cannot do."""
+    rows = []
+    for batch, length in sizes:
+        rows.append(_run("reach", batch, length))
+        if "memsafe_mib" not in rows[-1]:
+            break
+    return rows
+
+
+def measure() -> dict[str, Any]:
+    import jax
+
+    return {
+        "limit_mib": LIMIT_MIB,
+        "sequence": _sweep([(1, 256 * 2**k) for k in range(6)]),
+        "batch": _sweep([(2**k, 1024) for k in range(6)]),
+        "speed": _run("speed", 4, 1024),
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+    }
+
+
+def _longest(rows: list[dict[str, Any]], key: str, size: str) -> int:
+    """The largest ``size`` (batch or length) of the rows where ``key`` is under the limit."""
+    ok = [r[size] for r in rows if r.get(key) is not None and r[key] <= LIMIT_MIB]
+    return max(ok, default=0)
+
+
+def _cell(row: dict[str, Any], key: str) -> str:
+    if key in row:
+        return f"{row[key]:,.0f}"
+    if "refused" in row:
+        best = row.get("best", "").replace("best footprint reached: ", "")
+        return f"refused (best {best.split(' (')[0]})" if best else "refused"
+    return "timeout" if "timeout_s" in row else row.get("error", "-")
+
+
+def _reach_table(title: str, rows: list[dict[str, Any]], size: str) -> list[str]:
+    lines = [
+        f"### {title}",
+        "",
+        f"| {size} | jax.jit MiB | jax.jit (YNNPACK off) MiB | memsafe MiB | plan s | load |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        cells = [_cell(r, "jax_mib"), _cell(r, "jax_ynn_off_mib"), _cell(r, "memsafe_mib")]
+        plan_s = f"{r['plan_s']:.0f}" if "plan_s" in r else "-"
+        lines.append(f"| {r[size]} | {' | '.join(cells)} | {plan_s} | {r['loadavg'][0]:.1f} |")
+    jit, ms = _longest(rows, "jax_mib", size), _longest(rows, "memsafe_mib", size)
+    lines += ["", f"Largest {size} under {LIMIT_MIB} MiB: jax.jit {jit}, memsafe {ms}.", ""]
+    return lines
+
+
+def _speed_table(s: dict[str, Any]) -> list[str]:
+    if "memsafe_step_s" not in s:
+        return ["### time per step", "", f"not measured: {s}", ""]
+    rows = [
+        ("jax.jit, no limit", s["jax_mib"], s["jax_first_s"], s["jax_step_s"]),
+        (f"memsafe, limit {s['limit_mib']:.0f} MiB", s["memsafe_mib"], s["memsafe_first_s"],
+         s["memsafe_step_s"]),
+        (f"checkpoint + scan + {s['hand_micro_batches']} micro-batches", s["hand_mib"],
+         s["hand_first_s"], s["hand_step_s"]),
+    ]  # fmt: skip
+    lines = [
+        f"### time per step (batch {s['batch']}, L={s['length']})",
+        "",
+        "| program | footprint MiB | first call s | step s | step / jax.jit |",
+        "|---|---|---|---|---|",
+    ]
+    for name, mib, first, step in rows:
+        lines.append(
+            f"| {name} | {mib:,.0f} | {first:.1f} | {step:.2f} | {step / s['jax_step_s']:.2f} |"
+        )
+    lines += [
+        "",
+        f"memsafe against the hand-written peer: {s['memsafe_step_s'] / s['hand_step_s']:.2f}x per "
+        f"step; first call {s['memsafe_first_s'] / s['jax_first_s']:.1f}x jax.jit's "
+        f"({s['attempts']} compile attempt(s)); estimated recompute "
+        f"{s['recompute_flops']:.2g} flops; "
+        f"loss relative difference {s['loss_rel_diff']:.1e}, largest gradient difference "
+        f"{s['grad_max_abs_diff']:.1e}; load average {s['loadavg'][0]:.1f} at the start.",
+        "",
+    ]
+    return lines
+
+
+def render(run: dict[str, Any]) -> str:
+    head = [
+        f"## GPT-style training step under a memory limit (jax {run['jax']}, "
+        f"{run['cpu_count']} CPUs, shared machine: see the load column)",
+        "",
+        "Footprints from `memory_analysis()` (arguments + outputs + temps - aliases); memsafe's is",
+        "the program it verified. Generated by `python -m benchmarks.train_step`.",
+        "",
+    ]
+    return "\n".join(
+        head
+        + _reach_table(
+            f"(a) longest sequence, batch 1, limit {LIMIT_MIB} MiB", run["sequence"], "length"
+        )
+        + _reach_table(f"(a) largest batch, L=1024, limit {LIMIT_MIB} MiB", run["batch"], "batch")
+        + _speed_table(run["speed"])
+    )
+
+
+def plot(run: dict[str, Any], path: Path) -> None:
+    """Footprint against sequence length, jax.jit and memsafe, with the limit."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = run["sequence"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, label in (("jax_mib", "jax.jit"), ("memsafe_mib", "memsafe.jit (512 MiB limit)")):
+        pts = [(r["length"], r[key]) for r in rows if key in r]
+        ax.plot(*zip(*pts), marker="o", label=label)
+    ax.axhline(LIMIT_MIB, color="gray", linestyle="--", label="limit")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length (batch 1)", ylabel="footprint, MiB")
+    ax.set_title("GPT-style training step: memory against sequence length")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", nargs=3, metavar=("KIND", "BATCH", "LENGTH"))
+    parser.add_argument("--render", action="store_true", help="redraw md and png from the JSON")
+    args = parser.parse_args()
+    if args.worker:
+        kind, batch, length = args.worker
+        print(json.dumps(WORKERS[kind](int(batch), int(length))))
+        return
+    path = RESULTS / "train-step.json"
+    run = json.loads(path.read_text()) if args.render else measure()
+    path.write_text(json.dumps(run, indent=1) + "\n")
+    (RESULTS / "train-step.md").write_text(render(run))
+    plot(run, RESULTS / "train-step.png")
+
+
+if __name__ == "__main__":
+    main()
