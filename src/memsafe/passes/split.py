@@ -19,10 +19,10 @@ from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
-from memsafe.split import online
+from memsafe.split import online, recompute
 from memsafe.split.emit import Split, StagedSplit, emit
 from memsafe.split.region import Region, SplitFailure, grow
-from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, speed_cap
+from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, speed_cap, two_chunks
 
 #: A value is split when it exceeds this share of the temporary budget.
 SHARE = 4
@@ -102,7 +102,9 @@ def _option(
         split = mesh.shard(graph, split)
     chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split)
     if chunk.loops * chunk.devices < 2:
-        raise SplitFailure("splitting along this axis saves nothing", inherent=True)
+        chunk = two_chunks(graph, split, chunk)
+        if chunk is None:
+            raise SplitFailure("the axis is too short to split", inherent=True)
     return split, chunk
 
 
@@ -110,7 +112,8 @@ def best_split(
     graph: Graph, var: Var, budget: int, mesh: Any = None
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
-    before the smallest chunks of axes where none does), or why each axis failed."""
+    before the fallbacks: the smallest chunks of axes where none does, two chunks of axes it
+    expects to fit whole), or why each axis failed."""
     options: list[tuple[Split, ChunkPlan]] = []
     failures: list[tuple[int, SplitFailure]] = []
     for axis, n in enumerate(graph.info(var).shape):
@@ -122,7 +125,7 @@ def best_split(
             failures.append((axis, failure))
     if not options:
         return failures
-    options = [o for o in options if not o[1].floored] or options
+    options = [o for o in options if not (o[1].floored or o[1].halved)] or options
     fewest = min(_cost(*o) for o in options)
     close = [o for o in options if _cost(*o) <= SIMILAR_COST * fewest]
     return min(
@@ -252,6 +255,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                 ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
                 sinks=tuple(sinks),
                 where=source_line(eqns[graph.info(var).producer]),
+                **recompute.cost(graph, split),
             )
         )
         closed = new

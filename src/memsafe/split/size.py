@@ -37,6 +37,7 @@ class ChunkPlan:
     share: int  # length of the axis one device loops over (the whole axis on one device)
     devices: int = 1  # devices sharing the axis, each looping over its share (memsafe.mesh)
     floored: bool = False  # the model expects even this smallest chunk over the budget
+    halved: bool = False  # the model expects the whole axis to fit: two chunks, to be verified
 
     @property
     def iterations(self) -> int:
@@ -178,6 +179,17 @@ def smallest_chunk(graph: Graph, split: Split) -> ChunkPlan:
     return ChunkPlan(
         chunk, loops, region.n_stages, per_unit, fixed, share, split.devices, floored=True
     )
+
+
+def two_chunks(graph: Graph, split: Split, plan: ChunkPlan) -> ChunkPlan | None:
+    """``plan`` in two chunks, for a value too large to keep whole whose region the model
+    expects to fit the budget in one (the compile decides, and later attempts shrink further);
+    None where the axis is too short for two chunks its sinks allow."""
+    lowest = _lowest(graph, split.region)
+    if plan.share < 2 * lowest:
+        return None
+    chunk, loops = _evened(plan.share, -(-plan.share // 2), lowest)
+    return dataclasses.replace(plan, chunk=chunk, loops=loops, halved=True)
 
 
 #: Modelled bytes per chunk above which a larger chunk no longer runs faster, for memory-bound
