@@ -153,11 +153,29 @@ def test_a_failing_pass_is_an_error_when_strict(monkeypatch):
 
 def test_pipeline_is_the_pass_modules_in_order():
     from memsafe import passes
-    from memsafe.passes import constants, match_replace, recompute, reorder, schedule, split
+    from memsafe.passes import (
+        constants,
+        fission,
+        match_replace,
+        recompute,
+        reorder,
+        schedule,
+        split,
+    )
 
-    assert (match_replace, reorder, split, schedule, recompute, constants) == passes.PIPELINE
+    assert (
+        match_replace,
+        reorder,
+        fission,
+        split,
+        schedule,
+        recompute,
+        constants,
+    ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
-    assert names == ["match_replace", "reorder", "split", "schedule", "recompute", "constants"]
+    assert names == [
+        "match_replace", "reorder", "fission", "split", "schedule", "recompute", "constants"
+    ]  # fmt: skip
 
 
 def test_a_user_error_while_tracing_keeps_its_type():

@@ -138,3 +138,33 @@ def test_smallest_chunk_is_compiled_when_the_model_expects_none_to_fit():
         plan = f.plan(x, y, v)
         assert plan.splits and plan.after.total <= limit, plan
         np.testing.assert_allclose(f(x, y, v), memsafe_jit(fun)(x, y, v), rtol=1e-12)
+
+
+def test_scan_results_that_follow_no_carry_move_to_their_own_loop():
+    """A scan over layers stacking, beside the rows it carries, a value of each layer's
+    parameters alone (flax ``nn.scan`` saves such values for the backward pass): the fission
+    pass moves it into a carry-free loop, and the carrying loop then runs per chunk of rows."""
+
+    def fun(x, ws, v):
+        def layer(h, w):
+            z = jnp.tanh(h @ w)  # [B, F]: the large value
+            return jnp.tanh(z @ v), (z, jnp.sum(w * w, 0))  # the second follows no carry
+
+        h, (zs, norms) = lax.scan(layer, x, ws)
+        return jnp.max(zs, axis=(0, 2)), norms, h
+
+    rng = np.random.default_rng(2)
+    b, d, f, layers = 512, 16, 512, 4
+    x = jnp.asarray(rng.standard_normal((b, d), dtype=np.float32))
+    ws = jnp.asarray(rng.standard_normal((layers, d, f), dtype=np.float32) * 0.3)
+    v = jnp.asarray(rng.standard_normal((f, d), dtype=np.float32) * 0.05)
+    plain = Footprint.from_compiled(memsafe_jit(fun).lower(x, ws, v).compile())
+    fixed = plain.arguments + plain.outputs
+    limit = fixed + (plain.total - fixed) // 4
+    g = memsafe.jit(fun, memory_limit=limit)
+    plan = g.plan(x, ws, v)
+    assert plan.after.total <= limit, plan
+    assert any(r.pass_name == "fission" for r in plan.passes), plan
+    assert any("scan" in s.ops for s in plan.splits), plan
+    for got, want in zip(g(x, ws, v), memsafe_jit(fun)(x, ws, v)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)

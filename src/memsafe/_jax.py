@@ -167,6 +167,13 @@ def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(new, list(closed.consts))
 
 
+def with_outputs(closed: ClosedJaxpr, keep: Sequence[int]) -> ClosedJaxpr:
+    """``closed`` computing only its results at positions ``keep`` (in that order), the
+    equations no kept result needs dropped; inputs and constants stay as they are."""
+    jaxpr = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[k] for k in keep])
+    return dce(ClosedJaxpr(jaxpr, list(closed.consts)))
+
+
 def _exclude_memsafe_frames() -> None:
     """Make JAX's "user frame" skip memsafe's own files, so equations memsafe traces (the VJP
     program, rewritten regions) are attributed to the user's code, not to memsafe."""

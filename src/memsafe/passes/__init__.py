@@ -1,5 +1,6 @@
-"""The rewriting pipeline, in order: match-and-replace, reorder, split, schedule, recompute,
-constants. Each pass is a module with ``run(closed, ctx) -> closed``; its name is the module's."""
+"""The rewriting pipeline, in order: match-and-replace, reorder, fission, split, schedule,
+recompute, constants. Each pass is a module with ``run(closed, ctx) -> closed``; its name is
+the module's."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from types import ModuleType
 
 from memsafe.passes import (
     constants,
+    fission,
     match_replace,
     recompute,
     reorder,
@@ -16,7 +18,15 @@ from memsafe.passes import (
 from memsafe.passes.base import Pass, PassContext
 
 #: Pass modules in the order the driver runs them.
-PIPELINE: tuple[ModuleType, ...] = (match_replace, reorder, split, schedule, recompute, constants)
+PIPELINE: tuple[ModuleType, ...] = (
+    match_replace,
+    reorder,
+    fission,
+    split,
+    schedule,
+    recompute,
+    constants,
+)
 
 
 def pass_name(module: ModuleType) -> str:
