@@ -100,3 +100,38 @@ def test_two_processes_of_four_devices_give_one_process_answer():
     for r in reports:
         np.testing.assert_array_equal(np.asarray(r["idx"]), knn_reference(x, y))
         assert r["footprint"] <= args.limit
+
+
+#: What a process's resident memory may grow by in a memsafe call beyond the compiled
+#: per-device footprint: the runtime's first run of an executable (its thread pool's and the
+#: allocator's pages, gloo's buffers for the program's collectives). Measured over the footprint:
+#: 8-10 MiB on the first call at 3.54 MiB (a 16 MiB database), 3 MiB at 13.8 MiB (64 MiB).
+RUN_ALLOWANCE = 16 * 2**20
+
+
+@pytest.mark.slow
+def test_eight_processes_of_one_device_grow_by_the_footprint():
+    """Per-device memory measured: 8 gloo processes of one host device each; each memsafe call
+    grows the process's peak resident memory by the compiled footprint plus RUN_ALLOWANCE at
+    most, also when memsafe places host inputs itself (no gather of every process's copy)."""
+    import argparse
+
+    import numpy as np
+
+    sys.path.insert(0, str(HERE.parent))
+    from tests.mesh_checks import knn_data, knn_reference
+    from tools import mesh_processes
+
+    args = argparse.Namespace(
+        processes=8, devices=1, queries=64, points=65536, dim=64, limit=6 * 2**20, timeout=900
+    )
+    reports = mesh_processes.launch(args)
+    x, y = knn_data(args.queries, args.points, args.dim)
+    for r in reports:
+        np.testing.assert_array_equal(np.asarray(r["idx"]), knn_reference(x, y))
+        assert r["footprint"] <= args.limit
+        phases = r["phases"]
+        assert phases["memsafe call"]["compiles"] == phases["memsafe planned"]["compiles"]
+        for name in ("memsafe call", "memsafe call, host inputs"):
+            grown = mesh_processes.growth(phases[name])
+            assert grown <= r["footprint"] + RUN_ALLOWANCE, (name, grown, phases)
