@@ -56,7 +56,9 @@ def test_sgpr_bound_and_gradient_with_data_points_sharded():
 
 @pytest.mark.slow
 def test_knn_one_million_points_at_96_mib_per_device():
-    """The issue's case: a 1M x 64 float32 database (256 MiB) under 96 MiB per device."""
+    """The issue's case: a 1M x 64 float32 database (256 MiB) under 96 MiB per device (56.1
+    MiB per device, 4 chunks of 32768 on each; the call 1.1 s after a 7.5 s first call, 56 s
+    in all with the float64 reference)."""
     run_checks("knn_1m", timeout=1800)
 
 
