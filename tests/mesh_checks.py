@@ -191,12 +191,44 @@ def check_sgpr() -> None:
     print(f"sgpr: bound and gradient equal, backward {back.after.total / MiB:.2f} MiB per device")
 
 
+def check_mesh_2d() -> None:
+    """A 2 x 4 mesh with many queries: the loop runs over the queries on one mesh axis, the
+    database it reads whole is split over the other (XLA partitions the loop), equal to the
+    float64 neighbours, under a limit the same 8 devices as one axis do not reach; with few
+    queries the loop runs over the database on both axes."""
+    mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("q", "d"))
+    x, y = knn_data(8192, 16384, 16, seed=4)
+    limit = 3 * MiB
+    f = memsafe.jit(knn, memory_limit=limit, mesh=mesh)
+    _, idx = f(x, y)
+    np.testing.assert_array_equal(np.asarray(idx), knn_reference(x, y))
+    split = f.plan(x, y).splits[0]
+    assert (split.mesh_axes, split.batch_mesh_axes, split.devices) == (("q",), ("d",), 2), split
+    assert "inputs read whole split over mesh axes (d)" in str(f.plan(x, y))
+    assert idx.sharding.spec[0] == "q", idx.sharding  # each query row stays where it ran
+    got = footprint(f, x, y)
+    assert got <= limit, got
+    try:
+        memsafe.jit(knn, memory_limit=limit, mesh=mesh8())(x, y)  # the 8 devices as one axis
+    except memsafe.MemoryLimitError:
+        pass
+    else:
+        raise AssertionError("one mesh axis of 8 should not fit")
+    few = memsafe.jit(knn, memory_limit=MiB, mesh=mesh)
+    _, idx = few(x[:64], y)
+    np.testing.assert_array_equal(np.asarray(idx), knn_reference(x[:64], y))
+    split = few.plan(x[:64], y).splits[0]
+    assert (split.mesh_axes, split.batch_mesh_axes) == (("q", "d"), ()), split
+    print(f"mesh 2x4: queries over q, database over d: {got / MiB:.2f} MiB per device")
+
+
 CHECKS = {
     "knn": check_knn,
     "uneven": check_knn_uneven,
     "placements": check_placements,
     "attention": check_attention,
     "sgpr": check_sgpr,
+    "mesh_2d": check_mesh_2d,
     "knn_1m": lambda: check_knn(1 << 20, 96 * MiB),
 }
 

@@ -55,6 +55,14 @@ def test_sgpr_bound_and_gradient_with_data_points_sharded():
 
 
 @pytest.mark.slow
+def test_two_axis_mesh_splits_queries_and_database():
+    """A 2 x 4 mesh: the loop over the queries on one mesh axis, the database split over the
+    other, under a limit the 8 devices as one axis do not meet (memsafe.mesh_layout)."""
+    out = run_checks("mesh_2d")
+    assert "queries over q, database over d" in out
+
+
+@pytest.mark.slow
 def test_knn_one_million_points_at_96_mib_per_device():
     """The issue's case: a 1M x 64 float32 database (256 MiB) under 96 MiB per device (56.1
     MiB per device, 4 chunks of 32768 on each; the call 1.1 s after a 7.5 s first call, 56 s

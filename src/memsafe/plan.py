@@ -52,6 +52,7 @@ class SplitRecord:
     devices: int = 1  # devices sharing the axis (a mesh); ``loops`` chunks run on each
     share: int = 0  # positions of the axis each device runs (``size`` on one device)
     mesh_axes: tuple[str, ...] = ()  # the mesh axes the devices lie along
+    batch_mesh_axes: tuple[str, ...] = ()  # other mesh axes, splitting inputs read whole
 
     def describe(self) -> str:
         where = f"(size {self.size}) into {self.loops} chunks of {self.chunk}"
@@ -63,6 +64,10 @@ class SplitRecord:
                 f"{self.devices} devices, {self.share} each{extra}; "
                 f"each device runs {self.loops} chunks of {self.chunk}"
             )
+            if self.batch_mesh_axes:
+                where += (
+                    f"; inputs read whole split over mesh axes ({', '.join(self.batch_mesh_axes)})"
+                )
         return (
             f"split {self.value} ({format_bytes(self.bytes)}) along axis {self.axis} "
             f"{where}; sinks: {', '.join(self.sinks) or '-'}; ops: {', '.join(self.ops)}"
