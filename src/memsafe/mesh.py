@@ -262,10 +262,16 @@ class Sharded:
         return self.region.size // self.devices
 
     def fixed_bytes(self, graph: Graph) -> int:
-        """The inner split's, and every device's partials gathered to combine them."""
+        """The inner split's, and what combining the devices' partials holds: a sink reduced
+        by a collective (``psum``) its result and the reduced copy, any other every device's
+        partials gathered and the fold's result."""
         eqns = graph.eqns
-        outs = sum(graph.info(o).bytes for i in self.region.sinks for o in eqns[i].outvars)
-        return self.inner.fixed_bytes(graph) + 2 * self.devices * outs
+        total = self.inner.fixed_bytes(graph)
+        for i, sink in self.region.sinks.items():
+            outs = sum(graph.info(o).bytes for o in eqns[i].outvars)
+            reduced = getattr(sink.reducer, "collective", None) is not None
+            total += 2 * outs if reduced else 2 * self.devices * outs
+        return total
 
     def groups(
         self, graph: Graph, chunk: int, runner: chunk_loop.Runner = chunk_loop.run
