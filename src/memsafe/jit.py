@@ -359,6 +359,7 @@ class _Tried:
     plan: Plan
     blockers: list
     scale: float
+    placed: tuple  # the argument avals compiled for (placed on a mesh)
 
 
 class _Search:
@@ -378,8 +379,7 @@ class _Search:
         self.flat = inline_calls(start)
         self.avals, self.limit, self.donate, self.name = avals, memory_limit, donate, name
         self.options, self.hidden = compiler_options, hidden
-        self.sharding = None if on_mesh is None else on_mesh.sharding()
-        self.placed = avals if self.sharding is None else self.sharding.placed(avals)
+        self.on_mesh = on_mesh
 
     def attempt(
         self, index: int, scale: float, fixed: int, previous: list | None = None
@@ -388,7 +388,8 @@ class _Search:
         nothing compiled, when the chunks are those of the ``previous`` attempt's splits."""
         attempt_plan = Plan(memory_limit=self.limit)
         ctx = PassContext(self.limit, fixed + self.hidden, attempt_plan, chunk_scale=scale)
-        ctx.mesh = self.sharding
+        sharding = None if self.on_mesh is None else self.on_mesh.sharding()
+        ctx.mesh = sharding  # records where the sharded loops want the inputs placed
         program = self.flat
         for pass_name, run in passes.named_passes():
             program = _run_logged(pass_name, run, program, ctx, self.name)
@@ -397,8 +398,9 @@ class _Search:
         emitted = _emit(program)
         what = (self.name, f"attempt {index + 1} (chunk scale {scale:.3g})", self.limit)
         hidden_now = hidden_constant_bytes(program.consts)
-        got = _compile(emitted, self.placed, self.options, self.donate, hidden_now, what)
-        return _Tried(program, emitted, got, attempt_plan, ctx.blockers, scale)
+        placed = tuple(self.avals if sharding is None else sharding.placed(self.avals))
+        got = _compile(emitted, placed, self.options, self.donate, hidden_now, what)
+        return _Tried(program, emitted, got, attempt_plan, ctx.blockers, scale, placed)
 
     def attempt_or_none(self, fixed: int) -> _Tried | None:
         """The first attempt, or None where it fails (raised again, if the original does not
@@ -427,7 +429,7 @@ class _Search:
             if fits:
                 plan.records, plan.after = last.plan.records, after
                 return Program(
-                    last.got.jitted, last.emitted, tuple(self.placed), None, plan, last.program,
+                    last.got.jitted, last.emitted, last.placed, None, plan, last.program,
                     last.got.compiled,
                 )  # fmt: skip
             if not last.plan.splits:

@@ -13,6 +13,11 @@ positions as one more chunk after the devices' results are combined (replicated;
 reaches a max or a top-k). Program inputs the sharded loops slice are placed sharded along the
 axis; others are replicated.
 
+On a mesh with several axes the loop may run over some of them only (memsafe.mesh_layout): the
+others split an input the loop reads whole (a kNN's queries while its database runs over the
+rest), the shard_map is manual over the loop's axes only and XLA's SPMD partitioner runs each
+device's part of the input read whole.
+
 Every device's footprint is what XLA's ``memory_analysis()`` of the SPMD program reports (per
 device), verified against the limit like a one-device program.
 """
@@ -25,10 +30,12 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from memsafe import mesh_layout
 from memsafe._jax import context_mesh, nbytes_of_aval
 from memsafe.errors import MemoryLimitError
 from memsafe.graph import Graph
@@ -132,19 +139,39 @@ def _placed(aval: Any, sharding: NamedSharding) -> jax.ShapeDtypeStruct:
 
 
 def place(flat: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
-    """The arguments moved to the placement the program was compiled for (``device_put`` does
-    nothing to an array already placed so)."""
+    """The arguments moved to the placement the program was compiled for.
+
+    An array already placed equivalently is passed as it is (``jax.device_put`` would reshard
+    it with a compiled copy across processes when the spec is spelled differently). A NumPy
+    array bound for devices of several processes is taken as this process's copy of the value
+    (as ``jax.device_put`` takes it) and only its local shards are made: ``device_put`` would
+    first check that every process holds the same value by gathering all their copies into
+    each process (``multihost_utils.assert_equal``), a transient of ``processes`` times the
+    array per process (+304 MiB for a 16 MiB database over 8 processes).
+    """
     out = []
     for x, aval in zip(flat, avals):
         s = getattr(aval, "sharding", None)
-        out.append(x if s is None else jax.device_put(x, s))
+        out.append(x if s is None else _put(x, aval, s))
     return out
+
+
+def _put(x: Any, aval: Any, sharding: NamedSharding) -> Any:
+    """``x`` placed with ``sharding`` (see :func:`place`)."""
+    if isinstance(x, jax.Array):
+        if x.sharding.is_equivalent_to(sharding, x.ndim):
+            return x
+        return jax.device_put(x, sharding)
+    if isinstance(x, np.ndarray) and not sharding.is_fully_addressable:
+        host = np.asarray(x, dtype=aval.dtype)
+        return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+    return jax.device_put(x, sharding)
 
 
 @dataclass
 class Sharding:
     """The state of one pipeline run on a mesh (``PassContext.mesh``): shards the splits the
-    pass chooses, and records where the program inputs they slice must be placed."""
+    pass chooses, and records where the program inputs they read must be placed."""
 
     mesh: Mesh
     placements: dict[int, P] = field(default_factory=dict)
@@ -158,16 +185,18 @@ class Sharding:
         return tuple(self.mesh.axis_names)
 
     def shard(self, graph: Graph, split: Split) -> Sharded:
-        """``split`` with its axis sharded over every device; raises SplitFailure."""
+        """``split`` with its axis sharded over the mesh axes memsafe.mesh_layout chooses;
+        raises SplitFailure."""
         region = split.region
-        if region.size < self.devices:
+        layout = mesh_layout.choose(graph, region, self.mesh)
+        if region.size < layout.devices:
             raise SplitFailure(f"the axis ({region.size}) is shorter than the mesh")
         for i, m in region.maps.items():
             if isinstance(m, Mapping) and running_along(graph.eqns[i], m) is not None:
                 raise SplitFailure(
                     "a scan along the axis cannot be sharded over devices", graph.eqns[i]
                 )
-        return Sharded(split, self)
+        return Sharded(split, self, layout)
 
     def placed(self, avals: Sequence[Any]) -> tuple[Any, ...]:
         """``avals`` with the placement the sharded loops want (others replicated)."""
@@ -176,29 +205,35 @@ class Sharding:
             for i, a in enumerate(avals)
         )
 
-    def record(self, graph: Graph, split: Split) -> None:
-        """Program inputs ``split`` slices: placed sharded along the split axis where the
-        devices divide it, else along the longest axis they divide (XLA moves the rows to the
-        devices that run them), else replicated."""
+    def record(self, graph: Graph, split: Split, layout: mesh_layout.Layout) -> None:
+        """Program inputs ``split`` slices: placed sharded along the split axis over the
+        layout's manual mesh axes where their devices divide it, else along the longest axis
+        they divide (XLA moves the rows to the devices that run them), else replicated.
+        Program inputs it reads whole: along their longest axis the batch mesh axes divide."""
         inputs = list(graph.inputs)
         region = split.region
         for v in region.sliced:
             if v not in inputs:
                 continue
             shape = v.aval.shape
-            axis = region.axis_of[v]
-            if shape[axis] % self.devices:
-                fits = [a for a, n in enumerate(shape) if n % self.devices == 0]
-                axis = max(fits, key=lambda a: shape[a], default=None)
-            self.placements.setdefault(inputs.index(v), _spec(axis, len(shape), self.names))
+            axis: int | None = region.axis_of[v]
+            if shape[axis] % layout.devices:
+                axis = mesh_layout.batch_axis(shape, layout.devices)
+            self.placements.setdefault(inputs.index(v), _spec(axis, len(shape), layout.manual))
+        for v in region.whole:
+            axis = mesh_layout.batch_axis(v.aval.shape, layout.batch_devices)
+            if v in inputs and axis is not None:
+                spec = _spec(axis, len(v.aval.shape), layout.batch)
+                self.placements.setdefault(inputs.index(v), spec)
 
 
 @dataclass(frozen=True)
 class Sharded:
-    """A split whose axis is sharded over a mesh, each device looping over its share."""
+    """A split whose axis is sharded over mesh axes, each device looping over its share."""
 
     inner: Split
     sharding: Sharding
+    layout: mesh_layout.Layout
     cost_weight: ClassVar[float] = 1.0
 
     @property
@@ -211,35 +246,47 @@ class Sharded:
 
     @property
     def mesh_axes(self) -> tuple[str, ...]:
-        return self.sharding.names
+        return self.layout.manual
+
+    @property
+    def batch_mesh_axes(self) -> tuple[str, ...]:
+        """Mesh axes splitting the inputs the loop reads whole (XLA partitions the loop)."""
+        return self.layout.batch
 
     @property
     def devices(self) -> int:
-        return self.sharding.devices
+        return self.layout.devices
 
     @property
     def share(self) -> int:
         return self.region.size // self.devices
 
     def fixed_bytes(self, graph: Graph) -> int:
-        """The inner split's, and every device's partials gathered to combine them."""
+        """The inner split's, and what combining the devices' partials holds: a sink reduced
+        by a collective (``psum``) its result and the reduced copy, any other every device's
+        partials gathered and the fold's result."""
         eqns = graph.eqns
-        outs = sum(graph.info(o).bytes for i in self.region.sinks for o in eqns[i].outvars)
-        return self.inner.fixed_bytes(graph) + 2 * self.devices * outs
+        total = self.inner.fixed_bytes(graph)
+        for i, sink in self.region.sinks.items():
+            outs = sum(graph.info(o).bytes for o in eqns[i].outvars)
+            reduced = getattr(sink.reducer, "collective", None) is not None
+            total += 2 * outs if reduced else 2 * self.devices * outs
+        return total
 
     def groups(
         self, graph: Graph, chunk: int, runner: chunk_loop.Runner = chunk_loop.run
     ) -> list[Group]:
         """The inner split's groups, each loop run sharded over the mesh."""
-        self.sharding.record(graph, self.inner)
-        return self.inner.groups(graph, chunk, ShardedRun(self.sharding))
+        self.sharding.record(graph, self.inner, self.layout)
+        return self.inner.groups(graph, chunk, ShardedRun(self.layout))
 
 
 @dataclass(frozen=True)
 class ShardedRun:
-    """A chunk-loop runner (memsafe.split.loop.Runner) over the devices of a mesh."""
+    """A chunk-loop runner (memsafe.split.loop.Runner) over the devices of a mesh: manual over
+    the layout's manual axes, its batch axes left to XLA's partitioner."""
 
-    sharding: Sharding
+    layout: mesh_layout.Layout
 
     def __call__(
         self,
@@ -251,10 +298,10 @@ class ShardedRun:
         written: Written,
         axes: Sequence[int | None] = (),
     ) -> tuple[list[Any], list[Any]]:
-        devices, names = self.sharding.devices, self.sharding.names
+        devices, names = self.layout.devices, self.layout.manual
         share, rest = divmod(size, devices)
         main = [
-            op if ax is None or not rest else lax.slice_in_dim(op, 0, share * devices, axis=ax)
+            self._batched(op) if ax is None else _cut(op, ax, share * devices, rest)
             for op, ax in zip(operands, axes)
         ]
         in_specs = tuple(_spec(ax, jnp.ndim(op), names) for op, ax in zip(operands, axes))
@@ -269,14 +316,29 @@ class ShardedRun:
 
         state, bufs = jax.shard_map(
             per_device,
-            mesh=self.sharding.mesh,
+            mesh=self.layout.mesh,
             in_specs=in_specs,
             out_specs=(P(), out_bufs),
+            axis_names=frozenset(names),
             check_vma=False,
         )(*main)
         if rest:
             state, bufs = _last(body, share * devices, rest, operands, carry, written, state, bufs)
         return carry.results(state), bufs
+
+    def _batched(self, op: Any) -> Any:
+        """An operand the loop reads whole, split over the layout's batch mesh axes along its
+        longest axis they divide (XLA's partitioner runs each device's part)."""
+        axis = mesh_layout.batch_axis(jnp.shape(op), self.layout.batch_devices)
+        if axis is None:
+            return op
+        spec = _spec(axis, jnp.ndim(op), self.layout.batch)
+        return lax.with_sharding_constraint(op, NamedSharding(self.layout.mesh, spec))
+
+
+def _cut(op: Any, axis: int, n: int, rest: int) -> Any:
+    """The first ``n`` positions of ``op`` along ``axis`` (the devices' equal shares)."""
+    return lax.slice_in_dim(op, 0, n, axis=axis) if rest else op
 
 
 def _last(

@@ -62,6 +62,7 @@ class SplitRecord:
     mesh_axes: tuple[str, ...] = ()  # the mesh axes the devices lie along
     stages: int = 1  # loops over the axis (a staged region runs one per stage)
     recompute_flops: int = 0  # estimated flops later stages spend re-evaluating earlier ones
+    batch_mesh_axes: tuple[str, ...] = ()  # other mesh axes, splitting inputs read whole
 
     def _staging(self) -> str:
         """``; 3 stages recomputing ~2.1e+09 flops`` (nothing for a single loop)."""
@@ -79,6 +80,10 @@ class SplitRecord:
                 f"{self.devices} devices, {self.share} each{extra}; "
                 f"each device runs {self.loops} chunks of {self.chunk}"
             )
+            if self.batch_mesh_axes:
+                where += (
+                    f"; inputs read whole split over mesh axes ({', '.join(self.batch_mesh_axes)})"
+                )
         return (
             f"split {_collapsed(self.value)} ({format_bytes(self.bytes)}) along axis {self.axis} "
             f"{where}{self._staging()}; sinks: {', '.join(self.sinks) or '-'}; "
