@@ -4,6 +4,7 @@ chunk of rows."""
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax.numpy as jnp
@@ -45,11 +46,17 @@ def _body_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[dict[int, int], di
     return {}, {k: axis - 1 if k >= p["num_carry"] else axis}
 
 
+@functools.lru_cache(maxsize=64)
+def _inlined(body: Any) -> Any:
+    """A loop body with its nested calls inlined (asked for at every step of region growth)."""
+    return inline_calls(body)
+
+
 def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, dict, dict]:
     """The inlined body, the axis of its values and its equations' mappings. A stacked result
     is reached from the body inputs: the first input axis that lands on it wins."""
     p = eqn.params
-    body = inline_calls(p["jaxpr"])
+    body = _inlined(p["jaxpr"])
     ins, outs = _body_seed(eqn, side, axis)
     carry = p["num_consts"]
     tied = [(carry + j, j) for j in range(p["num_carry"])]
