@@ -168,3 +168,29 @@ def test_scan_results_that_follow_no_carry_move_to_their_own_loop():
     assert any("scan" in s.ops for s in plan.splits), plan
     for got, want in zip(g(x, ws, v), memsafe_jit(fun)(x, ws, v)):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
+
+
+def test_a_mask_broadcast_to_the_rows_inside_a_loop_body_is_made_per_chunk():
+    """A value of full row shape made from no chunked input (a mask broadcast to the batch,
+    as causal attention masks are) is generated at chunk shape, not read whole."""
+
+    def fun(x, w):
+        def step(h, _):
+            s = h @ w
+            mask = jnp.broadcast_to(jnp.arange(s.shape[1]) % 2 == 0, s.shape)
+            return jnp.tanh(jnp.where(mask, s, -s)), None
+
+        return lax.scan(step, x, None, length=3)[0]
+
+    x, w, _, _ = _rnn_inputs()
+    w = w[:, :8]  # [8, 8]: the carry keeps its shape
+    jaxpr = jax.make_jaxpr(fun)(x[0], w)
+    scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    from memsafe.graph import inline_calls
+    from memsafe.split import body
+
+    inner = inline_calls(scan.params["jaxpr"]).jaxpr
+    axes, maps = body.propagate(inner, {1: 0}, [(1, 0)])
+    made = [e for i, e in enumerate(inner.eqns) if i in maps]
+    assert "broadcast_in_dim" in {e.primitive.name for e in made}
+    assert axes[inner.outvars[0]] == 0

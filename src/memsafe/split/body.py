@@ -26,7 +26,7 @@ Axes = dict[Var, int]
 
 
 def propagate(
-    jaxpr: Jaxpr, seeds: dict[int, int], tied: Sequence[tuple[int, int]] = ()
+    jaxpr: Jaxpr, seeds: dict[Any, int], tied: Sequence[tuple[int, int]] = ()
 ) -> tuple[Axes, dict[int, Mapping]]:
     """The axis of every body value that carries it, and each equation's mapping.
 
@@ -51,15 +51,20 @@ def propagate(
     raise NoRule("the loop carry never settles on the split axis")
 
 
-def _forward(jaxpr: Jaxpr, seeds: dict[int, int]) -> tuple[Axes, dict[int, Mapping]]:
-    axes: Axes = {jaxpr.invars[k]: a for k, a in seeds.items()}
+def _forward(jaxpr: Jaxpr, seeds: dict[Any, int]) -> tuple[Axes, dict[int, Mapping]]:
+    """One walk in program order from the seeds: body inputs (by position) and generators
+    (``("made", equation, result)``: a broadcast or iota made at chunk shape)."""
+    axes: Axes = {jaxpr.invars[k]: a for k, a in seeds.items() if isinstance(k, int)}
+    made = {key[1]: (key[2], a) for key, a in seeds.items() if isinstance(key, tuple)}
     maps: dict[int, Mapping] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         found = [(k, axes[v]) for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in axes]
-        if not found:
+        if found:
+            m = registry.axis_map(eqn, ("in", found[0][0]), found[0][1])
+        elif i in made:
+            m = registry.axis_map(eqn, ("out", made[i][0]), made[i][1])
+        else:
             continue
-        k, a = found[0]
-        m = registry.axis_map(eqn, ("in", k), a)
         if isinstance(m, Sink):
             raise NoRule(f"{eqn.primitive.name} inside the loop body reduces the split axis")
         _check_operands(eqn, m, axes, seeds, jaxpr)
@@ -71,7 +76,9 @@ def _forward(jaxpr: Jaxpr, seeds: dict[int, int]) -> tuple[Axes, dict[int, Mappi
     return axes, maps
 
 
-def _check_operands(eqn: JaxprEqn, m: Mapping, axes: Axes, seeds: dict, jaxpr: Jaxpr) -> None:
+def _check_operands(
+    eqn: JaxprEqn, m: Mapping, axes: Axes, seeds: dict[Any, int], jaxpr: Jaxpr
+) -> None:
     """Every operand the mapping chunks must be chunked there, and no chunked operand may be
     read whole; a body input the mapping chunks joins the seeds on the next round."""
     for v, ax in zip(eqn.invars, m.ins):
@@ -87,18 +94,20 @@ def _check_operands(eqn: JaxprEqn, m: Mapping, axes: Axes, seeds: dict, jaxpr: J
         raise NoRule(f"{eqn.primitive.name} inside the loop body reads a value both ways")
 
 
-def _pull(jaxpr: Jaxpr, var: Var, axis: int, seeds: dict[int, int]) -> bool:
+def _pull(jaxpr: Jaxpr, var: Var, axis: int, seeds: dict[Any, int]) -> bool:
     """Seed the body inputs ``var`` is computed from so that it comes out chunked along
-    ``axis`` (the next forward walk checks the whole body again); False if it cannot."""
+    ``axis``, or its generator where no operand carries the axis (a broadcast mask made at
+    chunk shape); the next forward walk checks the whole body again. False if it cannot."""
     if var in jaxpr.invars:
         k = jaxpr.invars.index(var)
         if seeds.get(k, axis) != axis:
             return False
         seeds[k] = axis
         return True
-    producer = next((e for e in jaxpr.eqns if var in e.outvars), None)
-    if producer is None:
+    index = next((i for i, e in enumerate(jaxpr.eqns) if var in e.outvars), None)
+    if index is None:
         return False
+    producer = jaxpr.eqns[index]
     try:
         m = registry.axis_map(producer, ("out", producer.outvars.index(var)), axis)
     except NoRule:
@@ -106,10 +115,13 @@ def _pull(jaxpr: Jaxpr, var: Var, axis: int, seeds: dict[int, int]) -> bool:
     if isinstance(m, Sink):
         return False
     pulled = [(v, a) for v, a in zip(producer.invars, m.ins) if a is not None]
-    return bool(pulled) and all(isinstance(v, Var) and _pull(jaxpr, v, a, seeds) for v, a in pulled)
+    if not pulled:
+        seeds[("made", index, producer.outvars.index(var))] = axis
+        return True
+    return all(isinstance(v, Var) and _pull(jaxpr, v, a, seeds) for v, a in pulled)
 
 
-def _tie(jaxpr: Jaxpr, axes: Axes, seeds: dict[int, int], tied: Sequence[tuple[int, int]]):
+def _tie(jaxpr: Jaxpr, axes: Axes, seeds: dict[Any, int], tied: Sequence[tuple[int, int]]):
     grown = dict(seeds)
     for i, o in tied:
         inner, outer = jaxpr.invars[i], jaxpr.outvars[o]
