@@ -31,3 +31,19 @@ def _fresh_program_cache():
     from memsafe import cache
 
     cache.clear()
+
+
+@pytest.fixture
+def ran(monkeypatch):
+    """The verified executables memsafe ran, in order (memsafe.jit.Program.run recorded)."""
+    from memsafe.jit import Program
+
+    seen: list = []
+    run = Program.run
+
+    def record(self, flat):
+        seen.append(self.compiled)
+        return run(self, flat)
+
+    monkeypatch.setattr(Program, "run", record)
+    return seen

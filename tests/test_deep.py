@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 import memsafe
-from memsafe.jit import Program
 from memsafe.xla import Footprint, memsafe_jit
 from tests import deep_models as models
 from tests.fuzz.accuracy import check
@@ -110,20 +109,6 @@ def test_ntxent_gradient_at_half_of_plain_jax_jit():
 
 
 # -- vmap of memsafe functions --------------------------------------------------------------------
-
-
-@pytest.fixture
-def ran(monkeypatch):
-    """The verified executables memsafe ran, in order."""
-    seen: list = []
-    run = Program.run
-
-    def record(self, flat):
-        seen.append(self.compiled)
-        return run(self, flat)
-
-    monkeypatch.setattr(Program, "run", record)
-    return seen
 
 
 def _kernel_matvec(x, y, v):

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 
 import memsafe
-from memsafe.jit import Program
 from memsafe.xla import Footprint, memsafe_jit
 
 LIMIT = 600_000
@@ -29,20 +28,6 @@ def _data(batch_y: bool = False):
     y = jax.random.normal(ky, (B, 2000, 8) if batch_y else (2000, 8))
     v = jax.random.normal(kv, (2000,))
     return x, y, v
-
-
-@pytest.fixture
-def ran(monkeypatch):
-    """The verified executables memsafe ran, in order."""
-    seen: list = []
-    run = Program.run
-
-    def record(self, flat):
-        seen.append(self.compiled)
-        return run(self, flat)
-
-    monkeypatch.setattr(Program, "run", record)
-    return seen
 
 
 def _close(got, want):
