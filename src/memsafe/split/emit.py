@@ -116,18 +116,11 @@ def _loop_group(
     )
 
 
-@dataclass(frozen=True)
-class StagedSplit:
-    """A region run as one loop per stage, each recomputing what it needs from the leaves."""
+class OneDevice:
+    """What a split on one device says of devices (memsafe.mesh wraps a split to shard it):
+    one device, no mesh axes, and the whole axis as that device's share."""
 
     region: Region
-    #: Weight of the loop's iterations when choosing between axes.
-    cost_weight: ClassVar[float] = 1.0
-    #: Name added to the split's record (None: nothing to add).
-    label: ClassVar[str | None] = None
-
-    #: Devices sharing the axis and the mesh axes they lie along (memsafe.mesh wraps a split
-    #: to shard it).
     devices: ClassVar[int] = 1
     mesh_axes: ClassVar[tuple[str, ...]] = ()
 
@@ -135,6 +128,17 @@ class StagedSplit:
     def share(self) -> int:
         """Length of the axis one device runs in chunks: all of it."""
         return self.region.size
+
+
+@dataclass(frozen=True)
+class StagedSplit(OneDevice):
+    """A region run as one loop per stage, each recomputing what it needs from the leaves."""
+
+    region: Region
+    #: Weight of the loop's iterations when choosing between axes.
+    cost_weight: ClassVar[float] = 1.0
+    #: Name added to the split's record (None: nothing to add).
+    label: ClassVar[str | None] = None
 
     def fixed_bytes(self, graph: Graph) -> int:
         """Bytes the loops carry beyond the sinks' accumulators."""

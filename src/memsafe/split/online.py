@@ -38,6 +38,7 @@ from memsafe.primitives import Scaling, facts
 from memsafe.split import loop as chunk_loop
 from memsafe.split import peephole
 from memsafe.split import sinks as sink_ops
+from memsafe.split.emit import OneDevice
 from memsafe.split.loop import Carry, ChunkEnv, Written
 from memsafe.split.region import Region, region_depends
 from memsafe.split.registry import Mapping, running_along
@@ -513,22 +514,13 @@ class Rescale(Carry):
 
 
 @dataclass(frozen=True)
-class OnlineSplit:
+class OnlineSplit(OneDevice):
     """A staged region whose stages merge into one loop with running rescaling."""
 
     region: Region
     plan: OnlinePlan
     cost_weight: ClassVar[float] = ONLINE_WEIGHT
     label: ClassVar[str | None] = "online_softmax"
-    #: Devices sharing the axis and the mesh axes they lie along (memsafe.mesh wraps a split
-    #: to shard it).
-    devices: ClassVar[int] = 1
-    mesh_axes: ClassVar[tuple[str, ...]] = ()
-
-    @property
-    def share(self) -> int:
-        """Length of the axis one device runs in chunks: all of it."""
-        return self.region.size
 
     def fixed_bytes(self, graph: Graph) -> int:
         """Running shifts: old, new and the rescale factor."""
