@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import run_jax, run_memsafe
+from benchmarks.measure import on_device, run_jax, run_memsafe
 from examples import attention as ex
 
 METHODS = ("jax", "memsafe", "chunked")
@@ -20,8 +20,10 @@ def cases(size: str) -> list[dict]:
         grid = [(2048, "256MiB"), (8192, "256MiB")]
     elif size == "full":
         grid = [(4096, "2GiB"), (32_768, "2GiB")]
+    elif size == "gpu":
+        grid = [(8192, "2GiB"), (32_768, "2GiB")]
     else:
-        raise ValueError(f"unknown size {size!r}; expected 'quick' or 'full'")
+        raise ValueError(f"unknown size {size!r}; expected 'quick', 'full' or 'gpu'")
     out = []
     for length, limit in grid:
         for mode in ("forward", "backward"):
@@ -40,8 +42,16 @@ def cases(size: str) -> list[dict]:
     return out
 
 
+def gemm_flops(params: dict) -> tuple[float, str]:
+    """The products of attention: q k^T and p v forward (4 h L^2 d); with the gradient, four more
+    of the same size (dv, dp, dq, dk: 12 h L^2 d in all, no recomputation counted), float32."""
+    per = 2.0 * params["heads"] * params["L"] ** 2 * params["d"]
+    return (2 if params["mode"] == "forward" else 6) * per, "float32"
+
+
 def run_case(method: str, params: dict) -> dict[str, Any]:
-    q, k, v = ex.make_inputs(params["heads"], params["L"], params["d"])
+    q_np, k_np, v_np = ex.make_inputs(params["heads"], params["L"], params["d"])
+    q, k, v = on_device(q_np, k_np, v_np)
     causal, forward = params["causal"], params["mode"] == "forward"
     if method == "chunked":
         from benchmarks.peers import chunked_attention as ca
@@ -62,7 +72,7 @@ def run_case(method: str, params: dict) -> dict[str, Any]:
             raise ValueError(f"attention: unknown method {method!r}")
     if out is not None:
         rows = np.random.default_rng(1).choice(params["L"], size=64, replace=False)
-        ref = ex.reference(q, k, v, causal, rows)
+        ref = ex.reference(q_np, k_np, v_np, causal, rows)
         if forward:
             got = np.asarray(out)[:, rows]
         else:

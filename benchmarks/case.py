@@ -12,7 +12,7 @@ import sys
 import time
 import traceback
 
-from benchmarks.measure import current_rss, environment, peak_rss
+from benchmarks.measure import current_rss, device_peak, environment, peak_rss
 
 
 def main() -> None:
@@ -32,6 +32,9 @@ def main() -> None:
         result.update(status=status, error=f"{name}: {err}", traceback=traceback.format_exc())
     result["wall_s"] = time.perf_counter() - start
     result.setdefault("peak_rss_bytes", peak_rss())
+    peak = device_peak()
+    if peak is not None:
+        result["device_peak_bytes"] = peak
     result["env"] = environment()
     result.setdefault("rss_end_bytes", current_rss())
     with open(out_path, "w") as fh:

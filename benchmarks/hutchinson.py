@@ -17,7 +17,7 @@ METHODS = ("jax", "memsafe_same", "memsafe_half")
 def cases(size: str) -> list[dict]:
     if size == "quick":
         b, n, dc = 16, 250, 128
-    elif size == "full":
+    elif size in ("full", "gpu"):
         b, n, dc = 64, 1000, 512
     else:
         raise ValueError(f"unknown size {size!r}; expected 'quick' or 'full'")

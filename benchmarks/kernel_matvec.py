@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import run_jax, run_memsafe, run_plain
+from benchmarks.measure import on_device, run_jax, run_memsafe, run_plain
 from examples import kernel_matvec as ex
 
 METHODS = ("jax", "memsafe", "keops", "chunked", "chunked_ynn")
@@ -20,18 +20,32 @@ def cases(size: str) -> list[dict]:
         sweep, limit = (2_000, 5_000, 10_000, 20_000), "64MiB"
     elif size == "full":
         sweep, limit = (5_000, 10_000, 20_000, 50_000, 100_000), "1GiB"
+    elif size == "gpu":  # one GPU: jax.jit fits up to 100k; 1M is memsafe and by hand only
+        return [
+            {"label": f"n=m={n}", "n": n, "m": n, "d": 3, "limit": "1GiB", "methods": methods}
+            for n, methods in (
+                (20_000, ["jax", "memsafe", "chunked"]),
+                (100_000, ["jax", "memsafe", "chunked"]),
+                (1_000_000, ["memsafe", "chunked"]),
+            )
+        ]
     else:
-        raise ValueError(f"unknown size {size!r}; expected 'quick' or 'full'")
+        raise ValueError(f"unknown size {size!r}; expected 'quick', 'full' or 'gpu'")
     return [
         {"label": f"n=m={n}", "n": n, "m": n, "d": 3, "limit": limit, "methods": list(METHODS)}
         for n in sweep
     ]
 
 
+def gemm_flops(params: dict) -> tuple[float, str]:
+    """The products: the cross term of the distances (2nmd) and the matvec (2nm), float32."""
+    return 2.0 * params["n"] * params["m"] * (params["d"] + 1), "float32"
+
+
 def run_case(method: str, params: dict) -> dict[str, Any]:
     x, y, v = ex.make_inputs(params["n"], params["m"], params["d"])
     ls = np.float32(LENGTHSCALE)
-    args = (x, y, v, ls)
+    args = on_device(x, y, v, ls)
     if method == "jax":
         out, info = run_jax(ex.gaussian_kernel_matvec, args, params)
     elif method == "memsafe":
@@ -47,7 +61,7 @@ def run_case(method: str, params: dict) -> dict[str, Any]:
         fun = chunked_jax.jit(
             chunked_jax.gaussian_kernel_matvec, ynn=method == "chunked_ynn", static_argnums=4
         )
-        out, info = run_plain(lambda: fun(x, y, v, ls, batch), params)
+        out, info = run_plain(lambda: fun(*args, batch), params)
         info["batch"] = batch
     else:
         raise ValueError(f"kernel_matvec: unknown method {method!r}")

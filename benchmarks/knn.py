@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import run_jax, run_memsafe, run_plain
+from benchmarks.measure import on_device, run_jax, run_memsafe, run_plain
 from examples import knn as ex
 
 CHUNKED = ("chunked_db", "chunked_db_ynn", "chunked_q", "chunked_q_ynn")
@@ -58,24 +58,42 @@ def cases(size: str) -> list[dict]:
             _case("l1 100k x 100k", "l1", 100_000, 100_000, 3, "1GiB", other),
             _case("cosine 100k x 100k", "cosine", 100_000, 100_000, 3, "1GiB", other),
         ]
-    raise ValueError(f"unknown size {size!r}; expected 'quick' or 'full'")
+    if size == "gpu":
+        # One GPU: the CPU's sizes, with plain jax.jit run where it fits the device, and a
+        # 10x larger query set that fits nowhere but under memsafe and by hand.
+        gpu_l2 = ("jax", "jax_broadcast", "memsafe", "memsafe_broadcast", "chunked_db", "chunked_q")
+        gpu_other = ("jax", "memsafe", "chunked_db")
+        return [
+            _case("l2 10k x 1M", "l2", 10_000, 1_000_000, 64, "1GiB", gpu_l2),
+            _case("l2 100k x 1M", "l2", 100_000, 1_000_000, 64, "4GiB", ("memsafe", "chunked_db")),
+            _case("l1 100k x 100k", "l1", 100_000, 100_000, 3, "1GiB", gpu_other),
+            _case("cosine 100k x 100k", "cosine", 100_000, 100_000, 3, "1GiB", gpu_other),
+        ]
+    raise ValueError(f"unknown size {size!r}; expected 'quick', 'full' or 'gpu'")
+
+
+def gemm_flops(params: dict) -> tuple[float, str]:
+    """The product every method must do: n x m dot products of length d (L1's too, counted as if
+    it were a product), float32."""
+    return 2.0 * params["n"] * params["m"] * params["d"], "float32"
 
 
 def run_case(method: str, params: dict) -> dict[str, Any]:
     metric, k = params["metric"], params["k"]
     x, y = ex.make_inputs(params["n"], params["m"], params["d"])
+    args = on_device(x, y)
     expanded = functools.partial(ex.FUNCTIONS["l2_expanded" if metric == "l2" else metric], k=k)
     naive = functools.partial(ex.FUNCTIONS[metric], k=k)
     if method == "jax":
-        out, info = run_jax(expanded, (x, y), params)
+        out, info = run_jax(expanded, args, params)
     elif method == "jax_broadcast":
-        out, info = run_jax(naive, (x, y), params)
+        out, info = run_jax(naive, args, params)
     elif method == "jax_broadcast_ynn_off":
-        out, info = run_jax(naive, (x, y), params, ynn=False)
+        out, info = run_jax(naive, args, params, ynn=False)
     elif method == "memsafe":
-        out, info = run_memsafe(expanded, (x, y), params)
+        out, info = run_memsafe(expanded, args, params)
     elif method == "memsafe_broadcast":
-        out, info = run_memsafe(naive, (x, y), params)
+        out, info = run_memsafe(naive, args, params)
     elif method == "faiss":
         from benchmarks.peers import faiss_knn
 
@@ -90,7 +108,7 @@ def run_case(method: str, params: dict) -> dict[str, Any]:
         kind = "database" if method.startswith("chunked_db") else "queries"
         chunk = params.get("db_chunk", 4096) if kind == "database" else params.get("q_batch", 64)
         fun = chunked_jax.make_knn(kind, metric, k, ynn=method.endswith("_ynn"), chunk=chunk)
-        out, info = run_plain(lambda: fun(x, y), params)
+        out, info = run_plain(lambda: fun(*args), params)
         info["chunk"] = chunk
     else:
         raise ValueError(f"knn: unknown method {method!r}")

@@ -31,6 +31,23 @@ def current_rss() -> int:
         return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def device_peak() -> int | None:
+    """Peak bytes in use on the default device so far (a GPU's allocator reports it; the CPU's
+    does not: None there, where peak RSS is the measure)."""
+    if jax.default_backend() == "cpu":
+        return None
+    stats = jax.devices()[0].memory_stats() or {}
+    return stats.get("peak_bytes_in_use")
+
+
+def on_device(*arrays: Any) -> tuple[Any, ...]:
+    """The inputs placed on the default device once, off the CPU: timed calls then do not copy
+    them from the host each time (on the CPU, NumPy inputs are passed as the user passes them)."""
+    if jax.default_backend() == "cpu":
+        return arrays
+    return tuple(jax.device_put(a) for a in arrays)
+
+
 def block(x: Any) -> Any:
     """Wait for JAX arrays in ``x`` (NumPy results pass through)."""
     return jax.block_until_ready(x)

@@ -216,24 +216,40 @@ def table(record: dict) -> str:
         f"### {record['workload']} ({record['size']}, {record.get('env', {}).get('backend', '?')}"
         f", started {record['started']}, load {_load(record)})",
         "",
-        "| case | method | status | min s | median s | footprint | footprint, YNN off | limit "
-        "| RSS growth | accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        *_gemm_line(record),
+        "| case | method | status | min s | median s | x GEMM bound | footprint "
+        "| footprint, YNN off | limit | RSS growth | device peak | accuracy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in record["cases"]:
         for method, res in case["results"].items():
             lines.append(
                 f"| {case['case']['label']} | {method} | {res.get('status', '?')} "
                 f"| {_secs(res.get('min_s'))} | {_secs(res.get('median_s'))} "
+                f"| {_multiple(res.get('x_gemm_bound'))} "
                 f"| {_bytes(res.get('footprint', {}).get('total'))} "
                 f"| {_bytes(res.get('footprint_ynn_off', {}).get('total'))} "
                 f"| {_bytes(res.get('limit'))} "
-                f"| {_bytes(res.get('rss_growth_bytes'))} | {_accuracy(res)} |"
+                f"| {_bytes(res.get('rss_growth_bytes'))} "
+                f"| {_bytes(res.get('device_peak_bytes'))} | {_accuracy(res)} |"
             )
     if record.get("targets"):
         lines += ["", "Targets:", ""]
         lines += [f"- {t['text']}" for t in record["targets"]]
     return "\n".join(lines)
+
+
+def _multiple(x: float | None) -> str:
+    return "-" if x is None else f"{x:.1f}x"
+
+
+def _gemm_line(record: dict) -> list[str]:
+    """The GEMM rates measured in the run (``benchmarks.gemm``), before its table."""
+    rates = record.get("gemm")
+    if not rates:
+        return []
+    text = ", ".join(f"{k} {v / 1e9:,.0f} GFLOP/s" for k, v in rates.items())
+    return [f"GEMM rate measured in this run (jax.jit of a square product): {text}.", ""]
 
 
 def _load(record: dict) -> str:
@@ -327,6 +343,8 @@ def write_all() -> None:
     ]
     for path in sorted(RESULTS.rglob("*.json")):
         record = json.loads(path.read_text())
+        if "workload" not in record:  # written by another script (train_step, compile_cost)
+            continue
         rel = path.parent.relative_to(RESULTS)
         sections += ["", f"## {rel / path.stem if str(rel) != '.' else path.stem}", ""]
         sections.append(table(record))

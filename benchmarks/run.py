@@ -1,11 +1,13 @@
 """The benchmark runner: every workload under jax.jit, memsafe.jit and its peers, in one run.
 
-``python -m benchmarks.run --size quick|full [--only knn,sgpr] [--repeats 3]``
+``python -m benchmarks.run --size quick|full|gpu [--only knn,sgpr] [--repeats 3]``
 
-Each (case, method) runs in a fresh subprocess (``benchmarks.case``) so that its peak RSS is its
-own. Results go to ``benchmarks/results/<workload>.json`` (full size on the CPU),
-``results/quick/`` (quick size) or ``results/<backend>/`` (a GPU run, beside the CPU's), and the
-tables and plots of every results file are rebuilt (``benchmarks.report``).
+Each (case, method) runs in a fresh subprocess (``benchmarks.case``) so that its peak RSS (and on a
+GPU its peak device memory) is its own. Each run first measures the machine's GEMM rate
+(``benchmarks.gemm``) and reports every time also as a multiple of its GEMM bound. Results go to
+``benchmarks/results/<workload>.json`` (full size on the CPU), ``results/quick/`` (quick size) or
+``results/<backend>/`` (a GPU run, beside the CPU's), and the tables and plots of every results
+file are rebuilt (``benchmarks.report``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import report
+# A GPU process must not take most of the device's memory up front: each case's peak device memory
+# is measured, and the runner's own process shares the device with the case it starts.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from benchmarks import gemm, report
 
 WORKLOADS = ("knn", "kernel_matvec", "sgpr", "attention", "hutchinson")
 ROOT = Path(__file__).resolve().parent.parent
@@ -66,7 +72,22 @@ def run_method(workload: str, method: str, params: dict, timeout: float) -> dict
         }
 
 
-def run_workload(name: str, args: argparse.Namespace) -> dict:
+def with_gemm_bound(module, params: dict, results: dict[str, dict], rates: dict) -> None:
+    """Each result's time also as a multiple of its GEMM bound: the flops of the products the
+    program must do (the workload's ``gemm_flops``) at the rate measured in this run."""
+    if not hasattr(module, "gemm_flops"):
+        return
+    flops, dtype = module.gemm_flops(params)
+    bound = gemm.bound_seconds(flops, dtype, rates)
+    if bound is None:
+        return
+    for res in results.values():
+        res["gemm_bound_s"] = bound
+        if "min_s" in res:
+            res["x_gemm_bound"] = res["min_s"] / bound
+
+
+def run_workload(name: str, args: argparse.Namespace, rates: dict[str, float]) -> dict:
     module = importlib.import_module(f"benchmarks.{name}")
     started = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     record: dict = {
@@ -74,6 +95,7 @@ def run_workload(name: str, args: argparse.Namespace) -> dict:
         "size": args.size,
         "started": started,
         "loadavg_start": os.getloadavg(),
+        "gemm": rates,
         "cases": [],
     }
     for case in module.cases(args.size):
@@ -90,6 +112,7 @@ def run_workload(name: str, args: argparse.Namespace) -> dict:
             print(f"    {report.one_line(res)}", flush=True)
         if hasattr(module, "postprocess"):
             module.postprocess(case, results)
+        with_gemm_bound(module, params, results, rates)
         record["cases"].append({"case": {**params, "methods": methods}, "results": results})
     record["loadavg_end"] = os.getloadavg()
     record["env"] = next(
@@ -104,7 +127,7 @@ def run_workload(name: str, args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--size", choices=("quick", "full"), default="quick")
+    parser.add_argument("--size", choices=("quick", "full", "gpu"), default="quick")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {WORKLOADS}")
     parser.add_argument("--methods", default="", help="comma-separated subset of methods")
     parser.add_argument("--cases", default="", help="comma-separated subset of case labels")
@@ -123,9 +146,9 @@ def main(argv: list[str] | None = None) -> None:
     args.methods = [m for m in args.methods.split(",") if m]
     args.cases = [c.strip() for c in args.cases.split(",") if c.strip()]
     if args.budget is None:
-        args.budget = 30.0 if args.size == "quick" else 150.0
+        args.budget = {"quick": 30.0, "full": 150.0, "gpu": 10.0}[args.size]
     if args.timeout is None:
-        args.timeout = 900.0 if args.size == "quick" else 3600.0
+        args.timeout = {"quick": 900.0, "full": 3600.0, "gpu": 300.0}[args.size]
     names = [n for n in args.only.split(",") if n] or list(WORKLOADS)
     unknown = sorted(set(names) - set(WORKLOADS))
     if unknown:
@@ -135,8 +158,10 @@ def main(argv: list[str] | None = None) -> None:
     backend = jax.default_backend()
     out_dir = results_dir(args.size, backend)
     out_dir.mkdir(parents=True, exist_ok=True)
+    rates = gemm.measure(lambda w, m, p: run_method(w, m, p, args.timeout))
+    print("GEMM rates: " + ", ".join(f"{k} {v / 1e9:.0f} GFLOP/s" for k, v in rates.items()))
     for name in names:
-        record = run_workload(name, args)
+        record = run_workload(name, args, rates)
         path = out_dir / f"{name}.json"
         if (args.methods or args.cases) and path.exists():  # a partial rerun updates what it ran
             record = report.merge(json.loads(path.read_text()), record)

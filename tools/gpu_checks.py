@@ -1,0 +1,245 @@
+"""memsafe on one GPU: the checks of tests/mesh_checks.py with a mesh of the one device, each in its
+own process so that the device's measured peak memory is the check's own.
+
+    python -m tools.gpu_checks --out benchmarks/results/gpu/checks.json   # every check
+    python -m tools.gpu_checks knn attention                              # some, printed
+
+Each check compares memsafe's answer with plain jax.jit's on the same GPU (or a float64 reference
+where jax.jit does not fit), asserts the compiled per-device footprint is under the limit, and
+records the allocator's peak bytes in use (``memory_stats()['peak_bytes_in_use']``), the
+measured counterpart of the footprint. The CPU tests run the same programs on 8 host devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+MiB = 2**20
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _setup() -> None:
+    """JAX on the GPU, allocating as it goes (the peak is then what the program used)."""
+    os.environ.setdefault("JAX_PLATFORMS", "cuda")
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    sys.path.insert(0, ROOT)
+
+
+def _peak() -> int | None:
+    import jax
+
+    stats = jax.devices()[0].memory_stats() or {}  # None on the CPU
+    return stats.get("peak_bytes_in_use")
+
+
+def _mesh():
+    import jax
+    import numpy as np
+    from jax.sharding import Mesh
+
+    return Mesh(np.array(jax.devices()[:1]), ("d",))
+
+
+def _refusal(fun: Callable, limit: int, *args) -> str:
+    """The first line of the MemoryLimitError memsafe raises for ``fun`` on the one-device mesh."""
+    import memsafe
+
+    try:
+        memsafe.jit(fun, memory_limit=limit, mesh=_mesh())(*args)
+    except memsafe.MemoryLimitError as err:
+        return str(err).splitlines()[0]
+    raise AssertionError(f"expected a MemoryLimitError at {limit} bytes")
+
+
+def _jit_footprint(fun: Callable, *args) -> int:
+    """Plain jax.jit's compiled footprint of ``fun`` (memory_analysis)."""
+    import jax
+
+    from memsafe.xla import Footprint
+
+    return Footprint.from_compiled(jax.jit(fun).lower(*args).compile()).total
+
+
+def _relative(a, b) -> float:
+    """max |a - b| / max |b|."""
+    import numpy as np
+
+    a, b = np.asarray(a), np.asarray(b)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def _timed(fun: Callable, *args) -> tuple[Any, float, float]:
+    """The result, the first call's seconds (planning and compiling included) and a second's."""
+    import jax
+
+    start = time.perf_counter()
+    out = jax.block_until_ready(fun(*args))
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    jax.block_until_ready(fun(*args))
+    return out, first, time.perf_counter() - start
+
+
+def check_knn() -> dict:
+    """kNN, 1M x 64 database (256 MiB): refused at 96 MiB on the one device (its database alone
+    exceeds it), run at 512 MiB: the neighbours equal a float64 reference's."""
+    import numpy as np
+
+    import memsafe
+    from tests import mesh_checks as mc
+
+    x, y = mc.knn_data(256, 1 << 20)
+    refusal = _refusal(mc.knn, 96 * MiB, x, y)
+    limit = 512 * MiB
+    f = memsafe.jit(mc.knn, memory_limit=limit, mesh=_mesh())
+    (_, idx), first, again = _timed(f, x, y)
+    np.testing.assert_array_equal(np.asarray(idx), mc.knn_reference(x, y))
+    footprint = f.plan(x, y).after.total
+    assert footprint <= limit, footprint
+    return {"limit": limit, "footprint": footprint, "refusal_at_96MiB": refusal,
+            "first_s": first, "call_s": again, "plan": str(f.plan(x, y))}  # fmt: skip
+
+
+def check_attention() -> dict:
+    """Attention with the keys split (online softmax), forward and gradient, against jax.jit."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import memsafe
+    from tests import mesh_checks as mc
+
+    rng = np.random.default_rng(3)
+    h, length, d = 8, 8192, 64
+    q, k, v = (rng.standard_normal((h, length, d)).astype(np.float32) for _ in range(3))
+    limit = 256 * MiB
+    f = memsafe.jit(mc.attention, memory_limit=limit, mesh=_mesh())
+    got, first, again = _timed(f, q, k, v)
+    want = jax.jit(mc.attention)(q, k, v)
+    np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4)
+
+    def loss(fun):
+        return lambda q, k, v: jnp.sum(fun(q, k, v) ** 2)
+
+    grads = jax.grad(loss(f), argnums=(0, 1, 2))(q, k, v)
+    ref = jax.jit(jax.grad(loss(mc.attention), argnums=(0, 1, 2)))(q, k, v)
+    errors = [_relative(a, b) for a, b in zip(grads, ref)]
+    assert max(errors) < 1e-2, errors
+    footprint, backward = f.plan(q, k, v).after.total, f.backward_plan(q, k, v).after.total
+    assert max(footprint, backward) <= limit, (footprint, backward)
+    return {"limit": limit, "footprint": footprint, "backward_footprint": backward,
+            "first_s": first, "call_s": again, "grad_relative_errors": errors,
+            "jax_jit_footprint": _jit_footprint(mc.attention, q, k, v)}  # fmt: skip
+
+
+def check_sgpr() -> dict:
+    """The SGPR bound and its gradient (float64) with the data points split, against jax.jit."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import memsafe
+    from examples import sgpr
+
+    with jax.enable_x64(True):
+        x, y, z = sgpr.make_data(200_000, 500, 3, 0)
+        params = {"variance": jnp.asarray(1.3), "lengthscales": jnp.full(3, 0.7),
+                  "noise": jnp.asarray(0.2), "Z": jnp.asarray(z)}  # fmt: skip
+        limit = 256 * MiB
+        f = memsafe.jit(sgpr.sgpr_elbo, memory_limit=limit, mesh=_mesh())
+        got, first, again = _timed(f, params, x, y)
+        want = jax.jit(sgpr.sgpr_elbo)(params, x, y)
+        np.testing.assert_allclose(got, want, rtol=1e-9)
+        grads = jax.grad(f)(params, x, y)
+        ref = jax.jit(jax.grad(sgpr.sgpr_elbo))(params, x, y)
+        errors = {key: _relative(grads[key], ref[key]) for key in params}
+        assert max(errors.values()) < 1e-6, errors  # Kuu's conditioning amplifies rounding
+        plan = f.plan(params, x, y)
+        assert plan.after.total <= limit and plan.backward.after.total <= limit, plan
+    return {"limit": limit, "footprint": plan.after.total, "first_s": first, "call_s": again,
+            "backward_footprint": plan.backward.after.total, "grad_relative_errors": errors,
+            "jax_jit_footprint": plan.before.total}  # fmt: skip
+
+
+def check_train_step() -> dict:
+    """A data-parallel MLP step (the batch split into micro-batches), against jax.jit."""
+    import jax
+    import numpy as np
+
+    import memsafe
+    from tests import mesh_checks as mc
+
+    rng = np.random.default_rng(5)
+    b, d, h, o = 65536, 64, 512, 8
+    shapes = {"w1": (d, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, o)}
+    params = {k: (rng.standard_normal(s) / np.sqrt(s[0] * 4)).astype(np.float32)
+              for k, s in shapes.items()}  # fmt: skip
+    x = rng.standard_normal((b, d)).astype(np.float32)
+    y = rng.standard_normal((b, o)).astype(np.float32)
+    limit = 32 * MiB
+    step = memsafe.jit(mc.sgd_step, memory_limit=limit, mesh=_mesh())
+    got, first, again = _timed(step, params, x, y)
+    want = jax.jit(mc.sgd_step)(params, x, y)
+    for key in params:
+        np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)
+    plan = step.plan(params, x, y)
+    assert plan.after.total <= limit < plan.before.total, plan
+    return {"limit": limit, "footprint": plan.after.total, "jax_jit_footprint": plan.before.total,
+            "first_s": first, "call_s": again, "micro_batches": plan.splits[0].loops}  # fmt: skip
+
+
+CHECKS: dict[str, Callable[[], dict]] = {
+    "knn": check_knn,
+    "attention": check_attention,
+    "sgpr": check_sgpr,
+    "train_step": check_train_step,
+}
+
+
+def run_one(name: str) -> dict:
+    """One check in this process: its numbers, the device and the measured peak."""
+    _setup()
+    import jax
+
+    result = {"check": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    start = time.perf_counter()
+    result.update(CHECKS[name]())
+    result.update(status="ok", wall_s=time.perf_counter() - start, device_peak_bytes=_peak())
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("checks", nargs="*", default=list(CHECKS), help=f"of {list(CHECKS)}")
+    parser.add_argument("--out", help="a JSON file for every check's result")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one check
+    args = parser.parse_args(argv)
+    if args.one:
+        print(json.dumps(run_one(args.one)))
+        return 0
+    results, failed = [], 0
+    for name in args.checks:
+        cmd = [sys.executable, "-m", "tools.gpu_checks", "--one", name]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
+        if proc.returncode == 0:
+            res = json.loads(proc.stdout.strip().splitlines()[-1])
+        else:
+            failed += 1
+            res = {"check": name, "status": "failed", "stderr": proc.stderr[-3000:]}
+        results.append(res)
+        print(json.dumps({k: v for k, v in res.items() if k != "plan"}), flush=True)
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(results, fh, indent=1)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
