@@ -44,7 +44,8 @@ def run_method(workload: str, method: str, params: dict, timeout: float) -> dict
     """One (case, method) in a subprocess; a crash or a timeout is recorded, not raised."""
     with tempfile.TemporaryDirectory(prefix="memsafe-bench-") as tmp:
         out = Path(tmp) / "result.json"
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+        env = {**os.environ, "PYTHONPATH": path}
         cmd = [
             sys.executable,
             "-m",

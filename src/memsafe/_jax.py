@@ -153,6 +153,35 @@ def bind_eqn_with(eqn: JaxprEqn, invals: Sequence[Any], **params: Any) -> list[A
     return bind_eqn(eqn.replace(params={**eqn.params, **params}), invals)
 
 
+def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
+    """(constants, carries) among a ``scan`` equation's operands; the scanned inputs follow.
+
+    jax 0.10 keeps the counts as ``num_consts`` and ``num_carry``; jax 0.11 as the structure
+    ``ft_in`` (a FlatTree of the constants, the carries and the scanned inputs).
+    """
+    if "num_consts" in params:
+        return params["num_consts"], params["num_carry"]
+    consts, carry, _ = params["ft_in"].unpack()
+    return len(consts), len(carry)
+
+
+def scan_layout(params: dict[str, Any], consts: int, carry: int, operands: int, results: int):
+    """The params of ``params``'s scan re-bound with ``consts`` constants, ``carry`` carries,
+    ``operands`` operands in all and ``results`` results (carries first), in this JAX's form."""
+    if "num_consts" in params:
+        out: dict[str, Any] = {"num_consts": consts, "num_carry": carry}
+        if "linear" in params:
+            out["linear"] = (False,) * operands
+        return out
+    from jax._src import flattree as ft
+
+    xs, ys = operands - consts - carry, results - carry
+    return {
+        "ft_in": ft.pack((ft.nones(consts), ft.nones(carry), ft.nones(xs))),
+        "ft_out": ft.pack((ft.nones(carry), ft.nones(ys))),
+    }
+
+
 def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
     """Drop equations whose results are unused (rewrites leave the replaced region dead).
 

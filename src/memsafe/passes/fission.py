@@ -13,7 +13,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from memsafe._jax import ClosedJaxpr, JaxprEqn, Var, bind_eqn_with, with_outputs
+from memsafe._jax import (
+    ClosedJaxpr,
+    JaxprEqn,
+    Var,
+    bind_eqn_with,
+    scan_counts,
+    scan_layout,
+    with_outputs,
+)
 from memsafe.graph.interpret import retrace
 from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
@@ -21,19 +29,17 @@ from memsafe.plan import PassRecord
 
 def carry_free_results(eqn: JaxprEqn) -> list[int]:
     """Positions (among the scan's results) of stacked results that depend on no carry."""
-    p = eqn.params
-    body = p["jaxpr"].jaxpr
-    if p["num_carry"] == 0 or body.effects:
+    body = eqn.params["jaxpr"].jaxpr
+    consts, carry = scan_counts(eqn.params)
+    if carry == 0 or body.effects:
         return []
-    carried = set(body.invars[p["num_consts"] : p["num_consts"] + p["num_carry"]])
+    carried = set(body.invars[consts : consts + carry])
     for e in body.eqns:
         if any(isinstance(v, Var) and v in carried for v in e.invars):
             carried.update(e.outvars)
     outs = body.outvars
     return [
-        k
-        for k in range(p["num_carry"], len(outs))
-        if not (isinstance(outs[k], Var) and outs[k] in carried)
+        k for k in range(carry, len(outs)) if not (isinstance(outs[k], Var) and outs[k] in carried)
     ]
 
 
@@ -43,16 +49,11 @@ def _split_scan(eqn: JaxprEqn, invals: list[Any], moved: list[int]) -> list[Any]
     p = eqn.params
     n = len(p["jaxpr"].jaxpr.outvars)
     kept = [k for k in range(n) if k not in moved]
-    main = bind_eqn_with(eqn, invals, jaxpr=with_outputs(p["jaxpr"], kept))
-    extra = {"linear": (False,) * len(invals)} if "linear" in p else {}
-    side = bind_eqn_with(
-        eqn,
-        invals,
-        jaxpr=with_outputs(p["jaxpr"], moved),
-        num_consts=p["num_consts"] + p["num_carry"],
-        num_carry=0,
-        **extra,
-    )
+    consts, carry = scan_counts(p)
+    main_layout = scan_layout(p, consts, carry, len(invals), len(kept))
+    main = bind_eqn_with(eqn, invals, jaxpr=with_outputs(p["jaxpr"], kept), **main_layout)
+    side_layout = scan_layout(p, consts + carry, 0, len(invals), len(moved))
+    side = bind_eqn_with(eqn, invals, jaxpr=with_outputs(p["jaxpr"], moved), **side_layout)
     out: list[Any] = [None] * n
     for k, v in zip(kept, main):
         out[k] = v

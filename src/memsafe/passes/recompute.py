@@ -32,6 +32,7 @@ from memsafe._jax import (
     Var,
     bind_eqn,
     make_closed_jaxpr,
+    scan_counts,
     source_line,
 )
 from memsafe.graph import Graph, evaluate, inline_calls
@@ -72,7 +73,7 @@ def loop_const_positions(eqn: JaxprEqn) -> list[int]:
     it there buys nothing. ``while`` bodies are still searched for inner scans.
     """
     if eqn.primitive.name == "scan":
-        return list(range(eqn.params["num_consts"]))
+        return list(range(scan_counts(eqn.params)[0]))
     return []
 
 
@@ -154,7 +155,7 @@ def _rebind_loop(
     name = eqn.primitive.name
     p = eqn.params
     if name == "scan":
-        nc, ncarry = p["num_consts"], p["num_carry"]
+        nc, ncarry = scan_counts(p)
         consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
         body = _as_fun(bodies["jaxpr"])
 
