@@ -75,8 +75,9 @@ def _relative(a, b) -> float:
     return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
-def _timed(fun: Callable, *args) -> tuple[Any, float, float]:
-    """The result, the first call's seconds (planning and compiling included) and a second's."""
+def _timed(fun: Callable, *args) -> tuple[Any, dict]:
+    """The result and {first_s (planning and compiling included), call_s (a second call),
+    memsafe_peak_bytes (the device's peak so far: before any reference runs)}."""
     import jax
 
     start = time.perf_counter()
@@ -84,7 +85,8 @@ def _timed(fun: Callable, *args) -> tuple[Any, float, float]:
     first = time.perf_counter() - start
     start = time.perf_counter()
     jax.block_until_ready(fun(*args))
-    return out, first, time.perf_counter() - start
+    again = time.perf_counter() - start
+    return out, {"first_s": first, "call_s": again, "memsafe_peak_bytes": _peak()}
 
 
 def _knn_reference(x, y, k: int, rows: int = 65536):
@@ -118,12 +120,12 @@ def check_knn() -> dict:
     refusal = _refusal(mc.knn, 96 * MiB, x, y)
     limit = 512 * MiB
     f = memsafe.jit(mc.knn, memory_limit=limit, mesh=_mesh())
-    (_, idx), first, again = _timed(f, x, y)
+    (_, idx), timing = _timed(f, x, y)
     np.testing.assert_array_equal(np.asarray(idx), _knn_reference(x, y, mc.K))
     footprint = f.plan(x, y).after.total
     assert footprint <= limit, footprint
     return {"limit": limit, "footprint": footprint, "refusal_at_96MiB": refusal,
-            "first_s": first, "call_s": again, "plan": str(f.plan(x, y))}  # fmt: skip
+            **timing, "plan": str(f.plan(x, y))}  # fmt: skip
 
 
 def check_attention() -> dict:
@@ -140,7 +142,7 @@ def check_attention() -> dict:
     q, k, v = (rng.standard_normal((h, length, d)).astype(np.float32) for _ in range(3))
     limit = 256 * MiB
     f = memsafe.jit(mc.attention, memory_limit=limit, mesh=_mesh())
-    got, first, again = _timed(f, q, k, v)
+    got, timing = _timed(f, q, k, v)
     want = jax.jit(mc.attention)(q, k, v)
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4)
 
@@ -154,7 +156,7 @@ def check_attention() -> dict:
     footprint, backward = f.plan(q, k, v).after.total, f.backward_plan(q, k, v).after.total
     assert max(footprint, backward) <= limit, (footprint, backward)
     return {"limit": limit, "footprint": footprint, "backward_footprint": backward,
-            "first_s": first, "call_s": again, "grad_relative_errors": errors,
+            **timing, "grad_relative_errors": errors,
             "jax_jit_footprint": _jit_footprint(mc.attention, q, k, v)}  # fmt: skip
 
 
@@ -173,7 +175,7 @@ def check_sgpr() -> dict:
                   "noise": jnp.asarray(0.2), "Z": jnp.asarray(z)}  # fmt: skip
         limit = 256 * MiB
         f = memsafe.jit(sgpr.sgpr_elbo, memory_limit=limit, mesh=_mesh())
-        got, first, again = _timed(f, params, x, y)
+        got, timing = _timed(f, params, x, y)
         want = jax.jit(sgpr.sgpr_elbo)(params, x, y)
         np.testing.assert_allclose(got, want, rtol=1e-9)
         grads = jax.grad(f)(params, x, y)
@@ -182,7 +184,7 @@ def check_sgpr() -> dict:
         assert max(errors.values()) < 1e-6, errors  # Kuu's conditioning amplifies rounding
         plan = f.plan(params, x, y)
         assert plan.after.total <= limit and plan.backward.after.total <= limit, plan
-    return {"limit": limit, "footprint": plan.after.total, "first_s": first, "call_s": again,
+    return {"limit": limit, "footprint": plan.after.total, **timing,
             "backward_footprint": plan.backward.after.total, "grad_relative_errors": errors,
             "jax_jit_footprint": plan.before.total}  # fmt: skip
 
@@ -204,14 +206,14 @@ def check_train_step() -> dict:
     y = rng.standard_normal((b, o)).astype(np.float32)
     limit = 32 * MiB
     step = memsafe.jit(mc.sgd_step, memory_limit=limit, mesh=_mesh())
-    got, first, again = _timed(step, params, x, y)
+    got, timing = _timed(step, params, x, y)
     want = jax.jit(mc.sgd_step)(params, x, y)
     for key in params:
         np.testing.assert_allclose(got[key], want[key], rtol=1e-4, atol=1e-6)
     plan = step.plan(params, x, y)
     assert plan.after.total <= limit < plan.before.total, plan
     return {"limit": limit, "footprint": plan.after.total, "jax_jit_footprint": plan.before.total,
-            "first_s": first, "call_s": again, "micro_batches": plan.splits[0].loops}  # fmt: skip
+            **timing, "micro_batches": plan.splits[0].loops}  # fmt: skip
 
 
 CHECKS: dict[str, Callable[[], dict]] = {

@@ -91,6 +91,7 @@ TABLE: dict[str, Facts] = {
     "neg": _elementwise(cheap=True, scaling=Scaling.COMMUTES),
     "abs": _MATH_CHEAP,
     "square": _MATH_CHEAP,
+    "one_minus_square": _MATH_CHEAP,  # 1 - x*x: jax 0.11's derivative of tanh
     "sqrt": _MATH_CHEAP,
     "exp": _MATH_CHEAP,
     "log": _MATH_CHEAP,
