@@ -30,7 +30,13 @@ from memsafe.plan import Attempt, PassRecord, Plan
 from memsafe.progress import display as progress_display
 from memsafe.progress import enabled as progress_enabled
 from memsafe.rules.registry import registered_rules
-from memsafe.xla import Footprint, hidden_constant_bytes, memsafe_jit, merged_options
+from memsafe.xla import (
+    Footprint,
+    hidden_constant_bytes,
+    measuring_options,
+    memsafe_jit,
+    merged_options,
+)
 
 #: How many compile-and-verify rounds the driver tries, shrinking chunk sizes each time.
 MAX_ATTEMPTS = 6
@@ -307,10 +313,13 @@ def _search(
     search = _Search(
         start or closed, avals, memory_limit, donate, name, compiler_options, hidden, on_mesh
     )
-    guess = None if on_mesh is not None else _speculative_fixed(closed, donate, memory_limit)
+    peak = estimate(Graph(closed)).peak_bytes
+    guess = None if on_mesh is not None else _speculative_fixed(closed, donate, memory_limit, peak)
     what = (name, "original program", memory_limit)
+    # expected over the limit: compiled to be measured, without allocating (GPU autotuning)
+    options = measuring_options(compiler_options) if peak > memory_limit else compiler_options
     compiling = _Compiling(
-        flat_fun, avals, compiler_options, donate, hidden, what, background=guess is not None
+        flat_fun, avals, options, donate, hidden, what, background=guess is not None
     )
     first = None if guess is None else search.attempt_or_none(guess)
     original = compiling.result()
@@ -336,12 +345,12 @@ SPECULATE_ABOVE = 1.5
 
 
 def _speculative_fixed(
-    closed: _jax.ClosedJaxpr, donate: tuple[int, ...], memory_limit: int
+    closed: _jax.ClosedJaxpr, donate: tuple[int, ...], memory_limit: int, peak: int
 ) -> int | None:
     """The arguments' and outputs' bytes as XLA counts them on this backend (a tuple of
-    outputs adds a pointer each), when the original is estimated over SPECULATE_ABOVE times the
-    limit and nothing is donated; else None (no speculation)."""
-    if donate or estimate(Graph(closed)).peak_bytes <= SPECULATE_ABOVE * memory_limit:
+    outputs adds a pointer each), when the original's estimated ``peak`` is over
+    SPECULATE_ABOVE times the limit and nothing is donated; else None (no speculation)."""
+    if donate or peak <= SPECULATE_ABOVE * memory_limit:
         return None
     arguments = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars)
     outs = closed.jaxpr.outvars

@@ -41,6 +41,21 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
     return {}
 
 
+#: On a GPU, XLA's autotuner runs candidate kernels of each GEMM and fusion on buffers the size of
+#: their operands and results while it compiles. Compiled only to read its footprint, a program
+#: over the limit would then allocate its largest intermediates on the device (measured on an
+#: H100 with jax 0.11.2: 32 GiB, attention's whole scores at L=32,768, while planning under a
+#: 2 GiB limit). memsafe compiles a program it expects over the limit with autotuning off.
+GPU_MEASURE_OPTIONS: dict[str, Any] = {"xla_gpu_autotune_level": 0}
+
+
+def measuring_options(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """:func:`merged_options` for a compile whose program may exceed the limit: on a GPU with
+    the autotuner off, so that compiling allocates nothing of the program's size."""
+    extra = GPU_MEASURE_OPTIONS if jax.default_backend() in ("gpu", "cuda", "rocm") else {}
+    return {**merged_options(user), **extra}
+
+
 def merged_options(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """memsafe's options for the default backend updated with the user's ``compiler_options``;
     the user's value wins where both set an option (e.g. YNNPACK fusions back on)."""
