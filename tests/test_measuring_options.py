@@ -43,9 +43,35 @@ def _knn(x, y):
 def test_only_an_original_expected_over_the_limit_is_compiled_to_measure(monkeypatch):
     calls = _spy(monkeypatch)
     x = np.random.default_rng(0).standard_normal((64, 8)).astype(np.float32)
-    y = np.random.default_rng(1).standard_normal((4096, 8)).astype(np.float32)
+    y = np.random.default_rng(1).standard_normal((32768, 8)).astype(np.float32)
     memsafe.jit(_knn, memory_limit="1GiB")(x, y)  # fits: compiled to run, as jax.jit would
     assert calls == []
-    got = memsafe.jit(_knn, memory_limit="2MiB")(x, y)  # 8 MiB of differences: measured only
-    assert len(calls) == 1
+    got = memsafe.jit(_knn, memory_limit="3MiB")(x, y)  # 8 MiB of distances: measured only
+    assert calls
     np.testing.assert_array_equal(got[1], xla.memsafe_jit(_knn)(x, y)[1])
+
+
+def test_the_attempt_that_fits_is_compiled_again_to_run(monkeypatch):
+    """Where measuring differs from running (a GPU), attempts compile to measure and the one
+    that fits compiles again with the usual options; its footprint is the plan's."""
+    gpu_like = {**xla.merged_options(), "xla_gpu_autotune_level": 0}  # ignored by the CPU
+    monkeypatch.setattr(
+        jit_module, "measuring_options", lambda user=None: {**gpu_like, **(user or {})}
+    )
+    compiled: list[str] = []
+    real = jit_module._compile
+
+    def spy(fun, avals, options, donate, hidden, what):
+        compiled.append(f"{what[1]}: {'measure' if 'xla_gpu_autotune_level' in options else 'run'}")
+        return real(fun, avals, options, donate, hidden, what)
+
+    monkeypatch.setattr(jit_module, "_compile", spy)
+    x = np.random.default_rng(2).standard_normal((48, 8)).astype(np.float32)
+    y = np.random.default_rng(3).standard_normal((32768, 8)).astype(np.float32)
+    f = memsafe.jit(lambda x, y: _knn(x, y), memory_limit="3MiB")
+    got = f(x, y)
+    np.testing.assert_array_equal(got[1], xla.memsafe_jit(_knn)(x, y)[1])
+    assert compiled[0].startswith("attempt 1") and compiled[0].endswith("measure"), compiled
+    assert compiled[-1].endswith(", tuned: run"), compiled
+    plan = f.plan(x, y)
+    assert not plan.fits_unchanged and plan.after.total <= 3 * 2**20, plan

@@ -182,6 +182,26 @@ def _compile(
     return _Compiling(fun, avals, options, donate, hidden, what).result()
 
 
+def _tuned(
+    fun: Callable[..., Any],
+    avals: Sequence[Any],
+    options: Mapping[str, Any] | None,
+    donate: tuple[int, ...],
+    hidden: int,
+    what: tuple[str, str, int],
+    measured: _Compiled,
+) -> _Compiled:
+    """The program that fits, compiled to run: ``measured`` (compiled with
+    :func:`measuring_options`) where those are memsafe's usual options (the CPU); elsewhere
+    compiled again with the usual ones (a GPU's autotuner on, allocating now only what this
+    program may), kept if that compile also fits the limit ``what[2]``, else ``measured``."""
+    if measuring_options(options) == merged_options(options):
+        return measured
+    name, description, limit = what
+    tuned = _compile(fun, avals, options, donate, hidden, (name, f"{description}, tuned", limit))
+    return tuned if tuned.footprint.total <= limit else measured
+
+
 def _check_fixed(before: Footprint, memory_limit: int, name: str) -> int:
     """Bytes no rewrite can shrink (arguments and outputs); raises when they exceed the limit."""
     fixed = before.arguments + before.outputs - before.aliases
@@ -326,6 +346,8 @@ def _search(
     plan = Plan(memory_limit=memory_limit, before=original.footprint)
     out_tree = None  # set by build_program
     if original.footprint.total <= memory_limit:
+        if options is not compiler_options:  # compiled to measure: now compiled to run
+            original = _tuned(flat_fun, avals, compiler_options, donate, hidden, what, original)
         plan.fits_unchanged = True
         plan.after = original.footprint
         plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
@@ -369,6 +391,7 @@ class _Tried:
     blockers: list
     scale: float
     placed: tuple  # the argument avals compiled for (placed on a mesh)
+    what: tuple[str, str, int]  # name, description, limit (for the log)
 
 
 class _Search:
@@ -408,8 +431,10 @@ class _Search:
         what = (self.name, f"attempt {index + 1} (chunk scale {scale:.3g})", self.limit)
         hidden_now = hidden_constant_bytes(program.consts)
         placed = tuple(self.avals if sharding is None else sharding.placed(self.avals))
-        got = _compile(emitted, placed, self.options, self.donate, hidden_now, what)
-        return _Tried(program, emitted, got, attempt_plan, ctx.blockers, scale, placed)
+        # over the limit or not, this compile allocates nothing of the program's size
+        measure = measuring_options(self.options)
+        got = _compile(emitted, placed, measure, self.donate, hidden_now, what)
+        return _Tried(program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what)
 
     def attempt_or_none(self, fixed: int) -> _Tried | None:
         """The first attempt, or None where it fails (raised again, if the original does not
@@ -418,6 +443,13 @@ class _Search:
             return self.attempt(0, 1.0, fixed)
         except Exception:  # the original may fit: then the rewrite's failure does not matter
             return None
+
+    def _tuned(self, tried: _Tried) -> _Compiled:
+        """The attempt that fits, compiled to run (see :func:`_tuned`)."""
+        hidden = hidden_constant_bytes(tried.program.consts)
+        return _tuned(
+            tried.emitted, tried.placed, self.options, self.donate, hidden, tried.what, tried.got
+        )
 
     def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
         """The first attempt that fits (``first``, made already, or planned now), recorded in
@@ -436,11 +468,11 @@ class _Search:
             plan.attempts.append(Attempt(scale, after, fits))
             best = after if best is None or after.total < best.total else best
             if fits:
-                plan.records, plan.after = last.plan.records, after
+                got = self._tuned(last)
+                plan.records, plan.after = last.plan.records, got.footprint
                 return Program(
-                    last.got.jitted, last.emitted, last.placed, None, plan, last.program,
-                    last.got.compiled,
-                )  # fmt: skip
+                    got.jitted, last.emitted, last.placed, None, plan, last.program, got.compiled
+                )
             if not last.plan.splits:
                 break  # nothing size-dependent was done: smaller chunks cannot help
             previous = last.plan.splits
