@@ -130,3 +130,25 @@ def test_merge_replaces_only_rerun_methods():
 def test_table_lists_every_method():
     text = report.table(_record({"memsafe": 1.0, "faiss": 2.0}))
     assert "| l2 big | memsafe | ok |" in text and "| l2 big | faiss | ok |" in text
+
+
+def test_gemm_rate_and_bound_multiples():
+    """The runner's GEMM measurement gives a rate, and each workload's time is reported as a
+    multiple of the time its products take at that rate."""
+    from benchmarks import gemm
+    from benchmarks import knn as knn_bench
+
+    res = gemm.run_case("jax", {"dtype": "float32", "precision": "default"})
+    assert res["n"] == 2048 and res["rate_flops"] == 2 * 2048**3 / res["min_s"]
+    rates = {"float32 default": 1e11}
+    params = {"n": 1000, "m": 2000, "d": 50, "k": 10, "metric": "l2"}
+    results = {"memsafe": {"min_s": 0.4}, "faiss": {"status": "error"}}
+    run.with_gemm_bound(knn_bench, params, results, rates)
+    bound = 2 * 1000 * 2000 * 50 / 1e11
+    assert results["memsafe"]["gemm_bound_s"] == bound
+    assert results["memsafe"]["x_gemm_bound"] == pytest.approx(0.4 / bound)
+    assert "x_gemm_bound" not in results["faiss"]
+    record = {"workload": "knn", "size": "quick", "started": "-", "gemm": rates,
+              "cases": [{"case": {"label": "c"}, "results": results}]}  # fmt: skip
+    text = report.table(record)
+    assert "float32 default 100 GFLOP/s" in text and f"{0.4 / bound:.1f}x" in text
