@@ -183,22 +183,18 @@ def _compile(
 
 
 def _tuned(
-    fun: Callable[..., Any],
-    avals: Sequence[Any],
-    options: Mapping[str, Any] | None,
-    donate: tuple[int, ...],
-    hidden: int,
-    what: tuple[str, str, int],
     measured: _Compiled,
+    options: Mapping[str, Any] | None,
+    limit: int,
+    compile_with: Callable[[Mapping[str, Any] | None], _Compiled],
 ) -> _Compiled:
     """The program that fits, compiled to run: ``measured`` (compiled with
-    :func:`measuring_options`) where those are memsafe's usual options (the CPU); elsewhere
-    compiled again with the usual ones (a GPU's autotuner on, allocating now only what this
-    program may), kept if that compile also fits the limit ``what[2]``, else ``measured``."""
+    :func:`measuring_options`) where those are memsafe's usual ``options`` (the CPU); elsewhere
+    ``compile_with(options)`` (a GPU's autotuner on, allocating now only what this program may),
+    kept if it also fits ``limit``, else ``measured``."""
     if measuring_options(options) == merged_options(options):
         return measured
-    name, description, limit = what
-    tuned = _compile(fun, avals, options, donate, hidden, (name, f"{description}, tuned", limit))
+    tuned = compile_with(options)
     return tuned if tuned.footprint.total <= limit else measured
 
 
@@ -347,7 +343,12 @@ def _search(
     out_tree = None  # set by build_program
     if original.footprint.total <= memory_limit:
         if options is not compiler_options:  # compiled to measure: now compiled to run
-            original = _tuned(flat_fun, avals, compiler_options, donate, hidden, what, original)
+            tuned_what = (name, "original program, tuned", memory_limit)
+
+            def compile_with(o: Mapping[str, Any] | None) -> _Compiled:
+                return _compile(flat_fun, avals, o, donate, hidden, tuned_what)
+
+            original = _tuned(original, compiler_options, memory_limit, compile_with)
         plan.fits_unchanged = True
         plan.after = original.footprint
         plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
@@ -447,9 +448,13 @@ class _Search:
     def _tuned(self, tried: _Tried) -> _Compiled:
         """The attempt that fits, compiled to run (see :func:`_tuned`)."""
         hidden = hidden_constant_bytes(tried.program.consts)
-        return _tuned(
-            tried.emitted, tried.placed, self.options, self.donate, hidden, tried.what, tried.got
-        )
+        name, description, limit = tried.what
+        what = (name, f"{description}, tuned", limit)
+
+        def compile_with(options: Mapping[str, Any] | None) -> _Compiled:
+            return _compile(tried.emitted, tried.placed, options, self.donate, hidden, what)
+
+        return _tuned(tried.got, self.options, self.limit, compile_with)
 
     def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
         """The first attempt that fits (``first``, made already, or planned now), recorded in
