@@ -165,7 +165,9 @@ def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     return len(consts), len(carry)
 
 
-def scan_layout(params: dict[str, Any], consts: int, carry: int, operands: int, results: int):
+def scan_layout(
+    params: dict[str, Any], consts: int, carry: int, operands: int, results: int
+) -> dict[str, Any]:
     """The params of ``params``'s scan re-bound with ``consts`` constants, ``carry`` carries,
     ``operands`` operands in all and ``results`` results (carries first), in this JAX's form."""
     if "num_consts" in params:
