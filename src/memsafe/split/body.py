@@ -94,10 +94,28 @@ def _check_operands(
         raise NoRule(f"{eqn.primitive.name} inside the loop body reads a value both ways")
 
 
-def _pull(jaxpr: Jaxpr, var: Var, axis: int, seeds: dict[Any, int]) -> bool:
+def _pull(
+    jaxpr: Jaxpr,
+    var: Var,
+    axis: int,
+    seeds: dict[Any, int],
+    done: dict[tuple[Var, int], bool] | None = None,
+) -> bool:
     """Seed the body inputs ``var`` is computed from so that it comes out chunked along
     ``axis``, or its generator where no operand carries the axis (a broadcast mask made at
-    chunk shape); the next forward walk checks the whole body again. False if it cannot."""
+    chunk shape); the next forward walk checks the whole body again. False if it cannot.
+    ``done`` holds the answers for values already walked: a body whose values share inputs many
+    times over (the gradient of an associative scan) is walked once per value, not per path."""
+    done = {} if done is None else done
+    if (var, axis) not in done:
+        done[(var, axis)] = _pull_once(jaxpr, var, axis, seeds, done)
+    return done[(var, axis)]
+
+
+def _pull_once(
+    jaxpr: Jaxpr, var: Var, axis: int, seeds: dict[Any, int], done: dict[tuple[Var, int], bool]
+) -> bool:
+    """:func:`_pull` of one value whose answer is not known yet."""
     if var in jaxpr.invars:
         k = jaxpr.invars.index(var)
         if seeds.get(k, axis) != axis:
@@ -118,7 +136,7 @@ def _pull(jaxpr: Jaxpr, var: Var, axis: int, seeds: dict[Any, int]) -> bool:
     if not pulled:
         seeds[("made", index, producer.outvars.index(var))] = axis
         return True
-    return all(isinstance(v, Var) and _pull(jaxpr, v, a, seeds) for v, a in pulled)
+    return all(isinstance(v, Var) and _pull(jaxpr, v, a, seeds, done) for v, a in pulled)
 
 
 def _tie(jaxpr: Jaxpr, axes: Axes, seeds: dict[Any, int], tied: Sequence[tuple[int, int]]):
