@@ -228,6 +228,18 @@ def mlp_loss(params, x, y):
     return jnp.mean((h @ params["w3"] - y) ** 2)
 
 
+def mlp_data(b: int, d: int = 64, h: int = 512, o: int = 8, seed: int = 5):
+    """Parameters of :func:`mlp_loss` (float32, scaled by fan-in) and a batch of ``b`` inputs
+    and targets."""
+    rng = np.random.default_rng(seed)
+    shapes = {"w1": (d, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, o)}
+    params = {k: (rng.standard_normal(s) / np.sqrt(s[0] * 4)).astype(np.float32)
+              for k, s in shapes.items()}  # fmt: skip
+    x = rng.standard_normal((b, d)).astype(np.float32)
+    y = rng.standard_normal((b, o)).astype(np.float32)
+    return params, x, y
+
+
 def sgd_step(params, x, y):
     """One training step: the loss's gradient over the batch, then plain SGD."""
     grads = jax.grad(mlp_loss)(params, x, y)
@@ -238,13 +250,7 @@ def check_train_step() -> None:
     """Data parallel: an MLP's training step with the batch sharded over 8 devices (each
     device loops over micro-batches of its share; the parameter gradients are psum-ed), and
     jax.grad of a memsafe loss, equal to jax.jit, under 8 MiB per device (jax.jit: 53 MiB)."""
-    rng = np.random.default_rng(5)
-    b, d, h, o = 8192, 64, 512, 8
-    shapes = {"w1": (d, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, o)}
-    params = {k: (rng.standard_normal(s) / np.sqrt(s[0] * 4)).astype(np.float32)
-              for k, s in shapes.items()}  # fmt: skip
-    x = rng.standard_normal((b, d)).astype(np.float32)
-    y = rng.standard_normal((b, o)).astype(np.float32)
+    params, x, y = mlp_data(8192)
     limit = 8 * MiB
     step = memsafe.jit(sgd_step, memory_limit=limit, mesh=mesh8())
     got, want = step(params, x, y), jax.jit(sgd_step)(params, x, y)

@@ -197,13 +197,7 @@ def check_train_step() -> dict:
     import memsafe
     from tests import mesh_checks as mc
 
-    rng = np.random.default_rng(5)
-    b, d, h, o = 65536, 64, 512, 8
-    shapes = {"w1": (d, h), "b1": (h,), "w2": (h, h), "b2": (h,), "w3": (h, o)}
-    params = {k: (rng.standard_normal(s) / np.sqrt(s[0] * 4)).astype(np.float32)
-              for k, s in shapes.items()}  # fmt: skip
-    x = rng.standard_normal((b, d)).astype(np.float32)
-    y = rng.standard_normal((b, o)).astype(np.float32)
+    params, x, y = mc.mlp_data(65536)
     limit = 32 * MiB
     step = memsafe.jit(mc.sgd_step, memory_limit=limit, mesh=_mesh())
     got, timing = _timed(step, params, x, y)
