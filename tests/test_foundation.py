@@ -161,11 +161,13 @@ def test_pipeline_is_the_pass_modules_in_order():
         reorder,
         schedule,
         split,
+        unflatten,
     )
 
     assert (
         match_replace,
         reorder,
+        unflatten,
         fission,
         split,
         schedule,
@@ -174,7 +176,8 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "fission", "split", "schedule", "recompute", "constants"
+        "match_replace", "reorder", "unflatten", "fission", "split", "schedule", "recompute",
+        "constants",
     ]  # fmt: skip
 
 

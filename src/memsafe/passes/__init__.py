@@ -1,6 +1,6 @@
-"""The rewriting pipeline, in order: match-and-replace, reorder, fission, split, schedule,
-recompute, constants. Each pass is a module with ``run(closed, ctx) -> closed``; its name is
-the module's."""
+"""The rewriting pipeline, in order: match-and-replace, reorder, unflatten, fission, split,
+schedule, recompute, constants. Each pass is a module with ``run(closed, ctx) -> closed``; its
+name is the module's."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from memsafe.passes import (
     reorder,
     schedule,
     split,
+    unflatten,
 )
 from memsafe.passes.base import Pass, PassContext
 
@@ -21,6 +22,7 @@ from memsafe.passes.base import Pass, PassContext
 PIPELINE: tuple[ModuleType, ...] = (
     match_replace,
     reorder,
+    unflatten,
     fission,
     split,
     schedule,
