@@ -39,6 +39,9 @@ PROGRAMS = {
     "abs_l1": lambda x, y, t: jnp.min(jnp.sum(jnp.abs(x[:, None] - y[None]), -1), 0),
     "argmin_columns": lambda x, y, t: jnp.argmin(jnp.cos(_scores(x, y)), 0),
     "stack": lambda x, y, t: jnp.stack([_scores(x, y), jnp.sin(_scores(x, y))], 1).max(1).sum(1),
+    "unstack": lambda x, y, t: jnp.prod(
+        jnp.stack(jnp.unstack(jnp.stack([_scores(x, y), jnp.sin(_scores(x, y))], 1), axis=1)), 0
+    ).sum(1),
     "scatter_max_rows": lambda x, y, t: jax.vmap(
         lambda r: jnp.zeros(16).at[jnp.arange(M) % 16].max(r)
     )(_scores(x, y)),
