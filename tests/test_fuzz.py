@@ -3,10 +3,13 @@
 ``test_random_program`` runs the first ``DEFAULT_CASES`` seeds (each case: split, unchanged,
 refused, or over the limit only inside an outer jax.jit that memsafe warned about; a wrong answer,
 a footprint over the limit or a crash fails); ``test_found_by_campaigns`` reruns the programs
-campaigns found wrong, once fixed (tests/fuzz/FOUND.md). ``make fuzz`` runs thousands.
+campaigns found wrong, once fixed (tests/fuzz/FOUND.md); ``test_schedule_*`` checks the campaign's
+per-case time limit with a stand-in for a case. ``make fuzz`` runs thousands.
 """
 
 from __future__ import annotations
+
+import time
 
 import jax
 import jax.numpy as jnp
@@ -18,6 +21,7 @@ from tests.fuzz.accuracy import check_leaf
 from tests.fuzz.inputs import make_inputs
 from tests.fuzz.program import build
 from tests.fuzz.runner import run_seed
+from tests.fuzz.schedule import TimedOut, run_all
 from tests.fuzz.wrappers import WRAPPERS
 
 #: Random programs in the default suite (about a second each).
@@ -80,3 +84,15 @@ def test_accuracy_rule_rejects_large_errors_and_nonfinite_or_index_mismatches():
     idx = np.arange(10, dtype=np.int32)
     assert check_leaf(idx, idx, idx) is None
     assert "integer" in check_leaf(idx[::-1], idx, idx)
+
+
+def test_schedule_kills_a_case_past_its_limit_and_reruns_the_others():
+    """``time.sleep`` stands in for a case (its seed: seconds). Seed 60 passes the 2.5 s limit
+    while 2 runs beside it and 0 waits in the queue: 60 times out, its pool is killed, and 2 and
+    0 run again in a fresh pool; each seed is reported once (0 did not time out for waiting)."""
+    start = time.monotonic()
+    out = list(run_all(time.sleep, [60, 1, 2, 0], jobs=2, timeout=2.5))
+    assert sorted(seed for seed, _ in out) == [0, 1, 2, 60]
+    late = {seed: value for seed, value in out if isinstance(value, TimedOut)}
+    assert list(late) == [60] and 2.5 <= late[60].seconds < 10
+    assert time.monotonic() - start < 45

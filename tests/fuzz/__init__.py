@@ -1,8 +1,9 @@
 """memsafe's differential fuzzer: random programs run under memsafe.jit and compared with jax.jit.
 
 ``program`` draws and renders cases, ``inputs`` makes their arguments, ``wrappers`` says how
-memsafe is applied, ``accuracy`` holds the accuracy rule, ``runner`` runs one case and
-``report`` tallies many. ``python -m tests.fuzz --budget SECONDS --cases N`` runs a campaign.
+memsafe is applied, ``accuracy`` holds the accuracy rule, ``runner`` runs one case, ``schedule``
+runs many in worker processes under a time limit per case and ``report`` tallies them.
+``python -m tests.fuzz --budget SECONDS --cases N`` runs a campaign (``--help``: its options).
 """
 
 from .program import Case, generate, render

@@ -1,15 +1,24 @@
 """Run a fuzzing campaign: ``python -m tests.fuzz --budget 1800 --cases 2000``.
 
-Runs cases from consecutive seeds until ``--cases`` are done or ``--budget`` seconds have passed
-(no case starts after the budget), prints a table per op family (programs, split, unchanged,
-refused, wrong, over, crash) and each failing program, writes the JSON report, and exits 1 if any
-case was wrong, over or crashed. ``--jobs N`` runs cases in N processes.
+Runs cases from consecutive seeds (``--seed``, then seed+1, ...) until ``--cases`` are done or
+``--budget`` seconds have passed (no case starts after the budget), prints a table per op family
+(programs, split, unchanged, refused, unreachable, outer, timeout, wrong, over, crash) and each
+failing program, writes the JSON report, and exits 1 if any case was wrong, over or crashed.
+
+``--seeds 4,23,26`` runs those seeds instead, and ``--seeds-from REPORT.json`` the seeds of an
+earlier report whose outcome is one of ``--outcomes`` (by default the failures and timeouts);
+given both, the listed seeds come first (each seed runs once; ``--cases`` then caps the list).
+
+Cases run in ``--jobs N`` worker processes (a pool of one for ``--jobs 1``). A case still running
+after ``--case-timeout`` seconds (default 300; 0 for no limit) is killed with its pool, recorded
+with outcome ``timeout`` (not a failure: a slow compile is not a wrong answer) and the campaign
+goes on with a fresh pool (tests/fuzz/schedule.py).
 """
 
 from __future__ import annotations
 
 import argparse
-import multiprocessing
+import json
 import os
 import sys
 import time
@@ -19,70 +28,142 @@ from pathlib import Path
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from .report import format_table, write_json
-from .runner import Result, run_seed
+from .runner import FAILURES, OUTCOMES, Result, run_seed, timeout_result
+from .schedule import TimedOut, run_all
+
+#: Default number of cases from ``--seed`` on.
+DEFAULT_CASES = 2000
 
 
-def _results(first: int, cases: int, jobs: int, deadline: float) -> Iterator[Result]:
-    """Results of seeds ``first, first + 1, ...`` (in completion order when ``jobs`` > 1),
-    starting no case after ``deadline`` (a ``time.monotonic()`` value)."""
-    seeds = range(first, first + cases)
-    if jobs <= 1:
-        for seed in seeds:
-            if time.monotonic() > deadline:
-                return
-            yield run_seed(seed)
-        return
-    ctx = multiprocessing.get_context("spawn")
-    with ctx.Pool(jobs, maxtasksperchild=50) as pool:
-        pending = []
-        for seed in seeds:
-            if time.monotonic() > deadline:
-                break
-            pending.append(pool.apply_async(run_seed, (seed,)))
-            while len(pending) >= 2 * jobs:
-                pending[0].wait()
-                while pending and pending[0].ready():
-                    yield pending.pop(0).get()
-        for job in pending:
-            yield job.get()
+def _results(seeds: list[int], jobs: int, timeout: float, deadline: float) -> Iterator[Result]:
+    """Results of ``seeds`` in completion order, ``timeout`` results for cases killed after
+    ``timeout`` seconds, starting no case after ``deadline`` (a ``time.monotonic()`` value)."""
+    for seed, value in run_all(run_seed, seeds, jobs, timeout, deadline):
+        yield timeout_result(seed, value.seconds, timeout) if isinstance(value, TimedOut) else value
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the campaign the command line describes; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m tests.fuzz", description=__doc__)
-    parser.add_argument("--cases", type=int, default=2000, help="most cases to run")
-    parser.add_argument("--budget", type=float, default=1800.0, help="seconds to spend at most")
-    parser.add_argument("--seed", type=int, default=0, help="first seed (then seed+1, ...)")
-    parser.add_argument("--jobs", type=int, default=1, help="worker processes")
-    parser.add_argument("--json", type=Path, default=Path("fuzz-report.json"), help="report path")
-    parser.add_argument("--quiet", action="store_true", help="print only failing cases")
-    args = parser.parse_args(argv)
+def _names(text: str, allowed: tuple[str, ...]) -> list[str]:
+    """A comma-separated list of names, each one of ``allowed``."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown {unknown}; choose from {', '.join(allowed)}")
+    return names
 
-    start = time.monotonic()
-    results: list[Result] = []
-    for result in _results(args.seed, args.cases, args.jobs, start + args.budget):
-        results.append(result)
-        if not args.quiet or result.failed:
-            print(
-                f"seed {result.case.seed}: {result.outcome} ({result.seconds:.1f} s) "
-                f"{result.message[:160]}",
-                flush=True,
-            )
-        if len(results) % 100 == 0:
-            write_json(args.json, results, {"partial": True, "seconds": time.monotonic() - start})
-    elapsed = time.monotonic() - start
-    if len(results) < args.cases:
-        print(f"budget of {args.budget:g} s spent after {len(results)} cases", flush=True)
+
+def _seed_list(text: str) -> list[int]:
+    """``--seeds``: comma-separated integers."""
+    try:
+        return [int(s) for s in text.split(",") if s.strip()]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of seeds: {text!r}") from err
+
+
+def _report_seeds(path: Path, outcomes: list[str]) -> list[int]:
+    """The seeds of the results in report ``path`` whose outcome is one of ``outcomes``."""
+    data = json.loads(path.read_text())
+    return [r["case"]["seed"] for r in data["results"] if r["outcome"] in outcomes]
+
+
+def _parser() -> argparse.ArgumentParser:
+    """The command line."""
+    p = argparse.ArgumentParser(
+        prog="python -m tests.fuzz",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--cases", type=int, help=f"most cases to run (default {DEFAULT_CASES})")
+    p.add_argument("--budget", type=float, default=1800.0, help="seconds to spend at most")
+    p.add_argument("--seed", type=int, help="first seed (then seed+1, ...; default 0)")
+    p.add_argument("--seeds", type=_seed_list, help="seeds to run, e.g. 4,23,26")
+    p.add_argument("--seeds-from", type=Path, metavar="REPORT", help="rerun seeds of a report")
+    p.add_argument(
+        "--outcomes",
+        type=lambda text: _names(text, OUTCOMES),
+        default=[*FAILURES, "timeout"],
+        help="with --seeds-from: the outcomes to rerun, e.g. refused,timeout "
+        "(default: wrong,over,crash,timeout)",
+    )
+    p.add_argument("--jobs", type=int, default=1, help="worker processes")
+    p.add_argument(
+        "--case-timeout", type=float, default=300.0, help="seconds per case (0: no limit)"
+    )
+    p.add_argument("--json", type=Path, default=Path("fuzz-report.json"), help="report path")
+    p.add_argument("--quiet", action="store_true", help="print only failing or timed-out cases")
+    return p
+
+
+def _seeds(args: argparse.Namespace, parser: argparse.ArgumentParser) -> list[int]:
+    """The seeds the command line asks for, each once, in order."""
+    if args.seeds is None and args.seeds_from is None:
+        first = args.seed or 0
+        return list(range(first, first + (args.cases or DEFAULT_CASES)))
+    if args.seed is not None:
+        parser.error("--seed does not apply with --seeds or --seeds-from")
+    seeds = list(args.seeds or [])
+    if args.seeds_from is not None:
+        seeds += _report_seeds(args.seeds_from, args.outcomes)
+    seeds = list(dict.fromkeys(seeds))
+    return seeds[: args.cases] if args.cases is not None else seeds
+
+
+def _show(result: Result, quiet: bool) -> None:
+    """Print one finished case (only failing or timed-out ones when ``quiet``)."""
+    if not quiet or result.failed or result.outcome == "timeout":
+        print(
+            f"seed {result.case.seed}: {result.outcome} ({result.seconds:.1f} s) "
+            f"{result.message[:160]}",
+            flush=True,
+        )
+
+
+def _finish(
+    results: list[Result], seeds: list[int], args: argparse.Namespace, elapsed: float
+) -> int:
+    """Print the failing programs, the table and the summary line, write the report; returns the
+    exit status (1 if any case failed)."""
     results.sort(key=lambda r: r.case.seed)
     failed = [r for r in results if r.failed]
     for r in failed:
         print("\n" + r.describe())
     print()
     print(format_table(results))
-    meta = {"cases": len(results), "first_seed": args.seed, "seconds": round(elapsed, 1)}
+    timeouts = [r.case.seed for r in results if r.outcome == "timeout"]
+    listed = args.seeds is not None or args.seeds_from is not None
+    meta = {
+        "cases": len(results),
+        "first_seed": seeds[0],
+        "seeds": seeds if listed else None,
+        "case_timeout": args.case_timeout,
+        "seconds": round(elapsed, 1),
+    }
     write_json(args.json, results, meta)
-    print(f"\n{len(results)} cases in {elapsed:.0f} s; {len(failed)} failed; report: {args.json}")
+    late = f" (seeds {','.join(map(str, timeouts))})" if timeouts else ""
+    print(
+        f"\n{len(results)} cases in {elapsed:.0f} s; {len(failed)} failed; "
+        f"{len(timeouts)} timed out{late}; report: {args.json}"
+    )
     return 1 if failed else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the campaign the command line describes; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    seeds = _seeds(args, parser)
+    if not seeds:
+        print("no seeds to run", flush=True)
+        return 0
+    start = time.monotonic()
+    results: list[Result] = []
+    for result in _results(seeds, args.jobs, args.case_timeout, start + args.budget):
+        results.append(result)
+        _show(result, args.quiet)
+        if len(results) % 100 == 0:
+            write_json(args.json, results, {"partial": True, "seconds": time.monotonic() - start})
+    if len(results) < len(seeds):
+        print(f"budget of {args.budget:g} s spent after {len(results)} cases", flush=True)
+    return _finish(results, seeds, args, time.monotonic() - start)
 
 
 if __name__ == "__main__":

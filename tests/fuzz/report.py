@@ -35,7 +35,8 @@ def blockers_by_family(results: Iterable[Result]) -> dict[str, Counter]:
 
 def format_table(results: list[Result]) -> str:
     """A fixed-width table: one row per family, columns programs and each outcome, plus the
-    refusal rate among programs that have a chunked form (neither unchanged nor unreachable)."""
+    refusal rate among programs that have a chunked form (neither unchanged nor unreachable) and
+    finished (timed-out programs are left out of that rate)."""
     counts = tally(results)
     cols = ("programs", *OUTCOMES)
     width = max([len("family"), *(len(f) for f in counts)])
@@ -43,20 +44,22 @@ def format_table(results: list[Result]) -> str:
     lines = [head, "-" * len(head)]
     order = ["all", *sorted(f for f in counts if f != "all")]
     for fam in order:
-        c = counts[fam]
-        needing = c["programs"] - c["unchanged"] - c["unreachable"]
+        c = counts.get(fam, Counter())  # "all" is missing when no case ran
+        needing = c["programs"] - c["unchanged"] - c["unreachable"] - c["timeout"]
         rate = f"{100 * c['refused'] / needing:8.1f}%" if needing else "        -"
         lines.append(f"{fam:<{width}} " + " ".join(f"{c[k]:>11}" for k in cols) + " " + rate)
     return "\n".join(lines)
 
 
 def write_json(path: Path, results: list[Result], meta: dict[str, Any]) -> None:
-    """Write the campaign: ``meta`` (arguments, timings), the table, blockers per family and
-    every result (failures with their rendered programs)."""
+    """Write the campaign: ``meta`` (arguments, timings), the table (every outcome, zeros
+    included), blockers per family and every result (failures with their rendered programs)."""
+    cols = ("programs", *OUTCOMES)
     data = {
         "meta": meta,
-        "table": {f: dict(c) for f, c in tally(results).items()},
+        "table": {f: {k: c[k] for k in cols} for f, c in tally(results).items()},
         "blockers": {f: dict(c.most_common()) for f, c in blockers_by_family(results).items()},
+        "timeouts": [r.case.seed for r in results if r.outcome == "timeout"],
         "failures": [
             {**r.to_json(), "program": r.describe()} for r in results if r.outcome in FAILURES
         ],

@@ -5,9 +5,10 @@ Outcomes: ``unchanged`` (memsafe ran the program as is), ``split`` (rewritten an
 exist), ``unreachable`` (MemoryLimitError with no rule missing: no chunked program memsafe can
 build fits, the limit is below what chunking reaches), ``outer`` (memsafe's own programs fit, but
 called inside an outer ``jax.jit`` the outer compile's footprint is above the limit: memsafe
-cannot verify that compile and says so with ``OuterJitWarning``), and the failures ``wrong``
-(a result breaks the accuracy rule), ``over`` (a footprint memsafe verified above the limit)
-and ``crash`` (any other exception).
+cannot verify that compile and says so with ``OuterJitWarning``), ``timeout`` (the campaign
+killed the case after its time limit: slow, not known wrong; see :func:`timeout_result`), and the
+failures ``wrong`` (a result breaks the accuracy rule), ``over`` (a footprint memsafe verified
+above the limit) and ``crash`` (any other exception).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from .program import Case, build, generate, render
 from .wrappers import WRAPPERS
 
 FAILURES = ("wrong", "over", "crash")
-OUTCOMES = ("split", "unchanged", "refused", "unreachable", "outer", *FAILURES)
+OUTCOMES = ("split", "unchanged", "refused", "unreachable", "outer", "timeout", *FAILURES)
 
 
 @dataclass
@@ -108,6 +109,16 @@ def run_case(case: Case) -> Result:
 def run_seed(seed: int) -> Result:
     """Run the case drawn from ``seed`` (a picklable entry point for worker processes)."""
     return run_case(generate(seed))
+
+
+def timeout_result(seed: int, seconds: float, limit: float) -> Result:
+    """The result of the case drawn from ``seed`` when it was killed after running ``seconds``,
+    over its time limit of ``limit`` seconds (nothing known of its footprints or answers)."""
+    case = generate(seed)
+    message = f"killed after {seconds:g} s (the limit per case is {limit:g} s)"
+    return Result(
+        case=case, outcome="timeout", families=case.families(), message=message, seconds=seconds
+    )
 
 
 def _x64(case: Case) -> Any:
