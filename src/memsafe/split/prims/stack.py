@@ -7,28 +7,27 @@ from memsafe._jax import JaxprEqn
 from memsafe.split.registry import Mapping, NoRule, Side, split_rule
 
 
+def _around(eqn: JaxprEqn, side: Side, axis: int, stacked: str) -> tuple[int, int]:
+    """(axis in the stacked value, axis in the pieces) for the split axis at ``axis`` of
+    ``side``, where the ``stacked`` side ("in" or "out") has the extra axis ``params["axis"]``."""
+    extra = eqn.params["axis"]
+    if side[0] == stacked:
+        if axis == extra:
+            raise NoRule(f"{eqn.primitive.name} along the split axis")
+        piece = axis if axis < extra else axis - 1
+    else:
+        piece = axis
+    return (piece if piece < extra else piece + 1), piece
+
+
 @split_rule("stack")
 def _stack(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    new = eqn.params["axis"]
-    if side[0] == "out":
-        if axis == new:
-            raise NoRule("stack along the split axis")
-        operand_axis = axis if axis < new else axis - 1
-    else:
-        operand_axis = axis
-    out_axis = operand_axis if operand_axis < new else operand_axis + 1
-    return Mapping(ins=tuple(operand_axis for _ in eqn.invars), outs=(out_axis,))
+    whole, piece = _around(eqn, side, axis, stacked="out")
+    return Mapping(ins=tuple(piece for _ in eqn.invars), outs=(whole,))
 
 
 @split_rule("unstack")
 def _unstack(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     """``unstack`` (the transpose of ``stack``): results drop the unstacked axis."""
-    gone = eqn.params["axis"]
-    if side[0] == "in":
-        if axis == gone:
-            raise NoRule("unstack along the split axis")
-        result_axis = axis if axis < gone else axis - 1
-    else:
-        result_axis = axis
-    operand_axis = result_axis if result_axis < gone else result_axis + 1
-    return Mapping(ins=(operand_axis,), outs=tuple(result_axis for _ in eqn.outvars))
+    whole, piece = _around(eqn, side, axis, stacked="in")
+    return Mapping(ins=(whole,), outs=tuple(piece for _ in eqn.outvars))
