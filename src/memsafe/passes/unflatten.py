@@ -158,6 +158,11 @@ def _reduced_axes(eqn: JaxprEqn) -> tuple[int, ...]:
 BODIES = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",)}
 
 
+def _held(param: Any) -> tuple[ClosedJaxpr, ...]:
+    """The programs a body parameter holds (a cond's branches are a tuple)."""
+    return param if isinstance(param, tuple) else (param,)
+
+
 class _Unflatten:
     """The rewrite of one program: remembers each reshape's source as the program is traced."""
 
@@ -224,7 +229,7 @@ class _Unflatten:
         new: dict[str, Any] = {}
         for param in BODIES[eqn.primitive.name]:
             old = eqn.params[param]
-            bodies = old if isinstance(old, tuple) else (old,)
+            bodies = _held(old)
             rewritten = [unflatten(b, self.changes) for b in bodies]
             if any(r is not b for r, b in zip(rewritten, bodies)):
                 new[param] = tuple(rewritten) if isinstance(old, tuple) else rewritten[0]
@@ -232,13 +237,12 @@ class _Unflatten:
 
 
 def _touches(closed: ClosedJaxpr) -> bool:
-    """Whether the program (or a body in it) has a reshape feeding a reshape or a reduction."""
+    """Whether the program (or a body in it) has a reshape: only then can the pass change it."""
     for eqn in closed.jaxpr.eqns:
         if eqn.primitive.name == "reshape":
             return True
         for param in BODIES.get(eqn.primitive.name, ()):
-            old = eqn.params[param]
-            if any(_touches(b) for b in (old if isinstance(old, tuple) else (old,))):
+            if any(_touches(b) for b in _held(eqn.params[param])):
                 return True
     return False
 
