@@ -119,6 +119,25 @@ def test_scan_whose_carry_sums_the_axis_is_refused_by_name():
         body.propagate(scan.params["jaxpr"].jaxpr, {2: 0}, [(1, 0)])
 
 
+def test_a_cumsum_along_the_axis_inside_a_loop_body_is_not_run_per_chunk():
+    """A chunk of rows through a scan whose body takes a cumsum over the rows would miss the
+    rows of the chunks before it (inside a body there is no running carry to thread): the loop
+    is split another way, with jax.jit's answer (it ran per chunk before, error 95)."""
+
+    def fun(x, y):
+        def body(acc, yc):
+            return acc + jnp.cumsum(jnp.tanh(x @ yc.T), axis=0), None
+
+        return lax.scan(body, jnp.zeros((x.shape[0], y.shape[1]), x.dtype), y)[0]
+
+    x = jax.random.normal(jax.random.key(0), (512, 16))
+    y = jax.random.normal(jax.random.key(1), (6, 256, 16))
+    f = memsafe.jit(fun, memory_limit="700KiB")
+    plan = f.plan(x, y)
+    assert plan.splits and plan.after.total <= 700 * 1024, plan
+    np.testing.assert_allclose(f(x, y), memsafe_jit(fun)(x, y), rtol=1e-5, atol=1e-4)
+
+
 def test_smallest_chunk_is_compiled_when_the_model_expects_none_to_fit():
     """The chunk model counts every stored value at its worst point; where it expects even the
     smallest chunk over the budget, that chunk is compiled and the compile decides (a fuzz case

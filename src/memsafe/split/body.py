@@ -60,9 +60,9 @@ def _forward(jaxpr: Jaxpr, seeds: dict[Any, int]) -> tuple[Axes, dict[int, Mappi
     for i, eqn in enumerate(jaxpr.eqns):
         found = [(k, axes[v]) for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in axes]
         if found:
-            m = registry.axis_map(eqn, ("in", found[0][0]), found[0][1])
+            m = _axis_map(eqn, ("in", found[0][0]), found[0][1])
         elif i in made:
-            m = registry.axis_map(eqn, ("out", made[i][0]), made[i][1])
+            m = _axis_map(eqn, ("out", made[i][0]), made[i][1])
         else:
             continue
         if isinstance(m, Sink):
@@ -74,6 +74,16 @@ def _forward(jaxpr: Jaxpr, seeds: dict[Any, int]) -> tuple[Axes, dict[int, Mappi
             axes[o] = ax
         maps[i] = m
     return axes, maps
+
+
+def _axis_map(eqn: JaxprEqn, side: registry.Side, axis: int) -> Mapping | Sink:
+    """The equation's mapping inside a loop body, where a scan along the axis (``cumsum``) has
+    no running carry to thread from chunk to chunk: each chunk of the loop runs the whole body,
+    so a chunk's scan would miss the rows of the chunks before it."""
+    m = registry.axis_map(eqn, side, axis)
+    if isinstance(m, Mapping) and registry.running_along(eqn, m) is not None:
+        raise NoRule(f"{eqn.primitive.name} inside the loop body scans along the split axis")
+    return m
 
 
 def _check_operands(
@@ -127,7 +137,7 @@ def _pull_once(
         return False
     producer = jaxpr.eqns[index]
     try:
-        m = registry.axis_map(producer, ("out", producer.outvars.index(var)), axis)
+        m = _axis_map(producer, ("out", producer.outvars.index(var)), axis)
     except NoRule:
         return False
     if isinstance(m, Sink):
