@@ -35,7 +35,7 @@ def test_random_program(seed):
 
 
 #: Seeds of programs a campaign found answered wrongly, each fixed since (tests/fuzz/FOUND.md).
-FOUND = (448,)
+FOUND = (448, 1937)
 
 
 @pytest.mark.parametrize("seed", FOUND)

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memsafe
-from memsafe.graph import inline_calls
+from memsafe.graph import evaluate, inline_calls
 from memsafe.passes.algebraic import rewritten
 from memsafe.passes.reorder import best_order, reorder_chains
 from memsafe.xla import memsafe_jit
@@ -104,29 +104,73 @@ def _compiled(f, *avals):
     return compiled.memory_analysis().temp_size_in_bytes, cost["flops"]
 
 
+def _as_program(branch):
+    """Temps and flops of a cond branch compiled as a program of its own."""
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in branch.jaxpr.invars]
+    return _compiled(lambda *a: evaluate(branch, a), *avals)
+
+
+def _branches(f, *avals):
+    """The (as written, reordered) branches of the one guarded chain in ``rewritten(f)``."""
+    closed = inline_calls(jax.make_jaxpr(rewritten(f))(*avals))
+    (cond,) = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+    return cond.params["branches"]
+
+
 def test_abv_at_4096_temps_and_flops_fall_by_the_factor_the_math_says():
-    """(A @ B) @ v stores the n x n product and costs 2n^3 + 2n^2 flops; A @ (B @ v) stores an
-    n-vector and costs 4n^2: ratios n and (n + 1) / 2, read from XLA (compiled, not run)."""
+    """(A @ B) @ v stores the n x n product and costs 2n^3 + 2n^2 flops; A @ (B @ v) stores
+    n-vectors (two, as a branch of its own) and costs 4n^2: ratios n / 2 and (n + 1) / 2, read
+    from XLA (compiled, not run). The reordered chain is the branch that runs on finite
+    factors; the other runs the chain as written (the split pass chunks it under a limit)."""
     n = 4096
     mat = jax.ShapeDtypeStruct((n, n), jnp.float32)
     vec = jax.ShapeDtypeStruct((n,), jnp.float32)
     f = lambda a, b, v: a @ b @ v
     temps_before, flops_before = _compiled(f, mat, mat, vec)
-    temps_after, flops_after = _compiled(rewritten(f), mat, mat, vec)
-    assert temps_before == n * n * 4 and temps_after == n * 4
+    written, reordered = _branches(f, mat, mat, vec)
+    temps_after, flops_after = _as_program(reordered)
+    assert temps_before == n * n * 4 and temps_after <= 2 * n * 4  # B @ v, and the result
     assert flops_before == 2 * n**3 + 2 * n**2 and flops_after == 4 * n**2
-    assert temps_before / temps_after == n
+    assert temps_before / temps_after >= n / 2
     assert flops_before / flops_after == (n + 1) / 2
+    assert _as_program(written)[1] == flops_before
 
 
-def test_memsafe_jit_reorders_instead_of_splitting():
-    """Under a limit that the n x n product breaks, the reordered chain fits with no split."""
+def test_memsafe_jit_reorders_and_chunks_the_chain_as_written():
+    """Under a limit that the n x n product breaks, the reordered chain runs; the chain as
+    written (for non-finite factors) is chunked to fit beside it."""
     n = 1024
     a, b, v = _rand((n, n), 0), _rand((n, n), 1), _rand((n,), 2)
     f = lambda a, b, v: a @ b @ v
-    g = memsafe.jit(f, memory_limit=2 * n * n * 4 + 64 * 1024)
+    limit = 2 * n * n * 4 + 64 * 1024
+    g = memsafe.jit(f, memory_limit=limit)
     np.testing.assert_allclose(g(a, b, v), jax.jit(f)(a, b, v), rtol=1e-3, atol=1e-2)
     plan = g.plan(a, b, v)
-    assert not plan.fits_unchanged and not plan.splits
+    assert not plan.fits_unchanged and plan.after.total <= limit
     assert [r.rule for r in plan.rules] == ["reorder_chain"]
-    assert plan.after.temps < plan.before.temps / 100
+    assert plan.after.temps < plan.before.temps / 4
+
+
+def test_a_chain_with_an_inf_keeps_jax_jits_nans():
+    """Fuzz seed 1937: an inf in ``x`` makes ``(x @ y.T) @ v`` NaN where the products' signs
+    mix, and inf in ``x @ (y.T @ v)``. The reordered chain runs only where every factor is
+    finite; here the chain runs as written, in chunks, under the limit."""
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((40, 6)).astype(np.float32)
+    y = rng.standard_normal((700, 6)).astype(np.float32)
+    v = rng.standard_normal((700, 5)).astype(np.float32)
+    x[3, 2] = np.inf
+
+    def f(x, y, v):
+        return (x @ y.T) @ v
+
+    g = memsafe.jit(f, memory_limit=100_000)
+    want = memsafe_jit(f)(x, y, v)
+    got = g(x, y, v)
+    assert np.isnan(want).sum() == 5
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+    plan = g.plan(x, y, v)
+    assert plan.rules and plan.splits and plan.after.total <= 100_000
+    x[3, 2] = 1.0  # finite: the reordered chain runs, and agrees
+    np.testing.assert_allclose(g(x, y, v), memsafe_jit(f)(x, y, v), rtol=1e-4, atol=1e-4)

@@ -4,7 +4,9 @@ A chain is a tree of 2-D ``dot_general`` (matrix-matrix, matrix-vector, with tra
 through) whose inner products are used nowhere else; ``reduce_sum`` of a chain is a product with
 vectors of ones. The classic matrix-chain programme picks the order with the smallest peak of
 live intermediate bytes, then the fewest flops: ``(A @ B) @ v`` becomes ``A @ (B @ v)`` and
-``sum(A @ B)`` becomes ``(1^T A)(B 1)``.
+``sum(A @ B)`` becomes ``(1^T A)(B 1)``. Another order gives other NaNs and infinities where a
+factor is not finite, so the new order runs only where every factor is finite; otherwise the
+chain runs as written (a ``lax.cond``; the split pass chunks that branch).
 """
 
 from __future__ import annotations
@@ -17,8 +19,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from memsafe._jax import ClosedJaxpr, Literal, Var, dce, eqn_context, make_closed_jaxpr, source_line
+from memsafe._jax import (
+    ClosedJaxpr,
+    Literal,
+    Var,
+    bind_eqn,
+    dce,
+    eqn_context,
+    make_closed_jaxpr,
+    source_line,
+)
 from memsafe.graph import Graph, evaluate
 from memsafe.passes.base import PassContext
 from memsafe.plan import RuleRecord
@@ -243,6 +255,31 @@ def _emit(tree: Tree, values: list[Any]) -> Any:
     return jnp.matmul(_emit(tree[0], values), _emit(tree[1], values))
 
 
+def _all_finite(x: Any) -> Any:
+    """Whether every element of ``x`` is finite, from its max and min (XLA's max and min carry
+    a NaN through): no elementwise intermediate of ``x``'s size for the split pass to see."""
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        return jnp.bool_(True)
+    axes = tuple(range(x.ndim))
+    return jnp.isfinite(lax.reduce_max(x, axes)) & jnp.isfinite(lax.reduce_min(x, axes))
+
+
+def _as_written(eqns: Any, chain: Chain, env: dict[Any, Any]) -> Any:
+    """The chain's own equations, in the program's order, from the values they read outside it:
+    where a factor is not finite, another order gives other NaNs and infinities (an inf row of
+    ``x`` in ``(x @ y.T) @ v`` is NaN where the products' signs mix, inf in ``x @ (y.T @ v)``)."""
+    local: dict[Any, Any] = {}
+
+    def read(atom: Any) -> Any:
+        if isinstance(atom, Literal):
+            return atom.val
+        return local[atom] if atom in local else env[atom]
+
+    for i in sorted(chain.region):
+        local.update(zip(eqns[i].outvars, bind_eqn(eqns[i], [read(a) for a in eqns[i].invars])))
+    return local[chain.root]
+
+
 def find_chains(closed: ClosedJaxpr) -> list[tuple[Chain, Tree, Cost]]:
     """Chains whose best order beats the program's, outermost first, not overlapping."""
     graph = Graph(closed)
@@ -277,11 +314,19 @@ def reorder_chains(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[RuleRecord]]:
         if hit is None:
             return None
         chain, tree = hit
+        eqns = closed.jaxpr.eqns
         with eqn_context(eqn):
             values = [f.value(env.__getitem__) for f in chain.factors]
-            out = _emit(tree, values)
-            out = jnp.reshape(out, chain.root.aval.shape).astype(chain.root.aval.dtype)
-        return [out]
+
+            def reordered() -> Any:
+                out = _emit(tree, values)
+                return jnp.reshape(out, chain.root.aval.shape).astype(chain.root.aval.dtype)
+
+            def as_written() -> Any:
+                return _as_written(eqns, chain, env)
+
+            finite = functools.reduce(jnp.logical_and, map(_all_finite, values))
+            return [lax.cond(finite, reordered, as_written)]
 
     def program(*xs: Any) -> list[Any]:
         env.clear()

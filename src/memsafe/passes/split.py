@@ -156,8 +156,15 @@ def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
     ]
 
 
-#: Loop primitives and the parameter holding the body each iteration runs.
-LOOP_BODIES = {"scan": "jaxpr", "while": "body_jaxpr"}
+#: Control-flow primitives and the parameter holding the programs they run (a loop's body; a
+#: cond's branches, as a tuple).
+LOOP_BODIES = {"scan": "jaxpr", "while": "body_jaxpr", "cond": "branches"}
+
+
+def _programs(eqn: Any) -> tuple[ClosedJaxpr, ...]:
+    """The programs a control-flow equation runs (see :data:`LOOP_BODIES`)."""
+    held = eqn.params[LOOP_BODIES[eqn.primitive.name]]
+    return held if isinstance(held, tuple) else (held,)
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
@@ -166,21 +173,23 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     return _split_bodies(_split_top(closed, ctx), ctx)
 
 
-def _largest_inside(body: ClosedJaxpr) -> int:
-    values = [vi.bytes for vi in Graph(body).values() if vi.producer is not None]
+def _largest_inside(eqn: Any) -> int:
+    values = [
+        vi.bytes for b in _programs(eqn) for vi in Graph(b).values() if vi.producer is not None
+    ]
     return max(values, default=0)
 
 
 def _split_bodies(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Loops whose body makes a too-large value get their body split, under the budget left once
-    the loop's operands and results are placed (each iteration runs the split body)."""
+    the loop's operands and results are placed (each iteration runs the split body); a cond's
+    branches likewise."""
     graph = Graph(closed)
     budget = ctx.temp_budget
     loops = {
         i: LOOP_BODIES[e.primitive.name]
         for i, e in enumerate(graph.eqns)
-        if e.primitive.name in LOOP_BODIES
-        and _largest_inside(e.params[LOOP_BODIES[e.primitive.name]]) > budget // SHARE
+        if e.primitive.name in LOOP_BODIES and _largest_inside(e) > budget // SHARE
     }
     if not loops:
         return closed
@@ -190,10 +199,11 @@ def _split_bodies(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
             return None
         live = sum(graph.info(v).bytes for v in (*eqn.invars, *eqn.outvars) if isinstance(v, Var))
         sub = PassContext(ctx.memory_limit, ctx.fixed_bytes + live, ctx.plan, ctx.chunk_scale)
-        body = run(inline_calls(eqn.params[loops[i]]), sub)
+        split = tuple(run(inline_calls(b), sub) for b in _programs(eqn))
         for blocker in sub.blockers:
             ctx.block(blocker)
-        return bind_eqn_with(eqn, invals, **{loops[i]: body})
+        held = split if isinstance(eqn.params[loops[i]], tuple) else split[0]
+        return bind_eqn_with(eqn, invals, **{loops[i]: held})
 
     return retrace(closed, override)
 
