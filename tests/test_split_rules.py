@@ -12,7 +12,7 @@ from jax import lax
 import memsafe
 from memsafe.graph import Graph, inline_calls
 from memsafe.split import sinks
-from memsafe.split.registry import Mapping, NoRule, axis_map
+from memsafe.split.registry import Mapping, NoRule, axis_map, rebind
 from memsafe.split.sinks import Sink
 from memsafe.xla import Footprint, memsafe_jit
 
@@ -108,12 +108,48 @@ def test_rule_mappings():
     reverse = _eqn(lambda a: lax.cumsum(a, axis=1, reverse=True), a, name="cumsum")
     with pytest.raises(NoRule, match="in reverse"):
         axis_map(reverse, ("in", 0), 1)
+    squeeze = _eqn(lambda a: lax.squeeze(a[:, :1], (1,)), a, name="squeeze")
+    assert axis_map(squeeze, ("in", 0), 0) == Mapping(ins=(0,), outs=(0,))
+    with pytest.raises(NoRule, match="size-1 axis"):
+        axis_map(squeeze, ("in", 0), 1)
     tail = _eqn(lambda a: a[:, 1:], a, name="slice")
     assert axis_map(tail, ("in", 0), 1) == Sink(sinks.SLICE, ins=(1,))
     assert axis_map(tail, ("out", 0), 1) == Mapping(ins=(None,), outs=(1,))  # read whole
     fft = _eqn(lambda a: jnp.fft.fft(a), a, name="fft")
     with pytest.raises(NoRule, match="no splitting rule for primitive 'fft'"):
         axis_map(fft, ("in", 0), 0)
+
+
+def test_a_checkpointed_call_runs_on_a_chunk_where_its_body_maps_the_axis():
+    """A chunk loop's checkpointed chunk body, met by a later split along another axis: the
+    call maps the axis through its body and runs re-traced on each chunk, checkpointed again."""
+    a = jax.random.normal(jax.random.key(0), (6, 10))
+    t = jax.random.normal(jax.random.key(1), (10,))
+
+    def call(a, t):
+        return jax.checkpoint(lambda a, t: (jnp.sin(a) * t, jnp.cumsum(a, 1)))(a, t)
+
+    closed = jax.make_jaxpr(call)(a, t)
+    eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "remat2")
+    m = axis_map(eqn, ("in", 0), 0)
+    assert m == Mapping(ins=(0, None), outs=(0, 0))
+    assert axis_map(eqn, ("out", 1), 0) == m
+    with pytest.raises(NoRule):
+        axis_map(eqn, ("in", 0), 1)  # the body scans along it
+
+    def chunk(start, part):
+        out = rebind(eqn, [part, t], m, start, part.shape[0])
+        assert any(
+            e.primitive.name == "remat2"
+            for e in jax.make_jaxpr(lambda p: rebind(eqn, [p, t], m, start, part.shape[0]))(
+                part
+            ).jaxpr.eqns
+        )
+        return out
+
+    got = [chunk(0, a[:4]), chunk(4, a[4:])]
+    for k, want in enumerate(call(a, t)):
+        np.testing.assert_allclose(jnp.concatenate([g[k] for g in got]), want, rtol=1e-6)
 
 
 @pytest.mark.parametrize("op", ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"])

@@ -51,6 +51,28 @@ def propagate(
     raise NoRule("the loop carry never settles on the split axis")
 
 
+def reach(
+    jaxpr: Jaxpr,
+    ins: dict[int, int],
+    outs: dict[int, int],
+    tied: Sequence[tuple[int, int]] = (),
+) -> tuple[Axes, dict[int, Mapping]]:
+    """:func:`propagate` from the body inputs in ``ins``; with none, from the first body input
+    axis that lands on the one result in ``outs`` (a result is reached from the inputs)."""
+    if ins:
+        return propagate(jaxpr, ins, tied)
+    (o, a), target = next(iter(outs.items())), jaxpr.outvars
+    for k, v in enumerate(jaxpr.invars):
+        for b in range(len(v.aval.shape)):
+            try:
+                axes, maps = propagate(jaxpr, {k: b}, tied)
+            except NoRule:
+                continue
+            if axes.get(target[o]) == a:
+                return axes, maps
+    raise NoRule("no input of the body carries the split axis to this result")
+
+
 def _forward(jaxpr: Jaxpr, seeds: dict[Any, int]) -> tuple[Axes, dict[int, Mapping]]:
     """One walk in program order from the seeds: body inputs (by position) and generators
     (``("made", equation, result)``: a broadcast or iota made at chunk shape)."""

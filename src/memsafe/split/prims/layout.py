@@ -63,6 +63,8 @@ def _kept(eqn: JaxprEqn, side: Side, axis: int, larger: int) -> Mapping:
     dims = {d % rank for d in eqn.params["dimensions"]}
     kept = [d for d in range(rank) if d not in dims]
     on_larger = (side[0] == "in") == (larger == 0)
+    if on_larger and axis not in kept:
+        raise NoRule(f"{eqn.primitive.name}: the split axis is a size-1 axis it drops or adds")
     there = kept.index(axis) if on_larger else kept[axis]
     big, small = (axis, there) if on_larger else (there, axis)
     return Mapping(ins=(big,), outs=(small,)) if larger == 0 else Mapping((small,), (big,))

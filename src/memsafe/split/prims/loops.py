@@ -60,19 +60,8 @@ def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, dict, dict]:
     for o, a in outs.items():  # a carried result seeds the carry it comes back through
         if o < carry:
             ins.setdefault(consts + o, a)
-    if ins:
-        axes, maps = loop_body.propagate(body.jaxpr, ins, tied)
-        return body, axes, maps
-    (o, a), target = next(iter(outs.items())), body.jaxpr.outvars
-    for k, v in enumerate(body.jaxpr.invars):
-        for b in range(len(v.aval.shape)):
-            try:
-                axes, maps = loop_body.propagate(body.jaxpr, {k: b}, tied)
-            except NoRule:
-                continue
-            if axes.get(target[o]) == a:
-                return body, axes, maps
-    raise NoRule("scan: no input of the body carries the split axis to this result")
+    axes, maps = loop_body.reach(body.jaxpr, ins, outs, tied)
+    return body, axes, maps
 
 
 def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
