@@ -83,7 +83,8 @@ def _loop_group(
         for i in loop.eqns
         if isinstance(region.maps[i], Mapping) and running_along(eqns[i], region.maps[i])
     )
-    carry = Fold(tuple((eqns[i], region.maps[i]) for i in loop.sinks), running)
+    reverse = any(running_along(eqns[i], region.maps[i]).reverse(eqns[i]) for i in running)
+    carry = Fold(tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse)
     written = Written.of(loop.surviving, region.axis_of)
     n_sliced = len(loop.sliced)
 

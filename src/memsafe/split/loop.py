@@ -37,7 +37,10 @@ Body = Callable[[Any, int, list[Any], Any], tuple[Any, list[Any]]]
 
 
 class Carry:
-    """What a loop keeps between chunks, and how a chunk's partials update it."""
+    """What a loop keeps between chunks, and how a chunk's partials update it. ``reverse``: the
+    loop visits the chunks last first (a scan from the end along the axis)."""
+
+    reverse: bool = False
 
     def feed(self, state: Any) -> Any:
         """What the chunk body reads of the running state (None: nothing)."""
@@ -69,12 +72,18 @@ class Fold(Carry):
 
     sinks: tuple[tuple[JaxprEqn, Sink], ...]
     running: tuple[int, ...] = ()  # region equations scanning along the axis
+    reverse: bool = False
 
     def feed(self, state: tuple) -> dict[int, Any]:
         return dict(zip(self.running, state[1]))
 
     def fold(self, state: tuple, parts: tuple) -> tuple:
-        folded = [s.reducer.fold(e, a, b) for (e, s), a, b in zip(self.sinks, state[0], parts[0])]
+        """Reducers fold the earlier positions' partials first (ties go to the first index)."""
+        pairs = zip(self.sinks, state[0], parts[0])
+        if self.reverse:
+            folded = [s.reducer.fold(e, new, acc) for (e, s), acc, new in pairs]
+        else:
+            folded = [s.reducer.fold(e, acc, new) for (e, s), acc, new in pairs]
         return folded, parts[1]
 
     def results(self, state: tuple) -> list[Any]:
@@ -135,23 +144,28 @@ def chunked(
         return jax.checkpoint(lambda start, ops, fed: body(start, n, ops, fed))
 
     origin = jnp.asarray(origin, jnp.int32)
-    full = at(chunk)
-    parts, vals = full(origin, operands, None)
-    empty = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals, written.axes)]
-    state, bufs = carry.start(parts), written.write(empty, vals, origin)
     n_full, rem = divmod(size, chunk)
+
+    def start_of(i: Any) -> Any:
+        """Where the ``i``-th full chunk the loop visits starts (from the end in reverse)."""
+        return origin + (size - (i + 1) * chunk if carry.reverse else i * chunk)
+
+    full = at(chunk)
+    parts, vals = full(start_of(0), operands, None)
+    empty = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals, written.axes)]
+    state, bufs = carry.start(parts), written.write(empty, vals, start_of(0))
     if n_full > 1:
 
         def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
             state, bufs = c
-            start = origin + i * chunk
+            start = start_of(i)
             parts, vals = full(start, operands, carry.feed(state))
             return (carry.fold(state, parts), written.write(bufs, vals, start)), None
 
         steps = jnp.arange(1, n_full, dtype=jnp.int32)
         (state, bufs), _ = lax.scan(step, (state, bufs), steps)
     if rem:
-        start = origin + n_full * chunk
+        start = origin + (0 if carry.reverse else n_full * chunk)
         parts, vals = at(rem)(start, operands, carry.feed(state))
         state, bufs = carry.fold(state, parts), written.write(bufs, vals, start)
     return state, bufs
@@ -254,5 +268,6 @@ class ChunkEnv:
         prev = None if self.carried is None else self.carried.get(i)
         if prev is not None:
             out = run.combine(jnp.broadcast_to(prev, out.shape), out)
-        self.carries[i] = lax.slice_in_dim(out, self.n - 1, self.n, axis=axis)
+        edge = 0 if run.reverse(self.graph.eqns[i]) else self.n - 1  # the side the next chunk is on
+        self.carries[i] = lax.slice_in_dim(out, edge, edge + 1, axis=axis)
         return out

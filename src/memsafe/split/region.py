@@ -22,7 +22,7 @@ from typing import Any
 from memsafe._jax import JaxprEqn, Literal, Var, source_line
 from memsafe.graph import Graph
 from memsafe.primitives import CHEAP
-from memsafe.split.registry import Mapping, NoRule, axis_map
+from memsafe.split.registry import Mapping, NoRule, axis_map, running_along
 from memsafe.split.sinks import Sink
 
 #: Most loops a region may be staged into (each stage recomputes the region's shared prefix):
@@ -128,6 +128,7 @@ class _Growth:
     queue: deque[Var] = field(default_factory=deque)
     stopped_back: dict[Var, SplitFailure] = field(default_factory=dict)
     stopped_fwd: dict[Var, SplitFailure] = field(default_factory=dict)
+    reverse: bool | None = None  # the direction of the region's scans along the axis
 
     def assign(self, atom: Any, ax: int | None, user: int) -> None:
         """``atom`` carries the axis at ``ax`` (None: ``user`` reads it whole)."""
@@ -155,6 +156,7 @@ class _Growth:
             if self.maps[index] != m:
                 raise SplitFailure("the axis reaches this operation in two ways", eqn)
             return
+        self._check_direction(eqn, m)
         self.maps[index] = m
         for atom, ax in zip(eqn.invars, m.ins):
             self.assign(atom, ax, index)
@@ -163,6 +165,17 @@ class _Growth:
                 if ax is None:
                     raise SplitFailure("a result loses the split axis", eqn)
                 self.assign(atom, ax, index)
+
+    def _check_direction(self, eqn: JaxprEqn, m: Mapping | Sink) -> None:
+        """A region's loop visits its chunks in one order: its scans along the axis must all
+        run forward or all in reverse."""
+        run = running_along(eqn, m) if isinstance(m, Mapping) else None
+        if run is None:
+            return
+        reverse = run.reverse(eqn)
+        if self.reverse is not None and self.reverse != reverse:
+            raise SplitFailure("scans along the split axis run in both directions", eqn)
+        self.reverse = reverse
 
     def propagate(self) -> None:
         """Carry the axis to producers (cheap or large ones) and consumers until it stops."""

@@ -68,10 +68,13 @@ class Running:
     Attributes:
         combine: (carry of size 1 along the axis, the chunk's own scan) -> the chunk's result.
         axis: the axis the equation scans along.
+        reverse: whether the equation scans from the end (its loop visits the chunks last
+            first, and a chunk's first value carries into the chunk before it).
     """
 
     combine: Callable[[Any, Any], Any]
     axis: Callable[[JaxprEqn], int]
+    reverse: Callable[[JaxprEqn], bool] = lambda eqn: False
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """Scans and sorts. A scan along the split axis carries its last value from chunk to chunk
-(cumsum, cumprod, cummax, cummin, cumlogsumexp, in order); a sort along it cannot be chunked."""
+(cumsum, cumprod, cummax, cummin, cumlogsumexp, in order; a reverse scan visits the chunks last
+first and carries each chunk's first value); a sort along it cannot be chunked."""
 
 from __future__ import annotations
 
@@ -28,8 +29,6 @@ def _scan_axis(eqn: JaxprEqn) -> int:
 
 
 def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    if axis == _scan_axis(eqn) and eqn.params["reverse"]:
-        raise NoRule(f"{eqn.primitive.name} scans the split axis in reverse")
     dtype = eqn.outvars[0].aval.dtype
     if axis == _scan_axis(eqn) and jnp.issubdtype(dtype, jnp.inexact) and dtype.itemsize < 4:
         # a chunk's scan plus the carry rounds differently from XLA's whole-axis scan in
@@ -40,6 +39,10 @@ def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return passing(eqn, axis)
 
 
+def _reversed(eqn: JaxprEqn) -> bool:
+    return bool(eqn.params["reverse"])
+
+
 for _name, _combine in {
     "cumsum": lax.add,
     "cumprod": lax.mul,
@@ -47,6 +50,6 @@ for _name, _combine in {
     "cummin": lax.min,
     "cumlogsumexp": jnp.logaddexp,
 }.items():
-    split_rule(_name, running=Running(_combine, _scan_axis))(_scan)
+    split_rule(_name, running=Running(_combine, _scan_axis, _reversed))(_scan)
 
 identity_unless(["sort"], lambda e: (e.params["dimension"] % _rank(e),), "sorts", inherent=True)
