@@ -247,3 +247,22 @@ def test_cond_branches_split_under_the_limit(grad):
     for got, want in zip(jax.tree.leaves(f(x, y)), jax.tree.leaves(memsafe_jit(fun)(x, y))):
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_cond_branch_budget_does_not_count_the_arguments_twice():
+    """The budget inside a cond branch is what is left beside the cond's operands and results,
+    less those that are the program's own arguments and outputs (already placed): a budget
+    smaller than the arguments still splits the branch (fuzz seed 132)."""
+
+    def fun(x, y):
+        piece = lambda x: jnp.sum(jnp.outer(x, y) * jnp.cos(y))
+        return lax.cond(jnp.sum(x) > 0, lambda: piece(x), lambda: piece(x * 0.5))
+
+    x = jax.random.normal(jax.random.key(0), (32,))
+    y = jax.random.normal(jax.random.key(1), (50_000,))
+    plain = Footprint.from_compiled(memsafe_jit(fun).lower(x, y).compile())
+    limit = plain.arguments + plain.outputs + 160 * 1024  # y alone is 195 KiB
+    f = memsafe.jit(fun, memory_limit=limit)
+    plan = f.plan(x, y)
+    assert plan.splits and plan.after.total <= limit, plan
+    np.testing.assert_allclose(f(x, y), memsafe_jit(fun)(x, y), rtol=1e-4)

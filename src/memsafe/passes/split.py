@@ -197,8 +197,9 @@ def _split_bodies(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     def override(i: int, eqn: Any, invals: list[Any]) -> list[Any] | None:
         if i not in loops:
             return None
-        live = sum(graph.info(v).bytes for v in (*eqn.invars, *eqn.outvars) if isinstance(v, Var))
-        sub = PassContext(ctx.memory_limit, ctx.fixed_bytes + live, ctx.plan, ctx.chunk_scale)
+        sub = PassContext(
+            ctx.memory_limit, ctx.fixed_bytes + _live(graph, eqn), ctx.plan, ctx.chunk_scale
+        )
         split = tuple(run(inline_calls(b), sub) for b in _programs(eqn))
         for blocker in sub.blockers:
             ctx.block(blocker)
@@ -206,6 +207,15 @@ def _split_bodies(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         return bind_eqn_with(eqn, invals, **{loops[i]: held})
 
     return retrace(closed, override)
+
+
+def _live(graph: Graph, eqn: Any) -> int:
+    """Bytes of a loop's (or cond's) operands and results beside its body, each value once; the
+    program's own inputs and outputs among them are in the fixed bytes already."""
+    jaxpr = graph.closed.jaxpr
+    counted = {*jaxpr.invars, *(v for v in jaxpr.outvars if isinstance(v, Var))}
+    values = {v for v in (*eqn.invars, *eqn.outvars) if isinstance(v, Var) and v not in counted}
+    return sum(graph.info(v).bytes for v in values)
 
 
 def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
