@@ -119,6 +119,30 @@ def test_scan_whose_carry_sums_the_axis_is_refused_by_name():
         body.propagate(scan.params["jaxpr"].jaxpr, {2: 0}, [(1, 0)])
 
 
+def test_body_answers_are_walked_once_per_body_and_seeds():
+    """Region growth asks a loop the same question once per candidate (a fuzz case's planning
+    took 300 s walking one scan body over and over): answers and refusals are remembered."""
+
+    def fun(x, w):
+        def step(c, xt):
+            z = jnp.tanh(xt @ w)
+            return c + jnp.sum(z), z
+
+        return lax.scan(step, 0.0, x)[1]
+
+    x, w, _, _ = _rnn_inputs()
+    from memsafe.split import body
+    from memsafe.split.registry import NoRule
+
+    jaxpr = jax.make_jaxpr(fun)(x, w)
+    inner = next(e for e in jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
+    walked = body._reach_once.cache_info().misses
+    for _ in range(3):
+        with pytest.raises(NoRule, match="reduces the split axis"):
+            body.reach(inner, {2: 0}, {}, [(1, 0)])
+    assert body._reach_once.cache_info().misses == walked + 1
+
+
 def test_a_cumsum_along_the_axis_inside_a_loop_body_is_not_run_per_chunk():
     """A chunk of rows through a scan whose body takes a cumsum over the rows would miss the
     rows of the chunks before it (inside a body there is no running carry to thread): the loop

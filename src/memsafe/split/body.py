@@ -11,6 +11,7 @@ the axis or reads a chunked value whole, and one with a result that does not car
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -58,7 +59,32 @@ def reach(
     tied: Sequence[tuple[int, int]] = (),
 ) -> tuple[Axes, dict[int, Mapping]]:
     """:func:`propagate` from the body inputs in ``ins``; with none, from the first body input
-    axis that lands on the one result in ``outs`` (a result is reached from the inputs)."""
+    axis that lands on the one result in ``outs`` (a result is reached from the inputs).
+
+    Answers (and refusals) are remembered per body and seeds: region growth asks the same loop
+    the same question once per candidate value and axis, and each answer walks the whole body.
+    The returned dicts are shared: read them, do not change them."""
+    got, err = _reach_once(
+        jaxpr, tuple(sorted(ins.items())), tuple(sorted(outs.items())), tuple(tied)
+    )
+    if err is not None:
+        raise NoRule(str(err), inherent=err.inherent)
+    return got
+
+
+@functools.lru_cache(maxsize=1024)
+def _reach_once(
+    jaxpr: Jaxpr, ins: tuple, outs: tuple, tied: tuple
+) -> tuple[tuple[Axes, dict[int, Mapping]] | None, NoRule | None]:
+    try:
+        return _reach(jaxpr, dict(ins), dict(outs), tied), None
+    except NoRule as err:
+        return None, err
+
+
+def _reach(
+    jaxpr: Jaxpr, ins: dict[int, int], outs: dict[int, int], tied: Sequence[tuple[int, int]]
+) -> tuple[Axes, dict[int, Mapping]]:
     if ins:
         return propagate(jaxpr, ins, tied)
     (o, a), target = next(iter(outs.items())), jaxpr.outvars
