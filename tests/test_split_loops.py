@@ -290,3 +290,48 @@ def test_a_cond_branch_budget_does_not_count_the_arguments_twice():
     plan = f.plan(x, y)
     assert plan.splits and plan.after.total <= limit, plan
     np.testing.assert_allclose(f(x, y), memsafe_jit(fun)(x, y), rtol=1e-4)
+
+
+def _branchy(x, y, flag):
+    """A cond whose result is the large value: the split passes through the cond."""
+    kernel = lambda x, y: jnp.exp(-jnp.sum((x[:, None, :] - y[None]) ** 2, -1))
+    cosine = lambda x, y: jnp.cos(x @ y.T)
+    d = lax.cond(flag > 0, kernel, cosine, x, y)
+    return jnp.max(d, axis=1), jnp.argmax(d, axis=1)
+
+
+@pytest.mark.parametrize("flag", [1, -1], ids=["kernel", "cosine"])
+def test_a_cond_whose_branches_map_the_axis_is_split_through(flag):
+    """Each chunk runs through the branch the index picks. (Under jax.grad the forward cond
+    also returns the other branch's residuals as broadcast zeros, which carry no axis: that
+    program splits inside the branches instead, or not at all.)"""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((1500, 8), dtype=np.float32)).at[7, 1].set(jnp.nan)
+    y = jnp.asarray(rng.standard_normal((1000, 8), dtype=np.float32))
+    fun = _branchy
+    plain = Footprint.from_compiled(memsafe_jit(fun).lower(x, y, flag).compile())
+    limit = plain.arguments + plain.outputs + (plain.total - plain.arguments - plain.outputs) // 6
+    f = memsafe.jit(fun, memory_limit=limit)
+    plan = f.plan(x, y, flag)
+    assert any("cond" in s.ops for s in plan.splits) and plan.after.total <= limit, plan
+    for got, want in zip(
+        jax.tree.leaves(f(x, y, flag)), jax.tree.leaves(memsafe_jit(fun)(x, y, flag))
+    ):
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cond_whose_branches_map_the_axis_differently_has_no_rule():
+    """Each branch maps the rows of its result to a different operand: no one chunking of the
+    operands serves both branches."""
+    from memsafe.split.registry import NoRule, axis_map
+
+    def fun(x, w, c):
+        return lax.cond(jnp.sum(c) > 0, lambda: x @ c.T, lambda: w @ c.T)
+
+    x, w, c = jnp.ones((20, 8)), jnp.ones((20, 8)), jnp.ones((30, 8))
+    (eqn,) = [e for e in jax.make_jaxpr(fun)(x, w, c).eqns if e.primitive.name == "cond"]
+    with pytest.raises(NoRule, match="branches carry the split axis to different"):
+        axis_map(eqn, ("out", 0), 0)
+    columns = axis_map(eqn, ("out", 0), 1)  # c's rows, the same in both branches
+    assert [eqn.invars[k].aval.shape for k, a in enumerate(columns.ins) if a == 0] == [(30, 8)]

@@ -247,6 +247,17 @@ def platform_index_value(eqn: JaxprEqn, platform: str | None = None) -> int | No
     return next((i for i, names in enumerate(branches) if names is None), None)
 
 
+#: Control-flow primitives and the parameter holding the programs they run (a loop's body; a
+#: cond's branches, as a tuple).
+LOOP_BODIES = {"scan": "jaxpr", "while": "body_jaxpr", "cond": "branches"}
+
+
+def programs(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...]:
+    """The programs a control-flow equation runs (see :data:`LOOP_BODIES`)."""
+    held = eqn.params[LOOP_BODIES[eqn.primitive.name]]
+    return held if isinstance(held, tuple) else (held,)
+
+
 def cond_branches(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...] | None:
     """The branch jaxprs of a ``cond`` equation (its first operand is the branch index)."""
     if eqn.primitive.name != "cond":
@@ -268,3 +279,14 @@ def context_mesh() -> Any:
 
     got = mesh_lib.get_concrete_mesh()
     return None if got is None or got.empty else got
+
+
+def lapack_waits_on_its_pool() -> bool:
+    """Whether batched LAPACK calls can wait for each other forever here: jaxlib 0.10's CPU
+    kernels cut a batch into pieces, schedule them on XLA's intra-op thread pool and wait for
+    them on a thread of that same pool, so calls running at once can hold every thread while
+    their pieces wait in the queue. jaxlib 0.11 runs each call on its calling thread."""
+    import jaxlib
+
+    version = tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())
+    return (0, 10) <= version < (0, 11) and lowering_platform() == "cpu"

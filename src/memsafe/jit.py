@@ -24,6 +24,7 @@ from memsafe.dispatch import MISS, FastPath
 from memsafe.errors import ForwardModeError, MemoryLimitError
 from memsafe.gradient import differentiable
 from memsafe.graph import Graph, estimate, inline_calls
+from memsafe.lapack_order import ordered
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.passes import PassContext
 from memsafe.plan import Attempt, PassRecord, Plan
@@ -145,7 +146,7 @@ class _Compiling:
         background: bool = False,
     ) -> None:
         self._watch = log.Stopwatch()
-        self._jitted = memsafe_jit(fun, options, donate_argnums=donate)
+        self._jitted = memsafe_jit(ordered(fun), options, donate_argnums=donate)
         lowered = self._jitted.lower(*avals)
         self._hidden, self._what = hidden, what
         self._future: Future | None = None
@@ -302,7 +303,7 @@ def _adopted(
     found.out_tree = out_tree
     if found.plan.fits_unchanged:
         found.fun = flat_fun
-        found.jitted = memsafe_jit(flat_fun, compiler_options, donate_argnums=donate)
+        found.jitted = memsafe_jit(ordered(flat_fun), compiler_options, donate_argnums=donate)
     return found
 
 

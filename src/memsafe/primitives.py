@@ -46,6 +46,7 @@ class Facts:
         fold: a binary arithmetic operation a left fold (a chain of accumulations) is built of.
         monoid: for reductions, the name of the monoid combining partial results.
         scaling: how a factor constant along the split axis passes (None: it does not).
+        lapack: on the CPU it is a LAPACK call (``memsafe.lapack_order``).
     """
 
     kind: Kind
@@ -55,6 +56,7 @@ class Facts:
     fold: bool = False
     monoid: str | None = None
     scaling: Scaling | None = None
+    lapack: bool = False
 
 
 def _elementwise(**facts: object) -> Facts:
@@ -184,6 +186,25 @@ TABLE: dict[str, Facts] = {
     **dict.fromkeys(
         ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"], Facts(Kind.CUMULATIVE)
     ),
+    # linear algebra: LAPACK calls on the CPU
+    **dict.fromkeys(
+        [
+            "cholesky",
+            "triangular_solve",
+            "lu",
+            "geqrf",
+            "geqp3",
+            "householder_product",
+            "eigh",
+            "eig",
+            "svd",
+            "schur",
+            "hessenberg",
+            "tridiagonal",
+            "tridiagonal_solve",
+        ],
+        Facts(Kind.OTHER, lapack=True),
+    ),
 }
 
 _UNKNOWN = Facts(Kind.OTHER)
@@ -212,3 +233,5 @@ FOLDS = _names(lambda f: f.fold)
 REDUCTIONS = _names(lambda f: f.kind is Kind.REDUCTION)
 #: Scans along one ``axis``.
 CUMULATIVE = _names(lambda f: f.kind is Kind.CUMULATIVE)
+#: LAPACK calls on the CPU.
+LAPACK = _names(lambda f: f.lapack)

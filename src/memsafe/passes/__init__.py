@@ -1,6 +1,6 @@
 """The rewriting pipeline, in order: match-and-replace, reorder, unflatten, fission, split,
 schedule, recompute, constants. Each pass is a module with ``run(closed, ctx) -> closed``; its
-name is the module's."""
+name is the module's. ``memsafe.lapack_order`` is applied to every program memsafe compiles."""
 
 from __future__ import annotations
 

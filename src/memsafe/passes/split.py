@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memsafe._jax import ClosedJaxpr, Var, bind_eqn_with, source_line
+from memsafe._jax import LOOP_BODIES, ClosedJaxpr, Var, bind_eqn_with, programs, source_line
 from memsafe.errors import Blocker
 from memsafe.graph import Graph, estimate
 from memsafe.graph.interpret import inline_calls, retrace
@@ -156,17 +156,6 @@ def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
     ]
 
 
-#: Control-flow primitives and the parameter holding the programs they run (a loop's body; a
-#: cond's branches, as a tuple).
-LOOP_BODIES = {"scan": "jaxpr", "while": "body_jaxpr", "cond": "branches"}
-
-
-def _programs(eqn: Any) -> tuple[ClosedJaxpr, ...]:
-    """The programs a control-flow equation runs (see :data:`LOOP_BODIES`)."""
-    held = eqn.params[LOOP_BODIES[eqn.primitive.name]]
-    return held if isinstance(held, tuple) else (held,)
-
-
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Split every too-large intermediate that some axis allows, at the top level and inside
     loop bodies; block the rest."""
@@ -175,7 +164,7 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
 
 def _largest_inside(eqn: Any) -> int:
     values = [
-        vi.bytes for b in _programs(eqn) for vi in Graph(b).values() if vi.producer is not None
+        vi.bytes for b in programs(eqn) for vi in Graph(b).values() if vi.producer is not None
     ]
     return max(values, default=0)
 
@@ -200,7 +189,7 @@ def _split_bodies(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         sub = PassContext(
             ctx.memory_limit, ctx.fixed_bytes + _live(graph, eqn), ctx.plan, ctx.chunk_scale
         )
-        split = tuple(run(inline_calls(b), sub) for b in _programs(eqn))
+        split = tuple(run(inline_calls(b), sub) for b in programs(eqn))
         for blocker in sub.blockers:
             ctx.block(blocker)
         held = split if isinstance(eqn.params[loops[i]], tuple) else split[0]

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn
@@ -155,7 +156,7 @@ def _times(scaled: Role, base: Base) -> Factor:
 def _is_zero(graph: Graph, atom: Any) -> bool:
     """A literal zero or a broadcast of one (``jnp.where(mask, e, 0)``)."""
     if isinstance(atom, Literal):
-        return bool(jnp.all(jnp.asarray(atom.val) == 0))
+        return bool(np.all(np.asarray(atom.val) == 0))  # numpy: this may run inside a trace
     p = graph.info(atom).producer
     if p is None:
         return False

@@ -1,5 +1,7 @@
-"""Calls. A call whose body maps the split axis through (a ``jax.checkpoint`` region, a nested
-``jit``) runs on each chunk: its body re-traced at chunk shape, checkpointed again where it was.
+"""Calls and branches. A call whose body maps the split axis through (a ``jax.checkpoint``
+region, a nested ``jit``) runs on each chunk: its body re-traced at chunk shape, checkpointed
+again where it was. A ``cond`` whose branches all map the split axis the same way runs each
+chunk through the branch its (whole, scalar) index picks.
 
 The pipeline inlines the user's calls before planning, so the calls met here are the ones a
 split emitted: every chunk loop checkpoints its chunk body, and a later split along another axis
@@ -13,6 +15,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, jaxpr_as_fun
 from memsafe.graph.interpret import inline_calls
@@ -37,31 +40,51 @@ def _body(eqn: JaxprEqn) -> ClosedJaxpr:
     return _inlined(sub)
 
 
-def _axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[ClosedJaxpr, dict, dict]:
-    body = _body(eqn)
+Reached = tuple[ClosedJaxpr, dict, dict]  # a body, the axes of its values, their mappings
+
+
+def _axes(body: ClosedJaxpr, side: Side, axis: int) -> Reached:
     seeds = {side[1]: axis}
     ins, outs = (seeds, {}) if side[0] == "in" else ({}, seeds)
     axes, maps = loop_body.reach(body.jaxpr, ins, outs)
     return body, axes, maps
 
 
-def _call(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    """Every operand and result of the call at the axis its body value carries."""
-    body, axes, _ = _axes(eqn, side, axis)
+def _mapping(name: str, reached: Reached, side: Side, axis: int) -> Mapping:
+    """Every operand and result of a body at the axis its value carries."""
+    body, axes, _ = reached
     ins = tuple(axes.get(v) for v in body.jaxpr.invars)
     outs = tuple(axes.get(v) for v in body.jaxpr.outvars)
     if (ins if side[0] == "in" else outs)[side[1]] != axis:
-        raise NoRule(f"{eqn.primitive.name}: the split axis does not pass through the body")
+        raise NoRule(f"{name}: the split axis does not pass through the body")
     return Mapping(ins=ins, outs=outs)
+
+
+def _side(m: Mapping) -> Side:
+    """A side of the mapping that carries the split axis (an operand where one does)."""
+    for kind, axes in (("in", m.ins), ("out", m.outs)):
+        for k, a in enumerate(axes):
+            if a is not None:
+                return kind, k
+    raise NoRule("the split axis passes through no operand or result")
+
+
+def _chunk_fun(reached: Reached, n: int) -> Any:
+    body, axes, maps = reached
+    in_avals = [v.aval for v in body.jaxpr.invars]
+    return jaxpr_as_fun(loop_body.chunk_body(body, axes, maps, n, in_avals))
+
+
+def _call(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    return _mapping(eqn.primitive.name, _axes(_body(eqn), side, axis), side, axis)
 
 
 def _rebind_call(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
     """The body re-traced on the chunk (its start as one more operand), checkpointed again
     where the call was a checkpoint."""
-    side = next(("in", k) for k, a in enumerate(m.ins) if a is not None)
-    body, axes, maps = _axes(eqn, side, m.ins[side[1]])
-    in_avals = [v.aval for v in body.jaxpr.invars]
-    fun = jaxpr_as_fun(loop_body.chunk_body(body, axes, maps, n, in_avals))
+    side = _side(m)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    fun = _chunk_fun(_axes(_body(eqn), side, axis), n)
     if CALLS[eqn.primitive.name]:
         fun = jax.checkpoint(
             fun, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
@@ -70,3 +93,32 @@ def _rebind_call(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
 
 
 split_rule(*CALLS, rebind=_rebind_call)(_call)
+
+
+def _branches(eqn: JaxprEqn, side: Side, axis: int) -> list[Reached]:
+    """Each branch reached from the split axis (a cond's operand k is its branches' input k-1)."""
+    if side == ("in", 0):
+        raise NoRule("cond: the branch index is a scalar")
+    inner = ("in", side[1] - 1) if side[0] == "in" else side
+    return [_axes(_inlined(b), inner, axis) for b in eqn.params["branches"]]
+
+
+def _cond(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """Operands and results at the axes every branch gives them (the index whole)."""
+    inner = ("in", side[1] - 1) if side[0] == "in" else side
+    found = {_mapping("cond", r, inner, axis) for r in _branches(eqn, side, axis)}
+    if len(found) != 1:
+        raise NoRule("cond: its branches carry the split axis to different operands or results")
+    (m,) = found
+    return Mapping(ins=(None, *m.ins), outs=m.outs)
+
+
+def _rebind_cond(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
+    """The chunk through the branch the index picks, each branch re-traced at chunk shape."""
+    side = _side(m)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    funs = [_chunk_fun(r, n) for r in _branches(eqn, side, axis)]
+    return list(lax.switch(invals[0], funs, jnp.asarray(start, jnp.int32), *invals[1:]))
+
+
+split_rule("cond", rebind=_rebind_cond)(_cond)
