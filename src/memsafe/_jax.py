@@ -258,6 +258,13 @@ def programs(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...]:
     return held if isinstance(held, tuple) else (held,)
 
 
+def jaxprs_in_params(eqn: JaxprEqn) -> Iterator[Jaxpr]:
+    """The jaxprs among ``eqn``'s parameters (a call's body, a loop's, a cond's branches)."""
+    from jax._src import core
+
+    return core.jaxprs_in_params(eqn.params)
+
+
 def cond_branches(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...] | None:
     """The branch jaxprs of a ``cond`` equation (its first operand is the branch index)."""
     if eqn.primitive.name != "cond":

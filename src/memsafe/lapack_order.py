@@ -32,6 +32,7 @@ from memsafe._jax import (
     Jaxpr,
     JaxprEqn,
     bind_eqn_with,
+    jaxprs_in_params,
     lapack_waits_on_its_pool,
     make_closed_jaxpr,
     programs,
@@ -62,18 +63,7 @@ def calls_lapack(jaxpr: Jaxpr) -> bool:
 
 
 def _eqn_calls_lapack(eqn: JaxprEqn) -> bool:
-    return eqn.primitive.name in LAPACK or any(calls_lapack(j) for j in _inner(eqn.params))
-
-
-def _inner(params: dict[str, Any]) -> list[Jaxpr]:
-    found = []
-    for value in params.values():
-        for v in value if isinstance(value, tuple) else (value,):
-            if isinstance(v, ClosedJaxpr):
-                found.append(v.jaxpr)
-            elif isinstance(v, Jaxpr):
-                found.append(v)
-    return found
+    return eqn.primitive.name in LAPACK or any(calls_lapack(j) for j in jaxprs_in_params(eqn))
 
 
 def order(closed: ClosedJaxpr) -> ClosedJaxpr:

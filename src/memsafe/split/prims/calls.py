@@ -95,18 +95,21 @@ def _rebind_call(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
 split_rule(*CALLS, rebind=_rebind_call)(_call)
 
 
-def _branches(eqn: JaxprEqn, side: Side, axis: int) -> list[Reached]:
-    """Each branch reached from the split axis (a cond's operand k is its branches' input k-1)."""
+def _in_branch(side: Side) -> Side:
+    """A cond's side as its branches see it (its operand k is their input k-1)."""
     if side == ("in", 0):
         raise NoRule("cond: the branch index is a scalar")
-    inner = ("in", side[1] - 1) if side[0] == "in" else side
-    return [_axes(_inlined(b), inner, axis) for b in eqn.params["branches"]]
+    return ("in", side[1] - 1) if side[0] == "in" else side
+
+
+def _branches(eqn: JaxprEqn, side: Side, axis: int) -> list[Reached]:
+    """Each branch reached from the split axis at ``side`` of the cond."""
+    return [_axes(_inlined(b), _in_branch(side), axis) for b in eqn.params["branches"]]
 
 
 def _cond(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     """Operands and results at the axes every branch gives them (the index whole)."""
-    inner = ("in", side[1] - 1) if side[0] == "in" else side
-    found = {_mapping("cond", r, inner, axis) for r in _branches(eqn, side, axis)}
+    found = {_mapping("cond", r, _in_branch(side), axis) for r in _branches(eqn, side, axis)}
     if len(found) != 1:
         raise NoRule("cond: its branches carry the split axis to different operands or results")
     (m,) = found
