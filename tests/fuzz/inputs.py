@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -17,13 +18,29 @@ class Inputs:
     args: tuple[jnp.ndarray, ...]
     note: str
 
-    def cast(self, dtype: str) -> tuple[jnp.ndarray, ...]:
-        """The same values with the float arguments cast to ``dtype`` (exact when widening)."""
+    def perturbed(self, seed: int, args: tuple[jnp.ndarray, ...] | None = None) -> tuple:
+        """``args`` (default: these arguments) with every finite non-zero float moved one unit in
+        the last place, up or down at random (NaN, inf, zeros and integers unchanged): inputs as
+        good as these, on which jax.jit's rounding error is another draw of the same size."""
+        rng = np.random.default_rng(seed)
+        out = []
+        for a in self.args if args is None else args:
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                up = jnp.asarray(rng.random(a.shape) < 0.5)
+                target = jnp.where(up, jnp.inf, -jnp.inf).astype(a.dtype)
+                moved = jax.lax.nextafter(a, target)
+                a = jnp.where(jnp.isfinite(a) & (a != 0), moved, a)
+            out.append(a)
+        return tuple(out)
+
+    def cast(self, dtype: str, args: tuple[jnp.ndarray, ...] | None = None) -> tuple:
+        """``args`` (default: these arguments) with the float arguments cast to ``dtype`` (exact
+        when widening)."""
         return tuple(
             jnp.asarray(np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a), dtype)
             if jnp.issubdtype(a.dtype, jnp.floating)
             else a
-            for a in self.args
+            for a in (self.args if args is None else args)
         )
 
 
