@@ -36,7 +36,7 @@ def test_random_program(seed):
 
 
 #: Seeds of programs a campaign found answered wrongly, each fixed since (tests/fuzz/FOUND.md).
-FOUND = (448, 501, 1937)
+FOUND = (448, 501, 1871, 1937)
 
 
 @pytest.mark.parametrize("seed", FOUND)
@@ -133,3 +133,20 @@ def test_jit_error_scale_is_its_usual_error_not_a_lucky_draw():
     assert error_scale([1e-9], [[1e-6], [1e-6], [1e-6], [1.0]]) == [1e-6]
     assert error_scale([5e-6, 0.0], [[1e-6, 0.0]] * 4) == [5e-6, 0.0]
     assert error_scale([2e-6], []) == [2e-6]
+
+
+def test_unfused_evaluation_runs_loops_branches_and_calls_one_primitive_at_a_time():
+    from tests.fuzz.unfused import evaluate
+
+    def fun(x):
+        def step(c, r):
+            return c + jnp.sum(r), jnp.where(r > 0, r, jnp.nan)
+
+        c, ys = jax.lax.scan(step, 0.0, x, reverse=True)
+        w = jax.lax.while_loop(lambda v: v[0] < 3, lambda v: (v[0] + 1, v[1] * 2), (0, c))[1]
+        b = jax.lax.cond(w > 0, lambda: jax.jit(jnp.sin)(w), lambda: w)
+        return ys, jax.checkpoint(lambda z: z * b)(x)
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 3)), jnp.float32)
+    for got, want in zip(evaluate(fun, (x,)), jax.jit(fun)(x)):
+        np.testing.assert_allclose(got, want, rtol=1e-6)

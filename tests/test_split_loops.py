@@ -335,3 +335,81 @@ def test_a_cond_whose_branches_map_the_axis_differently_has_no_rule():
         axis_map(eqn, ("out", 0), 0)
     columns = axis_map(eqn, ("out", 0), 1)  # c's rows, the same in both branches
     assert [eqn.invars[k].aval.shape for k, a in enumerate(columns.ins) if a == 0] == [(30, 8)]
+
+
+def _decaying(reverse):
+    """A scan over blocks of rows whose carry feeds every stacked value: the loop over chunks
+    of iterations must hand each chunk the carry the chunks before it left."""
+
+    def fun(x, y):
+        def step(c, xb):
+            s = jnp.exp(-((xb[:, None] - y[None, :]) ** 2) - c)  # a large value per step
+            return c * 0.5 + jnp.mean(s), s
+
+        c, ss = lax.scan(step, jnp.float32(0.25), x.reshape(16, -1), reverse=reverse)
+        return c, jnp.max(ss, axis=(0, 1)), jnp.argmax(ss[:, 0, :], axis=0)
+
+    return fun
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reverse"])
+def test_scan_with_a_carry_runs_in_chunks_of_its_iterations(reverse):
+    fun = _decaying(reverse)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal(256, dtype=np.float32))
+    y = jnp.asarray(np.round(rng.standard_normal(4000) * 2).astype(np.float32) / 2)  # ties
+    x = x.at[19].set(jnp.nan)
+    plain = Footprint.from_compiled(memsafe_jit(fun).lower(x, y).compile())
+    fixed = plain.arguments + plain.outputs
+    limit = fixed + (plain.total - fixed) // 3
+    f = memsafe.jit(fun, memory_limit=limit)
+    plan = f.plan(x, y)
+    assert plan.after.total <= limit, plan
+    assert any(s.axis == 0 and "scan" in s.ops for s in plan.splits), plan
+    for got, want in zip(f(x, y), memsafe_jit(fun)(x, y)):
+        np.testing.assert_array_equal(got, want)  # the same iterations, in the same order
+
+
+def _counted(x, y):
+    """A fori_loop whose per-iteration values depend on its index and on no other carry: the
+    gradient's residuals are stacked by iteration."""
+
+    def body(i, acc):
+        s = jnp.sin(x[:, None] * (1 + i).astype(x.dtype) - y[None, :])
+        return acc + jnp.max(s, 1)
+
+    return lax.fori_loop(1, 5, body, jnp.zeros(x.shape[0]))
+
+
+def test_fori_loop_values_that_follow_only_its_index_move_to_their_own_loop():
+    """The index of a fori_loop is a carry that counts: values computed from it and from no
+    other carry move into a carry-free loop (the index scanned in), so the gradient's residuals
+    split along the iterations, the backward loop threading its own carry."""
+
+    def fun(x, y):
+        return jax.grad(lambda x, y: jnp.sum(_counted(x, y)), argnums=(0, 1))(x, y)
+
+    rng = np.random.default_rng(3)
+    x = jnp.asarray(rng.standard_normal(64, dtype=np.float32))
+    y = jnp.asarray(rng.standard_normal(3000, dtype=np.float32))
+    plain = Footprint.from_compiled(memsafe_jit(fun).lower(x, y).compile())
+    fixed = plain.arguments + plain.outputs
+    limit = fixed + (plain.total - fixed) * 2 // 3
+    f = memsafe.jit(fun, memory_limit=limit)
+    plan = f.plan(x, y)
+    assert plan.after.total <= limit, plan
+    assert any(r.pass_name == "fission" for r in plan.passes), plan
+    for got, want in zip(f(x, y), memsafe_jit(fun)(x, y)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_counters_are_found_by_their_update():
+    from memsafe.passes.fission import carry_free_results, counters
+
+    jaxpr = jax.make_jaxpr(_counted)(jnp.ones(8), jnp.ones(30))
+    scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
+    assert counters(scan) == {0: 1}
+    assert carry_free_results(scan) == []  # its only stacked result is the accumulator's carry
+    grad = jax.make_jaxpr(jax.grad(lambda x, y: jnp.sum(_counted(x, y))))(jnp.ones(8), jnp.ones(30))
+    fwd = next(e for e in grad.eqns if e.primitive.name == "scan")
+    assert counters(fwd) and carry_free_results(fwd)  # the residuals follow the index only

@@ -13,11 +13,17 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
 from memsafe._jax import (
     ClosedJaxpr,
     JaxprEqn,
+    Literal,
     Var,
     bind_eqn_with,
+    eval_jaxpr,
     scan_counts,
     scan_layout,
     with_outputs,
@@ -27,13 +33,36 @@ from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
 
 
+def counters(eqn: JaxprEqn) -> dict[int, Any]:
+    """Carries of the scan that count its iterations (position among the carries -> step): an
+    integer carry whose next value is itself plus a constant (a ``fori_loop``'s index). Its value
+    at any iteration follows from the iteration's position."""
+    body = eqn.params["jaxpr"].jaxpr
+    consts, carry = scan_counts(eqn.params)
+    producer = {o: e for e in body.eqns for o in e.outvars}
+    found = {}
+    for k in range(carry):
+        var, out = body.invars[consts + k], body.outvars[k]
+        e = producer.get(out) if isinstance(out, Var) else None
+        integer = jnp.issubdtype(var.aval.dtype, jnp.integer)
+        if e is None or e.primitive.name != "add" or not integer:
+            continue
+        a, b = e.invars
+        step = b if a is var else a if b is var else None
+        if isinstance(step, Literal) and np.ndim(step.val) == 0:
+            found[k] = step.val
+    return found
+
+
 def carry_free_results(eqn: JaxprEqn) -> list[int]:
-    """Positions (among the scan's results) of stacked results that depend on no carry."""
+    """Positions (among the scan's results) of stacked results that depend on no carry but
+    the iteration counters (:func:`counters`)."""
     body = eqn.params["jaxpr"].jaxpr
     consts, carry = scan_counts(eqn.params)
     if carry == 0 or body.effects:
         return []
-    carried = set(body.invars[consts : consts + carry])
+    steps = counters(eqn)
+    carried = {body.invars[consts + k] for k in range(carry) if k not in steps}
     for e in body.eqns:
         if any(isinstance(v, Var) and v in carried for v in e.invars):
             carried.update(e.outvars)
@@ -52,14 +81,57 @@ def _split_scan(eqn: JaxprEqn, invals: list[Any], moved: list[int]) -> list[Any]
     consts, carry = scan_counts(p)
     main_layout = scan_layout(p, consts, carry, len(invals), len(kept))
     main = bind_eqn_with(eqn, invals, jaxpr=with_outputs(p["jaxpr"], kept), **main_layout)
-    side_layout = scan_layout(p, consts + carry, 0, len(invals), len(moved))
-    side = bind_eqn_with(eqn, invals, jaxpr=with_outputs(p["jaxpr"], moved), **side_layout)
+    steps = {k: v for k, v in counters(eqn).items() if _reads_carry(eqn, moved, k)}
+    if steps:
+        side = _counted_loop(eqn, invals, moved, steps)
+    else:
+        side_layout = scan_layout(p, consts + carry, 0, len(invals), len(moved))
+        side = bind_eqn_with(eqn, invals, jaxpr=with_outputs(p["jaxpr"], moved), **side_layout)
     out: list[Any] = [None] * n
     for k, v in zip(kept, main):
         out[k] = v
     for k, v in zip(moved, side):
         out[k] = v
     return out
+
+
+def _reads_carry(eqn: JaxprEqn, moved: list[int], k: int) -> bool:
+    """Whether the scan's results at ``moved`` depend on its carry ``k``."""
+    body = eqn.params["jaxpr"].jaxpr
+    consts, _ = scan_counts(eqn.params)
+    tainted = {body.invars[consts + k]}
+    for e in body.eqns:
+        if any(isinstance(v, Var) and v in tainted for v in e.invars):
+            tainted.update(e.outvars)
+    return any(isinstance(body.outvars[m], Var) and body.outvars[m] in tainted for m in moved)
+
+
+def _counted_loop(
+    eqn: JaxprEqn, invals: list[Any], moved: list[int], steps: dict[int, Any]
+) -> list[Any]:
+    """The ``moved`` results as a carry-free loop whose counters are scanned in: the value a
+    counter has at the iteration over position ``i`` is its start plus ``step`` times the
+    number of iterations before that one (``length - 1 - i`` of them in a reverse scan)."""
+    p = eqn.params
+    consts, carry = scan_counts(p)
+    length, body = p["length"], p["jaxpr"]
+    start = invals[consts : consts + carry]
+    before = jnp.arange(length, dtype=jnp.int32)
+    if p["reverse"]:
+        before = length - 1 - before
+    scanned = {
+        k: start[k] + (before * jnp.asarray(step, start[k].dtype)).astype(start[k].dtype)
+        for k, step in steps.items()
+    }
+
+    def one(_: None, at: tuple) -> tuple[None, list[Any]]:
+        xs, counted = at
+        carries = [counted[k] if k in counted else start[k] for k in range(carry)]
+        outs = eval_jaxpr(body.jaxpr, body.consts, *invals[:consts], *carries, *xs)
+        return None, [outs[k] for k in moved]
+
+    _, ys = lax.scan(one, None, (list(invals[consts + carry :]), scanned), length=length)
+    return ys
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:

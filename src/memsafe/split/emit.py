@@ -32,8 +32,9 @@ class Loop:
     sliced: tuple[Var, ...]
     whole: tuple[Var, ...]
     sinks: tuple[int, ...]
+    threads: tuple[int, ...]  # scans along the axis whose final carries are used
     surviving: tuple[Var, ...]
-    outputs: tuple[Var, ...]  # sink results then surviving values, in that order
+    outputs: tuple[Var, ...]  # sink results, final carries, surviving values, in that order
 
 
 def plan_loops(graph: Graph, region: Region) -> list[Loop]:
@@ -62,8 +63,15 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
             for o in eqns[i].outvars
             if o in surv
         )
-        outputs = tuple(o for i in sinks for o in eqns[i].outvars) + surviving
-        loops.append(Loop(k, tuple(idx), tuple(sliced), tuple(whole), sinks, surviving, outputs))
+        threads = tuple(i for i in idx if region.stage[i] == k and region.after_loop(graph, i))
+        outputs = (
+            tuple(o for i in sinks for o in eqns[i].outvars)
+            + tuple(o for i in threads for o in region.after_loop(graph, i))
+            + surviving
+        )
+        loops.append(
+            Loop(k, tuple(idx), tuple(sliced), tuple(whole), sinks, threads, surviving, outputs)
+        )
     return loops
 
 
@@ -83,8 +91,12 @@ def _loop_group(
         for i in loop.eqns
         if isinstance(region.maps[i], Mapping) and running_along(eqns[i], region.maps[i])
     )
-    reverse = any(running_along(eqns[i], region.maps[i]).reverse(eqns[i]) for i in running)
-    carry = Fold(tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse)
+    rules = [running_along(eqns[i], region.maps[i]) for i in running]
+    reverse = any(run.reverse(eqns[i]) for i, run in zip(running, rules))
+    finals = tuple(
+        (k, eqns[i], run) for k, (i, run) in enumerate(zip(running, rules)) if i in loop.threads
+    )
+    carry = Fold(tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse, finals)
     written = Written.of(loop.surviving, region.axis_of)
     n_sliced = len(loop.sliced)
 

@@ -73,6 +73,9 @@ class Fold(Carry):
     sinks: tuple[tuple[JaxprEqn, Sink], ...]
     running: tuple[int, ...] = ()  # region equations scanning along the axis
     reverse: bool = False
+    #: (position in ``running``, equation, its rule) of the scans whose results after the last
+    #: chunk (a loop's final carry) are results of this loop.
+    finals: tuple[tuple[int, JaxprEqn, Running], ...] = ()
 
     def feed(self, state: tuple) -> dict[int, Any]:
         return dict(zip(self.running, state[1]))
@@ -87,7 +90,8 @@ class Fold(Carry):
         return folded, parts[1]
 
     def results(self, state: tuple) -> list[Any]:
-        return [r for (_, s), a in zip(self.sinks, state[0]) for r in s.reducer.finish(a)]
+        sunk = [r for (_, s), a in zip(self.sinks, state[0]) for r in s.reducer.finish(a)]
+        return sunk + [r for k, eqn, run in self.finals for r in run.finals(eqn, state[1][k])]
 
     def across(self, state: tuple, axis_name: Any, operands: list[Any]) -> tuple:
         if self.running:
@@ -251,23 +255,19 @@ class ChunkEnv:
         )
 
     def bind(self, i: int) -> None:
-        """Evaluate mapped equation ``i`` at chunk shape into ``local``."""
+        """Evaluate mapped equation ``i`` at chunk shape into ``local``; a scan along the axis
+        reads what the chunks before it carried and records what it carries on."""
         eqn, m = self.graph.eqns[i], self.region.maps[i]
         assert isinstance(m, Mapping)
+        run = running_along(eqn, m)
+        prev = None if run is None or self.carried is None else self.carried.get(i)
+        invals = self.invals(i)
+        if prev is not None:
+            invals = run.feed(eqn, invals, prev)
         outs = peephole.bind_mapped(
-            self.peep, i, eqn, self.invals(i), m, self.read, self.local, self.graph.eqns,
+            self.peep, i, eqn, invals, m, self.read, self.local, self.graph.eqns,
             self.start, self.n,
         )  # fmt: skip
-        run = running_along(eqn, m)
         if run is not None:
-            outs = [self._carry_into(i, run, outs[0], m.outs[0])]
-        self.local.update(zip(eqn.outvars, outs))
-
-    def _carry_into(self, i: int, run: Running, out: Any, axis: int) -> Any:
-        """A scan's chunk combined with the last value before the chunk; records its own."""
-        prev = None if self.carried is None else self.carried.get(i)
-        if prev is not None:
-            out = run.combine(jnp.broadcast_to(prev, out.shape), out)
-        edge = 0 if run.reverse(self.graph.eqns[i]) else self.n - 1  # the side the next chunk is on
-        self.carries[i] = lax.slice_in_dim(out, edge, edge + 1, axis=axis)
-        return out
+            outs, self.carries[i] = run.record(eqn, outs, m, self.n, prev)
+        self.local.update((o, v) for o, v, ax in zip(eqn.outvars, outs, m.outs) if ax is not None)

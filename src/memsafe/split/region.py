@@ -82,6 +82,14 @@ class Region:
     def n_stages(self) -> int:
         return 1 + max(self.stage.values(), default=0)
 
+    def after_loop(self, graph: Graph, i: int) -> tuple[Var, ...]:
+        """Results of mapped equation ``i`` that exist only after the loop (a scan's final
+        carry, threaded through the chunks)."""
+        m = self.maps[i]
+        if not isinstance(m, Mapping):
+            return ()
+        return tuple(o for o, ax in zip(graph.eqns[i].outvars, m.outs) if ax is None)
+
     def one_stage(self) -> Region:
         """The same region evaluated by a single loop."""
         return dataclasses.replace(self, stage=dict.fromkeys(self.maps, 0))
@@ -94,7 +102,11 @@ class Region:
             i
             for i, m in self.maps.items()
             if self.stage[i] == k
-            and (isinstance(m, Sink) or any(o in surviving for o in eqns[i].outvars))
+            and (
+                isinstance(m, Sink)
+                or any(o in surviving for o in eqns[i].outvars)
+                or self.after_loop(graph, i)
+            )
         ]
         need: set[int] = set()
         stack = list(targets)
@@ -161,20 +173,23 @@ class _Growth:
         for atom, ax in zip(eqn.invars, m.ins):
             self.assign(atom, ax, index)
         if isinstance(m, Mapping):
+            after = running_along(eqn, m) is not None  # a scan's final carry: after the loop
             for atom, ax in zip(eqn.outvars, m.outs):
-                if ax is None:
+                if ax is None and not after:
                     raise SplitFailure("a result loses the split axis", eqn)
-                self.assign(atom, ax, index)
+                if ax is not None:
+                    self.assign(atom, ax, index)
 
     def _check_direction(self, eqn: JaxprEqn, m: Mapping | Sink) -> None:
         """A region's loop visits its chunks in one order: its scans along the axis must all
-        run forward or all in reverse."""
+        run forward or all in reverse. One that runs the other way stops the axis there (a
+        NoRule: the region may still close without it)."""
         run = running_along(eqn, m) if isinstance(m, Mapping) else None
         if run is None:
             return
         reverse = run.reverse(eqn)
         if self.reverse is not None and self.reverse != reverse:
-            raise SplitFailure("scans along the split axis run in both directions", eqn)
+            raise NoRule("scans along the split axis run in both directions")
         self.reverse = reverse
 
     def propagate(self) -> None:
@@ -207,7 +222,13 @@ class _Growth:
 
     def mapped_results(self) -> set[Var]:
         eqns = self.graph.eqns
-        return {o for i, m in self.maps.items() if isinstance(m, Mapping) for o in eqns[i].outvars}
+        return {
+            o
+            for i, m in self.maps.items()
+            if isinstance(m, Mapping)
+            for o, ax in zip(eqns[i].outvars, m.outs)
+            if ax is not None
+        }
 
     def hand_back(self, large: int) -> set[Var]:
         """Region values needed whole are computed before the loop where they are small."""

@@ -19,6 +19,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jax.numpy as jnp
+from jax import lax
+
 from memsafe._jax import JaxprEqn, bind_eqn
 from memsafe.split.sinks import Sink
 
@@ -60,21 +63,69 @@ def bind_unchanged(
     return bind_eqn(eqn, invals)
 
 
-@dataclass(frozen=True)
 class Running:
-    """A scan along the split axis: each chunk's result is combined with the last value of the
-    chunks before it (a running carry threaded through the loop).
+    """An equation that scans along the split axis: each chunk depends on the chunks before it,
+    through a value the loop threads from chunk to chunk (the *carried* value).
+
+    Subclasses say when the equation scans along the axis, which way, what the chunk's
+    equation reads of the carried value, what it hands on, and which of its results exist only
+    after the last chunk (results without the split axis, like a loop's final carry)."""
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        """Whether ``eqn``, mapped as ``mapping``, scans along the split axis."""
+        raise NotImplementedError
+
+    def reverse(self, eqn: JaxprEqn) -> bool:
+        """Whether it scans from the end (the loop visits the chunks last first)."""
+        return False
+
+    def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
+        """The chunk's operands given the value carried from the chunks before it."""
+        return invals
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        """(the chunk's results, the value carried to the next chunk) from the equation's
+        results on the chunk and the value carried into it (None on the first chunk)."""
+        raise NotImplementedError
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> list[Any]:
+        """The results that exist only after the last chunk (those ``mapping.outs`` marks
+        None), from the value carried out of it."""
+        return []
+
+
+@dataclass(frozen=True)
+class Accumulate(Running):
+    """A cumulative op (cumsum): each chunk's result is combined with the last value of the
+    chunks before it.
 
     Attributes:
         combine: (carry of size 1 along the axis, the chunk's own scan) -> the chunk's result.
         axis: the axis the equation scans along.
-        reverse: whether the equation scans from the end (its loop visits the chunks last
+        reversed: whether the equation scans from the end (its loop visits the chunks last
             first, and a chunk's first value carries into the chunk before it).
     """
 
     combine: Callable[[Any, Any], Any]
     axis: Callable[[JaxprEqn], int]
-    reverse: Callable[[JaxprEqn], bool] = lambda eqn: False
+    reversed: Callable[[JaxprEqn], bool] = lambda eqn: False
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return mapping.outs[0] == self.axis(eqn)
+
+    def reverse(self, eqn: JaxprEqn) -> bool:
+        return self.reversed(eqn)
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        (out,), axis = outs, mapping.outs[0]
+        if carried is not None:
+            out = self.combine(jnp.broadcast_to(carried, out.shape), out)
+        edge = 0 if self.reverse(eqn) else size - 1  # the side the next chunk is on
+        return [out], lax.slice_in_dim(out, edge, edge + 1, axis=axis)
 
 
 @dataclass(frozen=True)
@@ -121,7 +172,7 @@ def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
 def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
     """The running carry of ``eqn`` when it scans along the split axis, else None."""
     run = SPLIT_RULES[eqn.primitive.name].running
-    if run is None or mapping.outs[0] != run.axis(eqn):
+    if run is None or not run.applies(eqn, mapping):
         return None
     return run
 

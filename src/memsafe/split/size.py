@@ -116,6 +116,8 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
         fixed += 3 * sum(graph.info(o).bytes for o in eqns[i].outvars)  # acc, partial, result
         operand = graph.info(eqns[i].invars[0]).bytes
         per_unit += sink.reducer.extra_bytes_per_unit(operand, region.size)
+    for i in region.maps:  # a scan's carry threaded from chunk to chunk: in, out, result
+        fixed += 3 * sum(graph.info(o).bytes for o in region.after_loop(graph, i))
     for v in region.surviving:
         if not graph.info(v).is_output:
             fixed += graph.info(v).bytes

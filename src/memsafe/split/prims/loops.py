@@ -1,6 +1,6 @@
-"""Loops. A ``scan`` without a carry (``lax.map``) runs its iterations in chunks; a scan whose
-body maps the split axis through (rows through a scan over time or layers) runs whole on each
-chunk of rows."""
+"""Loops. A ``scan`` runs its iterations in chunks (``lax.map``; with a carry, the loop over
+chunks threads it from chunk to chunk); a scan whose body maps the split axis through (rows
+through a scan over time or layers) runs whole on each chunk of rows."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from memsafe._jax import JaxprEqn, bind_eqn_with, scan_counts, scan_layout
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
-from memsafe.split.registry import Mapping, NoRule, Side, split_rule
+from memsafe.split.registry import Mapping, NoRule, Running, Side, split_rule
 
 
 def _along_length(eqn: JaxprEqn, side: Side, axis: int) -> bool:
@@ -24,13 +24,46 @@ def _along_length(eqn: JaxprEqn, side: Side, axis: int) -> bool:
 
 
 def _length_map(eqn: JaxprEqn) -> Mapping:
-    """Iterations of a scan with no carry are independent: the leading axis of every scanned
-    input and stacked output is the loop's length and passes; consts are read whole."""
+    """Along the loop's length, the leading axis of every scanned input and stacked output
+    passes and consts are read whole. Without a carry the iterations are independent; with one,
+    each chunk of iterations starts from the carry the chunks before it left (:class:`Threaded`):
+    the initial carry is read whole and the final carry exists after the last chunk."""
     consts, carry = scan_counts(eqn.params)
-    if carry:
-        raise NoRule("scan with a carry along the split axis: its iterations depend on each other")
-    xs = len(eqn.invars) - consts
-    return Mapping(ins=(None,) * consts + (0,) * xs, outs=(0,) * len(eqn.outvars))
+    xs = len(eqn.invars) - consts - carry
+    ys = len(eqn.outvars) - carry
+    return Mapping(ins=(None,) * (consts + carry) + (0,) * xs, outs=(None,) * carry + (0,) * ys)
+
+
+def _along_length_mapped(eqn: JaxprEqn, m: Mapping) -> bool:
+    """Whether ``m`` splits the scan along its length (a scanned input or stacked output at
+    axis 0; a split through the body puts the axis one further on these)."""
+    consts, carry = scan_counts(eqn.params)
+    return 0 in m.ins[consts + carry :] or 0 in m.outs[carry:]
+
+
+class Threaded(Running):
+    """A scan with a carry split along its length: the loop over chunks threads the carry, so
+    each chunk's scan runs its iterations from where the chunks before it stopped (a reverse
+    scan visits the chunks last first). The results are those of the whole scan, iteration for
+    iteration."""
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return scan_counts(eqn.params)[1] > 0 and _along_length_mapped(eqn, mapping)
+
+    def reverse(self, eqn: JaxprEqn) -> bool:
+        return bool(eqn.params["reverse"])
+
+    def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
+        consts, carry = scan_counts(eqn.params)
+        return [*invals[:consts], *carried, *invals[consts + carry :]]
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        return outs, tuple(outs[: scan_counts(eqn.params)[1]])
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> list[Any]:
+        return list(carried)
 
 
 def _body_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -84,10 +117,10 @@ def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return Mapping(ins=ins, outs=outs)
 
 
-@split_rule("scan", rebind=lambda *a: _rebind_scan(*a))
+@split_rule("scan", rebind=lambda *a: _rebind_scan(*a), running=Threaded())
 def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    """Along the loop's length: a carry-free scan's iterations run in chunks. Along another
-    axis: the body must map it through (the whole loop runs on each chunk)."""
+    """Along the loop's length: the iterations run in chunks (threading the carry). Along
+    another axis: the body must map it through (the whole loop runs on each chunk)."""
     if _along_length(eqn, side, axis):
         return _length_map(eqn)
     return _body_map(eqn, side, axis)
@@ -98,8 +131,7 @@ def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     the loop over the chunk, its body re-traced at the chunk's shapes (the chunk's start enters
     as one more constant)."""
     consts, carry = scan_counts(eqn.params)
-    xs = range(consts + carry, len(eqn.invars))
-    if any(m.ins[k] == 0 for k in xs) or (not carry and 0 in m.outs):
+    if _along_length_mapped(eqn, m):
         return bind_eqn_with(eqn, invals, length=n)
     side, axis = next((("in", k), a) for k, a in enumerate(m.ins) if a is not None)
     body, axes, maps = _body_axes(eqn, side, axis)

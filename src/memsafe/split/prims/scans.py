@@ -9,9 +9,9 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn
 from memsafe.split.registry import (
+    Accumulate,
     Mapping,
     NoRule,
-    Running,
     Side,
     identity_unless,
     passing,
@@ -50,6 +50,6 @@ for _name, _combine in {
     "cummin": lax.min,
     "cumlogsumexp": jnp.logaddexp,
 }.items():
-    split_rule(_name, running=Running(_combine, _scan_axis, _reversed))(_scan)
+    split_rule(_name, running=Accumulate(_combine, _scan_axis, _reversed))(_scan)
 
 identity_unless(["sort"], lambda e: (e.params["dimension"] % _rank(e),), "sorts", inherent=True)
