@@ -54,6 +54,15 @@ def counters(eqn: JaxprEqn) -> dict[int, Any]:
     return found
 
 
+def _downstream(body: Any, seeds: set[Var]) -> set[Var]:
+    """``seeds`` and every body value computed from them."""
+    found = set(seeds)
+    for e in body.eqns:
+        if any(isinstance(v, Var) and v in found for v in e.invars):
+            found.update(e.outvars)
+    return found
+
+
 def carry_free_results(eqn: JaxprEqn) -> list[int]:
     """Positions (among the scan's results) of stacked results that depend on no carry but
     the iteration counters (:func:`counters`)."""
@@ -62,10 +71,7 @@ def carry_free_results(eqn: JaxprEqn) -> list[int]:
     if carry == 0 or body.effects:
         return []
     steps = counters(eqn)
-    carried = {body.invars[consts + k] for k in range(carry) if k not in steps}
-    for e in body.eqns:
-        if any(isinstance(v, Var) and v in carried for v in e.invars):
-            carried.update(e.outvars)
+    carried = _downstream(body, {body.invars[consts + k] for k in range(carry) if k not in steps})
     outs = body.outvars
     return [
         k for k in range(carry, len(outs)) if not (isinstance(outs[k], Var) and outs[k] in carried)
@@ -99,10 +105,7 @@ def _reads_carry(eqn: JaxprEqn, moved: list[int], k: int) -> bool:
     """Whether the scan's results at ``moved`` depend on its carry ``k``."""
     body = eqn.params["jaxpr"].jaxpr
     consts, _ = scan_counts(eqn.params)
-    tainted = {body.invars[consts + k]}
-    for e in body.eqns:
-        if any(isinstance(v, Var) and v in tainted for v in e.invars):
-            tainted.update(e.outvars)
+    tainted = _downstream(body, {body.invars[consts + k]})
     return any(isinstance(body.outvars[m], Var) and body.outvars[m] in tainted for m in moved)
 
 
