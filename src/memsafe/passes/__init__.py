@@ -1,6 +1,6 @@
-"""The rewriting pipeline, in order: match-and-replace, reorder, unflatten, fission, split,
-schedule, recompute, constants. Each pass is a module with ``run(closed, ctx) -> closed``; its
-name is the module's. ``memsafe.lapack_order`` is applied to every program memsafe compiles."""
+"""The rewriting pipeline, in order: match-and-replace, reorder, unflatten, distribute, fission,
+split, schedule, recompute, constants. Each pass is a module with ``run(closed, ctx) -> closed``;
+its name is the module's. ``memsafe.lapack_order`` is applied to every program memsafe compiles."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from types import ModuleType
 
 from memsafe.passes import (
     constants,
+    distribute,
     fission,
     match_replace,
     recompute,
@@ -23,6 +24,7 @@ PIPELINE: tuple[ModuleType, ...] = (
     match_replace,
     reorder,
     unflatten,
+    distribute,
     fission,
     split,
     schedule,

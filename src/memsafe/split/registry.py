@@ -136,11 +136,14 @@ class SplitRule:
         axis_map: where the split axis goes through an equation of the primitive.
         rebind: the equation evaluated on one chunk.
         running: for scans along the split axis, how chunks carry into the next.
+        piece_rebind: the equation on one piece of a concatenation (the distribute pass), where
+            ``rebind`` uses a device meant for chunk loops (None: ``rebind``).
     """
 
     axis_map: AxisMap
     rebind: Rebind = bind_unchanged
     running: Running | None = None
+    piece_rebind: Rebind | None = None
 
 
 #: Split rules by primitive name.
@@ -148,14 +151,17 @@ SPLIT_RULES: dict[str, SplitRule] = {}
 
 
 def split_rule(
-    *names: str, rebind: Rebind = bind_unchanged, running: Running | None = None
+    *names: str,
+    rebind: Rebind = bind_unchanged,
+    running: Running | None = None,
+    piece_rebind: Rebind | None = None,
 ) -> Callable[[AxisMap], AxisMap]:
-    """Register the decorated axis map, with ``rebind`` (and ``running`` for scans), as the
-    split rule of ``names``."""
+    """Register the decorated axis map, with ``rebind`` (``running`` for scans, ``piece_rebind``
+    where pieces bind otherwise than chunks), as the split rule of ``names``."""
 
     def deco(axis_map: AxisMap) -> AxisMap:
         for n in names:
-            SPLIT_RULES[n] = SplitRule(axis_map, rebind, running)
+            SPLIT_RULES[n] = SplitRule(axis_map, rebind, running, piece_rebind)
         return axis_map
 
     return deco
@@ -180,6 +186,14 @@ def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
 def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:
     """Evaluate ``eqn`` on chunk-shaped ``invals`` (chunk of ``size`` starting at ``start``)."""
     return SPLIT_RULES[eqn.primitive.name].rebind(eqn, invals, mapping, start, size)
+
+
+def rebind_piece(
+    eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int
+) -> list[Any]:
+    """Evaluate ``eqn`` on one piece of a concatenation (``size`` long, from ``start``)."""
+    rule = SPLIT_RULES[eqn.primitive.name]
+    return (rule.piece_rebind or rule.rebind)(eqn, invals, mapping, start, size)
 
 
 # -- helpers the rules share -----------------------------------------------------------------

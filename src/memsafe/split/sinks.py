@@ -53,6 +53,13 @@ class Reducer:
         """The sink's result on one chunk of ``size`` starting at ``start`` along ``axis``."""
         return tuple(bind_eqn(eqn, invals))
 
+    def piece_partial(
+        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+    ) -> Partial:
+        """The result on one piece of a concatenation (``memsafe.passes.distribute``): a value
+        the split pass may chunk in turn, so no chunk-loop device belongs in it."""
+        return self.partial(eqn, invals, axis, start, size)
+
     def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
         """A later chunk's partial ``new`` folded into the running ``acc``."""
         raise NotImplementedError
@@ -140,6 +147,13 @@ class ArgMin(ArgBest):
         return new < best
 
 
+def _top_k_from(top_k: Any, eqn: JaxprEqn, invals: list[Any], start: Any, size: int) -> Partial:
+    """The k best of a chunk or piece of ``size`` from ``start`` by ``top_k``, indices global."""
+    k = min(int(eqn.params["k"]), size)
+    vals, idx = top_k(invals[0], k, axis=eqn.params.get("axis", -1))
+    return vals, idx + lax.convert_element_type(start, idx.dtype)
+
+
 class TopK(Reducer):
     """``top_k`` along the split axis: each chunk's k best (through block maxima where the chunk
     is long), merged with the running k best by a top_k of both (earlier chunk first on ties)."""
@@ -152,9 +166,13 @@ class TopK(Reducer):
     def partial(
         self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
     ) -> Partial:
-        k = min(int(eqn.params["k"]), size)
-        vals, idx = topk.top_k(invals[0], k, axis=eqn.params.get("axis", -1))
-        return vals, idx + lax.convert_element_type(start, idx.dtype)
+        return _top_k_from(topk.top_k, eqn, invals, start, size)
+
+    def piece_partial(
+        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+    ) -> Partial:
+        """A piece's own top_k (block maxima are for chunks; the piece may be split later)."""
+        return _top_k_from(lax.top_k, eqn, invals, start, size)
 
     def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
         axis = eqn.params.get("axis", -1) % len(eqn.invars[0].aval.shape)

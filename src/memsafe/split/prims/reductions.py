@@ -7,7 +7,15 @@ from typing import Any
 from memsafe._jax import JaxprEqn
 from memsafe.primitives import REDUCTIONS, facts
 from memsafe.split import sinks, topk
-from memsafe.split.registry import Axis, Mapping, NoRule, Side, shape, split_rule
+from memsafe.split.registry import (
+    Axis,
+    Mapping,
+    NoRule,
+    Side,
+    bind_unchanged,
+    shape,
+    split_rule,
+)
 from memsafe.split.sinks import Sink
 
 
@@ -58,7 +66,7 @@ def _rebind_top_k(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size
     return list(topk.top_k(invals[0], int(eqn.params["k"]), axis=eqn.params.get("axis", -1)))
 
 
-@split_rule("top_k", rebind=_rebind_top_k)
+@split_rule("top_k", rebind=_rebind_top_k, piece_rebind=bind_unchanged)
 def _top_k(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
     rank = len(shape(eqn.invars[0]))
     along = eqn.params.get("axis", -1) % rank

@@ -44,6 +44,10 @@ def _take(value: Any, axis: int, pos: Any, valid: Any, fill: Any) -> Any:
     return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
 
 
+def _length(atom: Any, axis: int) -> int:
+    return atom.aval.shape[axis]
+
+
 def _moving(
     name: str,
     moves: Callable[[JaxprEqn, int], bool],
@@ -55,9 +59,14 @@ def _moving(
     whole operands; elsewhere the axis maps as ``passes`` says, re-bound by ``rebind_passing``."""
 
     def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
-        if moves(eqn, axis):
-            return Mapping(ins=tuple(None for _ in eqn.invars), outs=(axis,))
-        return passes(eqn, side, axis)
+        if not moves(eqn, axis):
+            return passes(eqn, side, axis)
+        if side[0] == "in" and _length(eqn.invars[side[1]], axis) != _length(eqn.outvars[0], axis):
+            # reached from a chunked operand, the result is of another length: the region
+            # stops here and hands the operand on whole (the distribute pass runs what follows
+            # a concatenation on its pieces instead)
+            raise NoRule(f"{name} changes the length of the split axis")
+        return Mapping(ins=tuple(None for _ in eqn.invars), outs=(axis,))
 
     def rebind(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
         axis = m.outs[0]
