@@ -49,6 +49,7 @@ PIECES = {
     "stack_max": lambda x: jnp.stack([x, jnp.sin(x)], -1).max(-1),
     "stack_rows_min": lambda x: jnp.stack([x, x * 2]).min(0),
     "stack_sum": lambda x: jnp.stack([x, jnp.sin(x)], -1).sum(-1),
+    "stack_unpacked": lambda x: jnp.stack([x, jnp.sin(x)])[1] * jnp.hstack([x, -x])[:, len(x.T) :],
     "nested_concat": lambda x: jnp.min(jnp.concatenate([jnp.concatenate([x, -x], 0), x], 0), 0),
 }  # fmt: skip
 

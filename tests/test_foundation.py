@@ -155,6 +155,7 @@ def test_pipeline_is_the_pass_modules_in_order():
     from memsafe import passes
     from memsafe.passes import (
         constants,
+        distribute,
         fission,
         match_replace,
         recompute,
@@ -168,6 +169,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         match_replace,
         reorder,
         unflatten,
+        distribute,
         fission,
         split,
         schedule,
@@ -176,8 +178,8 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "unflatten", "fission", "split", "schedule", "recompute",
-        "constants",
+        "match_replace", "reorder", "unflatten", "distribute", "fission", "split", "schedule",
+        "recompute", "constants",
     ]  # fmt: skip
 
 

@@ -97,6 +97,21 @@ def _pad_operands(eqn: JaxprEqn, invals: list[Any], held: list) -> list[tuple[An
     return [filled(lo), (x, held[0]), filled(hi)]
 
 
+def _within_one_piece(eqn: JaxprEqn, pieces: Pieces) -> Any | None:
+    """A slice that reads one piece alone (``x = jnp.indices(...)[0]``), as a slice of that
+    piece; None for any other equation."""
+    if eqn.primitive.name != "slice":
+        return None
+    p, axis = eqn.params, pieces.axis
+    lo, hi = p["start_indices"][axis], p["limit_indices"][axis]
+    for value, start, size in zip(pieces.values, pieces.starts, pieces.sizes):
+        if start <= lo and hi <= start + size:
+            starts, limits = list(p["start_indices"]), list(p["limit_indices"])
+            starts[axis], limits[axis] = lo - start, hi - start
+            return lax.slice(value, tuple(starts), tuple(limits), p["strides"])
+    return None
+
+
 def _padded_axis(eqn: JaxprEqn) -> int | None:
     """The one axis a pad widens (no interior padding, no cropping), else None."""
     config = eqn.params["padding_config"]
@@ -185,6 +200,10 @@ class _Distribute:
     def _per_piece(self, eqn: JaxprEqn, invals: list[Any], held: list) -> list[Any] | None:
         """``eqn`` run on each piece of its first operand in pieces (None: it reads them whole)."""
         pos, pieces = next((k, h) for k, h in enumerate(held) if h is not None)
+        within = _within_one_piece(eqn, pieces) if pos == 0 else None
+        if within is not None:
+            self.changes.append("slice reads one piece")
+            return [within]
         try:
             m = registry.axis_map(eqn, ("in", pos), pieces.axis)
         except NoRule:
