@@ -16,7 +16,8 @@ import memsafe
 from memsafe.graph import inline_calls
 from memsafe.graph.interpret import evaluate
 from memsafe.passes.distribute import distribute
-from memsafe.xla import Footprint, memsafe_jit
+from memsafe.xla import memsafe_jit
+from tests.limits import limit_between
 
 
 def _rewritten(fun, *args, threshold=0):
@@ -89,12 +90,6 @@ def test_small_concatenations_are_left_alone():
     assert distribute(closed, 10**6, []) is closed
 
 
-def _limit(fun, *args):
-    plain = Footprint.from_compiled(memsafe_jit(fun).lower(*args).compile())
-    fixed = plain.arguments + plain.outputs
-    return fixed + (plain.total - fixed) // 4
-
-
 def _concat_sort(x, y):
     return jnp.sort(jnp.concatenate([x @ y.T, -(x @ y.T)], 0), axis=1)[:, -1]
 
@@ -119,7 +114,7 @@ def test_programs_built_from_pieces_split_under_a_quarter(fun):
     x = rng.standard_normal((128, 8)).astype(np.float32)
     y = rng.standard_normal((1024, 8)).astype(np.float32)
     x[5, 2] = np.inf
-    limit = _limit(fun, x, y)
+    limit = limit_between(fun, (x, y), 1 / 4)
     f = memsafe.jit(fun, memory_limit=limit)
     plan = f.plan(x, y)
     assert plan.splits and plan.after.total <= limit, plan

@@ -11,15 +11,9 @@ from jax import lax
 
 import memsafe
 from memsafe.xla import Footprint, memsafe_jit
+from tests.limits import limit_between
 
 N, M = 64, 20_000
-
-
-def _limit(fun, args, fraction):
-    """Arguments + outputs + ``fraction`` of jax.jit's temporaries (YNNPACK off)."""
-    plain = Footprint.from_compiled(memsafe_jit(fun).lower(*args).compile())
-    fixed = plain.arguments + plain.outputs
-    return fixed + int((plain.total - fixed) * fraction)
 
 
 def _fori(x, y):
@@ -51,7 +45,7 @@ def test_large_values_in_loops_split_under_the_limit(fun):
     x = jnp.asarray(rng.standard_normal(N, dtype=np.float32))
     y = jnp.asarray(rng.standard_normal(M, dtype=np.float32))
     y = y.at[7].set(jnp.nan)
-    limit = _limit(fun, (x, y), 1 / 4)
+    limit = limit_between(fun, (x, y), 1 / 4)
     f = memsafe.jit(fun, memory_limit=limit)
     plan = f.plan(x, y)
     assert plan.splits and plan.after.total <= limit, plan
@@ -92,7 +86,7 @@ def test_scan_with_a_carry_splits_along_an_axis_its_body_maps(grad):
             return jax.grad(lambda x: jnp.sum(jnp.nan_to_num(_rnn(x, w, u, v)[0])))(x)
 
     args = _rnn_inputs()
-    limit = _limit(fun, args, 1 / 4)
+    limit = limit_between(fun, args, 1 / 4)
     f = memsafe.jit(fun, memory_limit=limit)
     plan = f.plan(*args)
     assert plan.after.total <= limit, plan
@@ -204,7 +198,7 @@ def test_scan_results_that_follow_no_carry_move_to_their_own_loop():
     x = jnp.asarray(rng.standard_normal((b, d), dtype=np.float32))
     ws = jnp.asarray(rng.standard_normal((layers, d, f), dtype=np.float32) * 0.3)
     v = jnp.asarray(rng.standard_normal((f, d), dtype=np.float32) * 0.05)
-    limit = _limit(fun, (x, ws, v), 1 / 4)
+    limit = limit_between(fun, (x, ws, v), 1 / 4)
     g = memsafe.jit(fun, memory_limit=limit)
     plan = g.plan(x, ws, v)
     assert plan.after.total <= limit, plan
@@ -360,7 +354,7 @@ def test_scan_with_a_carry_runs_in_chunks_of_its_iterations(reverse):
     x = jnp.asarray(rng.standard_normal(256, dtype=np.float32))
     y = jnp.asarray(np.round(rng.standard_normal(4000) * 2).astype(np.float32) / 2)  # ties
     x = x.at[19].set(jnp.nan)
-    limit = _limit(fun, (x, y), 1 / 3)
+    limit = limit_between(fun, (x, y), 1 / 3)
     f = memsafe.jit(fun, memory_limit=limit)
     plan = f.plan(x, y)
     assert plan.after.total <= limit, plan
@@ -391,7 +385,7 @@ def test_fori_loop_values_that_follow_only_its_index_move_to_their_own_loop():
     rng = np.random.default_rng(3)
     x = jnp.asarray(rng.standard_normal(64, dtype=np.float32))
     y = jnp.asarray(rng.standard_normal(3000, dtype=np.float32))
-    limit = _limit(fun, (x, y), 2 / 3)
+    limit = limit_between(fun, (x, y), 2 / 3)
     f = memsafe.jit(fun, memory_limit=limit)
     plan = f.plan(x, y)
     assert plan.after.total <= limit, plan

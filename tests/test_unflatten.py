@@ -16,7 +16,8 @@ import memsafe
 from memsafe.graph import inline_calls
 from memsafe.graph.interpret import evaluate
 from memsafe.passes.unflatten import reshape_groups, unflatten
-from memsafe.xla import Footprint, memsafe_jit
+from memsafe.xla import memsafe_jit
+from tests.limits import limit_between
 
 
 def test_reshape_groups():
@@ -123,12 +124,6 @@ def test_unmerged_programs_are_left_alone():
         assert unflatten(closed, []) is closed
 
 
-def _limit(fun, *args):
-    plain = Footprint.from_compiled(memsafe_jit(fun).lower(*args).compile())
-    fixed = plain.arguments + plain.outputs
-    return fixed + (plain.total - fixed) // 4
-
-
 @pytest.mark.parametrize(
     "fun",
     [
@@ -145,7 +140,7 @@ def test_flattened_programs_split_under_a_quarter(fun):
     x = rng.standard_normal((256, 8)).astype(np.float32)
     y = rng.standard_normal((2048, 8)).astype(np.float32)
     x[7, 3] = np.nan
-    limit = _limit(fun, x, y)
+    limit = limit_between(fun, (x, y), 1 / 4)
     f = memsafe.jit(fun, memory_limit=limit)
     plan = f.plan(x, y)
     assert plan.splits and plan.after.total <= limit, plan
