@@ -157,6 +157,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         constants,
         distribute,
         fission,
+        hoist,
         match_replace,
         recompute,
         reorder,
@@ -169,6 +170,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         match_replace,
         reorder,
         unflatten,
+        hoist,
         distribute,
         fission,
         split,
@@ -178,8 +180,8 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "unflatten", "distribute", "fission", "split", "schedule",
-        "recompute", "constants",
+        "match_replace", "reorder", "unflatten", "hoist", "distribute", "fission", "split",
+        "schedule", "recompute", "constants",
     ]  # fmt: skip
 
 

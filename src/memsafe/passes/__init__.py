@@ -1,6 +1,7 @@
-"""The rewriting pipeline, in order: match-and-replace, reorder, unflatten, distribute, fission,
-split, schedule, recompute, constants. Each pass is a module with ``run(closed, ctx) -> closed``;
-its name is the module's. ``memsafe.lapack_order`` is applied to every program memsafe compiles."""
+"""The rewriting pipeline, in order: match-and-replace, reorder, unflatten, hoist, distribute,
+fission, split, schedule, recompute, constants. Each pass is a module with ``run(closed, ctx) ->
+closed``; its name is the module's. ``memsafe.lapack_order`` is applied to every program memsafe
+compiles."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from memsafe.passes import (
     constants,
     distribute,
     fission,
+    hoist,
     match_replace,
     recompute,
     reorder,
@@ -24,6 +26,7 @@ PIPELINE: tuple[ModuleType, ...] = (
     match_replace,
     reorder,
     unflatten,
+    hoist,
     distribute,
     fission,
     split,

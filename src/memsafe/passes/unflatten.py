@@ -158,7 +158,7 @@ def _reduced_axes(eqn: JaxprEqn) -> tuple[int, ...]:
 BODIES = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",)}
 
 
-def _held(param: Any) -> tuple[ClosedJaxpr, ...]:
+def held(param: Any) -> tuple[ClosedJaxpr, ...]:
     """The programs a body parameter holds (a cond's branches are a tuple)."""
     return param if isinstance(param, tuple) else (param,)
 
@@ -229,7 +229,7 @@ class _Unflatten:
         new: dict[str, Any] = {}
         for param in BODIES[eqn.primitive.name]:
             old = eqn.params[param]
-            bodies = _held(old)
+            bodies = held(old)
             rewritten = [unflatten(b, self.changes) for b in bodies]
             if any(r is not b for r, b in zip(rewritten, bodies)):
                 new[param] = tuple(rewritten) if isinstance(old, tuple) else rewritten[0]
@@ -242,7 +242,7 @@ def _touches(closed: ClosedJaxpr) -> bool:
         if eqn.primitive.name == "reshape":
             return True
         for param in BODIES.get(eqn.primitive.name, ()):
-            if any(_touches(b) for b in _held(eqn.params[param])):
+            if any(_touches(b) for b in held(eqn.params[param])):
                 return True
     return False
 
@@ -269,4 +269,4 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     return new
 
 
-__all__ = ["MERGED_RULES", "reshape_groups", "run", "unflatten"]
+__all__ = ["BODIES", "MERGED_RULES", "held", "reshape_groups", "run", "unflatten"]

@@ -1,0 +1,257 @@
+"""Hoist: windows of large computed values move above the operations that computed them.
+
+``jnp.flip(x @ y.T, 0)``, ``(x @ y.T)[1:]`` and ``lax.dynamic_slice_in_dim(s, i, n, 1)`` select
+positions along one axis of a value computed whole. A split region follows one axis from the
+chunk's start, so it stopped at such a window of a computed value: the window's chunk reads the
+value's chunk at other positions. Where each position of a value along the axis depends only on
+the same position of its operands (elementwise operations, broadcasts, transposes, reductions
+and scans over other axes, a matmul's free and batch axes: the split rules' mappings), the window
+commutes with the operation, which then runs on windowed operands. Applied up the chain, the
+window reaches program arguments or values used elsewhere, which the split rules read by index
+arithmetic. The same elements go through the same operations; discarded positions are no longer
+computed.
+
+A value moves only when the window is its one use (otherwise it would be computed twice) and
+when it is larger than an eighth of the temporary budget (smaller ones fit as they are). Loop
+bodies and cond branches are rewritten the same way.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+from jax import lax
+
+from memsafe._jax import (
+    ClosedJaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    bind_eqn_with,
+    dce,
+    make_closed_jaxpr,
+    nbytes_of_aval,
+)
+from memsafe.graph.interpret import evaluate
+from memsafe.passes.base import PassContext
+from memsafe.passes.unflatten import BODIES, held
+from memsafe.plan import PassRecord
+from memsafe.primitives import CUMULATIVE, ELEMENTWISE, REDUCTIONS
+from memsafe.split import registry
+from memsafe.split.registry import Mapping, NoRule
+
+#: Primitives whose result at a position along a mapped axis reads only that position of the
+#: operands that carry the axis (their split rules' mappings say where).
+POINTWISE = (
+    ELEMENTWISE
+    | REDUCTIONS
+    | CUMULATIVE
+    | {"broadcast_in_dim", "transpose", "reshape", "squeeze", "expand_dims", "dot_general"}
+)
+
+#: Primitives selecting positions along an axis (:func:`window_of`).
+WINDOWS = frozenset({"slice", "rev", "dynamic_slice"})
+
+#: Values up to this fraction of the temporary budget are left where they are.
+SMALL = 1 / 8
+
+
+class Window:
+    """Positions selected along one axis."""
+
+    def apply(self, value: Any, axis: int) -> Any:
+        """``value`` at the selected positions along ``axis``."""
+        raise NotImplementedError
+
+    def length(self, full: int) -> int:
+        """How many positions are selected of an axis of length ``full``."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Strided(Window):
+    """``start:limit:stride`` (a static slice)."""
+
+    start: int
+    limit: int
+    stride: int
+
+    def apply(self, value: Any, axis: int) -> Any:
+        return lax.slice_in_dim(value, self.start, self.limit, self.stride, axis)
+
+    def length(self, full: int) -> int:
+        return len(range(self.start, self.limit, self.stride))
+
+
+@dataclass(frozen=True)
+class Reversed(Window):
+    """Every position, last first (``rev``)."""
+
+    def apply(self, value: Any, axis: int) -> Any:
+        return lax.rev(value, (axis,))
+
+    def length(self, full: int) -> int:
+        return full
+
+
+@dataclass(frozen=True)
+class Dynamic(Window):
+    """``size`` positions from a traced ``index``, clamped into the axis as XLA clamps it."""
+
+    index: Any
+    size: int
+
+    def apply(self, value: Any, axis: int) -> Any:
+        return lax.dynamic_slice_in_dim(value, self.index, self.size, axis)
+
+    def length(self, full: int) -> int:
+        return self.size
+
+
+def _only(axes: list[int]) -> int | None:
+    return axes[0] if len(axes) == 1 else None
+
+
+def window_of(eqn: JaxprEqn, invals: list[Any]) -> tuple[int, Window] | None:
+    """(axis, window) when ``eqn`` selects positions along exactly one axis, else None."""
+    name, p = eqn.primitive.name, eqn.params
+    if name not in WINDOWS:
+        return None
+    full = eqn.invars[0].aval.shape
+    if name == "slice":
+        strides = p["strides"] or (1,) * len(full)
+        cut = zip(p["start_indices"], p["limit_indices"], strides)
+        axis = _only([a for a, (s, e, k) in enumerate(cut) if (s, e, k) != (0, full[a], 1)])
+        if axis is None:
+            return None
+        return axis, Strided(p["start_indices"][axis], p["limit_indices"][axis], strides[axis])
+    if name == "rev":
+        axis = _only([a for a in p["dimensions"] if full[a] > 1])
+        return None if axis is None else (axis, Reversed())
+    if name == "dynamic_slice" and len(invals) == 1 + len(full):
+        axis = _only([a for a, n in enumerate(p["slice_sizes"]) if n != full[a]])
+        return None if axis is None else (axis, Dynamic(invals[1 + axis], p["slice_sizes"][axis]))
+    return None
+
+
+class _Hoist:
+    """The rewrite of one program: windows of single-use large values move up their chains."""
+
+    def __init__(self, closed: ClosedJaxpr, large: int, changes: list[str]) -> None:
+        jaxpr = closed.jaxpr
+        self.eqns = jaxpr.eqns
+        self.large, self.changes = large, changes
+        self.uses = Counter(a for e in jaxpr.eqns for a in e.invars if isinstance(a, Var))
+        self.uses.update(a for a in jaxpr.outvars if isinstance(a, Var))
+        self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+        self.env: dict[Any, Any] = {}
+
+    def __call__(self, index: int, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
+        if eqn.primitive.name in BODIES:
+            return self._bodies(eqn, invals)
+        found = window_of(eqn, invals)
+        if found is None or not self._movable(eqn.invars[0]):
+            return None
+        axis, window = found
+        moved = self._above(eqn.invars[0], axis, window)
+        if moved is None:
+            return None
+        self.changes.append(f"{eqn.primitive.name} along axis {axis} computed before {moved[1]}")
+        return [moved[0]]
+
+    def _movable(self, atom: Any) -> bool:
+        """A computed value used by one equation alone, and large enough to matter."""
+        return (
+            isinstance(atom, Var)
+            and not isinstance(atom, Literal)
+            and atom in self.producer
+            and self.uses[atom] == 1
+            and nbytes_of_aval(atom.aval) > self.large
+        )
+
+    def _mapping(self, eqn: JaxprEqn, axis: int) -> Mapping | None:
+        """How ``axis`` of the result of ``eqn`` maps onto its operands, where the window
+        commutes with ``eqn`` (a pointwise mapping that some operand carries)."""
+        if eqn.primitive.name not in POINTWISE or len(eqn.outvars) != 1:
+            return None
+        try:
+            m = registry.axis_map(eqn, ("out", 0), axis)
+        except NoRule:
+            return None
+        if not isinstance(m, Mapping) or registry.running_along(eqn, m) is not None:
+            return None
+        return m if any(a is not None for a in m.ins) else None
+
+    def _above(self, var: Var, axis: int, window: Window) -> tuple[Any, str] | None:
+        """``var`` windowed, computed from windowed operands, and the operation moved past; None
+        where the window does not commute with ``var``'s producer."""
+        eqn = self.eqns[self.producer[var]]
+        m = self._mapping(eqn, axis)
+        if m is None:
+            return None
+        invals = [self._windowed(a, ax, window) for a, ax in zip(eqn.invars, m.ins)]
+        size = window.length(var.aval.shape[axis])
+        (out,) = registry.rebind(eqn, invals, m, 0, size)
+        return out, eqn.primitive.name
+
+    def _windowed(self, atom: Any, axis: int | None, window: Window) -> Any:
+        """An operand read through the window along ``axis`` (whole where None)."""
+        if isinstance(atom, Literal):
+            return atom.val
+        value = self.env[atom]
+        if axis is None:
+            return value
+        if self._movable(atom):
+            moved = self._above(atom, axis, window)
+            if moved is not None:
+                return moved[0]
+        return window.apply(value, axis)
+
+    def _bodies(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
+        new: dict[str, Any] = {}
+        for param in BODIES[eqn.primitive.name]:
+            old = eqn.params[param]
+            bodies = held(old)
+            rewritten = [hoist(b, self.large, self.changes) for b in bodies]
+            if any(r is not b for r, b in zip(rewritten, bodies)):
+                new[param] = tuple(rewritten) if isinstance(old, tuple) else rewritten[0]
+        return bind_eqn_with(eqn, invals, **new) if new else None
+
+
+def _touches(closed: ClosedJaxpr) -> bool:
+    """Whether the program (or a body in it) has a window the pass may move."""
+    for eqn in closed.jaxpr.eqns:
+        if eqn.primitive.name in WINDOWS:
+            return True
+        for param in BODIES.get(eqn.primitive.name, ()):
+            if any(_touches(b) for b in held(eqn.params[param])):
+                return True
+    return False
+
+
+def hoist(closed: ClosedJaxpr, large: int, changes: list[str]) -> ClosedJaxpr:
+    """``closed`` with windows of values over ``large`` bytes moved up (itself if none moved);
+    what changed is appended to ``changes``."""
+    if not _touches(closed):
+        return closed
+    before = len(changes)
+    rewrite = _Hoist(closed, large, changes)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    # the evaluator keeps every value it computes in ``rewrite.env``, where the rewrite reads them
+    new, _ = make_closed_jaxpr(lambda *xs: evaluate(closed, xs, rewrite, env=rewrite.env), avals)
+    return closed if len(changes) == before else dce(new)
+
+
+def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
+    """Move slices and reversals of large computed values above the operations computing them."""
+    changes: list[str] = []
+    new = hoist(closed, int(ctx.temp_budget * SMALL), changes)
+    for change in dict.fromkeys(changes):
+        ctx.record(PassRecord("hoist", change))
+    return new
+
+
+__all__ = ["POINTWISE", "Window", "hoist", "run", "window_of"]
