@@ -34,6 +34,7 @@ from memsafe.rules.registry import registered_rules
 from memsafe.xla import (
     Footprint,
     hidden_constant_bytes,
+    loop_options,
     measuring_options,
     memsafe_jit,
     merged_options,
@@ -328,8 +329,9 @@ def _search(
     after."""
     hidden = hidden_constant_bytes(closed.consts)
     search = _Search(
-        start or closed, avals, memory_limit, donate, name, compiler_options, hidden, on_mesh
-    )
+        start or closed, avals, memory_limit, donate, name, loop_options(compiler_options),
+        hidden, on_mesh,
+    )  # fmt: skip
     peak = estimate(Graph(closed)).peak_bytes
     guess = None if on_mesh is not None else _speculative_fixed(closed, donate, memory_limit, peak)
     what = (name, "original program", memory_limit)

@@ -49,6 +49,22 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
 GPU_MEASURE_OPTIONS: dict[str, Any] = {"xla_gpu_autotune_level": 0}
 
 
+#: XLA's while-loop invariant code motion moves a loop's invariant operations out of the loop,
+#: where their results live through all of it. A chunk loop reads whole operands on purpose, chunk
+#: by chunk: on the CPU, XLA widens a bfloat16 matmul operand to float32 and, the convert of the
+#: operand being loop-invariant, hoisted the convert of the whole operand out of the loop, a float32
+#: copy among the loop's temporaries (fuzz seed 181: 12 KiB over an 8 KiB budget; a 7,490 x 3
+#: operand read in chunks of 7 rows took 95,080 B of temporaries with the pass, 5,160 B without).
+#: memsafe compiles the programs it rewrote without it.
+LOOP_OPTIONS: dict[str, Any] = {"xla_disable_hlo_passes": "while-loop-invariant-code-motion"}
+
+
+def loop_options(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The user's ``compiler_options`` for a program memsafe rewrote into loops: with
+    :data:`LOOP_OPTIONS`, except where the user sets those options."""
+    return {**LOOP_OPTIONS, **dict(user or {})}
+
+
 def measuring_options(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """:func:`merged_options` for a compile whose program may exceed the limit: on a GPU with
     the autotuner off, so that compiling allocates nothing of the program's size."""
