@@ -137,6 +137,10 @@ def window_of(eqn: JaxprEqn, invals: list[Any]) -> tuple[int, Window] | None:
     return None
 
 
+#: What :meth:`_Hoist._windowed` answers for an operand the window cannot move past.
+_STOPPED = object()
+
+
 class _Hoist:
     """The rewrite of one program: windows of single-use large values move up their chains."""
 
@@ -187,27 +191,33 @@ class _Hoist:
 
     def _above(self, var: Var, axis: int, window: Window) -> tuple[Any, str] | None:
         """``var`` windowed, computed from windowed operands, and the operation moved past; None
-        where the window does not commute with ``var``'s producer."""
+        where the window does not commute with ``var``'s producer or would stop at a large
+        computed value."""
         eqn = self.eqns[self.producer[var]]
         m = self._mapping(eqn, axis)
         if m is None:
             return None
         invals = [self._windowed(a, ax, window) for a, ax in zip(eqn.invars, m.ins)]
+        if any(v is _STOPPED for v in invals):
+            return None
         size = window.length(var.aval.shape[axis])
         (out,) = registry.rebind(eqn, invals, m, 0, size)
         return out, eqn.primitive.name
 
     def _windowed(self, atom: Any, axis: int | None, window: Window) -> Any:
-        """An operand read through the window along ``axis`` (whole where None)."""
+        """An operand read through the window along ``axis`` (whole where None); _STOPPED where
+        the window would stay on a large computed value. A split stops at such a window as it
+        did before, and the values around it would be computed in other fusions than jax.jit's:
+        a max recomputed per stage next to a reversed operand rounded otherwise than its ties
+        did (fuzz seed 258, a max's gradient: tie count 0, NaN everywhere)."""
         if isinstance(atom, Literal):
             return atom.val
         value = self.env[atom]
         if axis is None:
             return value
-        if self._movable(atom):
-            moved = self._above(atom, axis, window)
-            if moved is not None:
-                return moved[0]
+        if atom in self.producer and nbytes_of_aval(atom.aval) > self.large:
+            moved = self._above(atom, axis, window) if self.uses[atom] == 1 else None
+            return _STOPPED if moved is None else moved[0]
         return window.apply(value, axis)
 
     def _bodies(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
