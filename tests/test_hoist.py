@@ -47,6 +47,13 @@ WINDOWS = {
         (y @ x.T).T, i, 4, 1
     ),
     "rev_of_argmax_input": lambda x, y, i: jnp.argmax(jnp.flip(jnp.abs(x @ y.T), 1), 1),
+    "strided_rows_of_cumsum": lambda x, y, i: jnp.cumsum(x * y, 1)[::3],
+    "rev_of_batched_product": lambda x, y, i: jnp.flip(
+        jnp.einsum(
+            "bij,bkj->bik", jnp.broadcast_to(x, (3, 8, 6)) * jnp.arange(3.0)[:, None, None], y[None]
+        ),
+        0,
+    ),
 }
 
 

@@ -178,7 +178,7 @@ class _Hoist:
 
     def _mapping(self, eqn: JaxprEqn, axis: int) -> Mapping | None:
         """How ``axis`` of the result of ``eqn`` maps onto its operands, where the window
-        commutes with ``eqn`` (a pointwise mapping that some operand carries)."""
+        commutes with ``eqn`` (a pointwise mapping that some operand carries, or a broadcast)."""
         if eqn.primitive.name not in POINTWISE or len(eqn.outvars) != 1:
             return None
         try:
@@ -187,7 +187,10 @@ class _Hoist:
             return None
         if not isinstance(m, Mapping) or registry.running_along(eqn, m) is not None:
             return None
-        return m if any(a is not None for a in m.ins) else None
+        # an axis a broadcast creates holds the same values at every position: the window is
+        # the broadcast at the window's length
+        creates = eqn.primitive.name == "broadcast_in_dim"
+        return m if creates or any(a is not None for a in m.ins) else None
 
     def _above(self, var: Var, axis: int, window: Window) -> tuple[Any, str] | None:
         """``var`` windowed, computed from windowed operands, and the operation moved past; None
