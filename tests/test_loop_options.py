@@ -1,6 +1,7 @@
-"""Programs memsafe rewrote into loops compile without XLA's while-loop invariant code motion: on
-the CPU it hoisted the float32 convert of a whole bfloat16 matmul operand out of the chunk loop,
-so a bfloat16 attention could not go below a float32 copy of its keys and values."""
+"""Programs memsafe rewrote into loops that hold bfloat16 or float16 values compile without XLA's
+while-loop invariant code motion: on the CPU it hoisted the float32 convert of a whole bfloat16
+matmul operand out of the chunk loop, so a bfloat16 attention could not go below a float32 copy
+of its keys and values."""
 
 from __future__ import annotations
 
@@ -10,15 +11,26 @@ import numpy as np
 import pytest
 
 import memsafe
-from memsafe import xla
+from memsafe import _jax, xla
 from memsafe.xla import memsafe_jit
 from tests.limits import limit_between
 
 
-def test_loop_options_turn_the_pass_off_unless_the_user_sets_it():
-    assert xla.loop_options() == xla.LOOP_OPTIONS
-    assert xla.loop_options({"a": 1}) == {**xla.LOOP_OPTIONS, "a": 1}
-    assert xla.loop_options({"xla_disable_hlo_passes": ""}) == {"xla_disable_hlo_passes": ""}
+def test_loop_options_turn_the_pass_off_for_narrow_floats_unless_the_user_sets_it():
+    narrow, wide = [jnp.float32, jnp.bfloat16], [jnp.float32, jnp.int32]
+    assert xla.loop_options(None, narrow) == xla.LOOP_OPTIONS
+    assert xla.loop_options({"a": 1}, [jnp.float16]) == {**xla.LOOP_OPTIONS, "a": 1}
+    assert xla.loop_options({"a": 1}, wide) == {"a": 1}
+    off = {"xla_disable_hlo_passes": ""}
+    assert xla.loop_options(off, narrow) == off
+
+
+def test_dtypes_are_read_inside_loop_bodies():
+    def f(x):
+        return jax.lax.scan(lambda c, r: (c + r.astype(jnp.bfloat16).sum(), None), 0.0, x)[0]
+
+    closed = jax.make_jaxpr(f)(jnp.ones((3, 2)))
+    assert jnp.dtype(jnp.bfloat16) in set(_jax.dtypes_in(closed.jaxpr))
 
 
 def _attention(q, k, v):

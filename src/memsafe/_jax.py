@@ -265,6 +265,17 @@ def jaxprs_in_params(eqn: JaxprEqn) -> Iterator[Jaxpr]:
     return core.jaxprs_in_params(eqn.params)
 
 
+def dtypes_in(jaxpr: Jaxpr) -> Iterator[Any]:
+    """The dtypes of every value of ``jaxpr`` and of the jaxprs its equations run."""
+    for var in jaxpr.invars:
+        yield var.aval.dtype
+    for eqn in jaxpr.eqns:
+        for var in eqn.outvars:
+            yield getattr(var.aval, "dtype", None)
+        for inner in jaxprs_in_params(eqn):
+            yield from dtypes_in(inner)
+
+
 def cond_branches(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...] | None:
     """The branch jaxprs of a ``cond`` equation (its first operand is the branch index)."""
     if eqn.primitive.name != "cond":

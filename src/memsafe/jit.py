@@ -329,9 +329,8 @@ def _search(
     after."""
     hidden = hidden_constant_bytes(closed.consts)
     search = _Search(
-        start or closed, avals, memory_limit, donate, name, loop_options(compiler_options),
-        hidden, on_mesh,
-    )  # fmt: skip
+        start or closed, avals, memory_limit, donate, name, compiler_options, hidden, on_mesh
+    )
     peak = estimate(Graph(closed)).peak_bytes
     guess = None if on_mesh is not None else _speculative_fixed(closed, donate, memory_limit, peak)
     what = (name, "original program", memory_limit)
@@ -396,6 +395,7 @@ class _Tried:
     scale: float
     placed: tuple  # the argument avals compiled for (placed on a mesh)
     what: tuple[str, str, int]  # name, description, limit (for the log)
+    options: Mapping[str, Any] | None  # the compiler options it runs with (see loop_options)
 
 
 class _Search:
@@ -435,10 +435,13 @@ class _Search:
         what = (self.name, f"attempt {index + 1} (chunk scale {scale:.3g})", self.limit)
         hidden_now = hidden_constant_bytes(program.consts)
         placed = tuple(self.avals if sharding is None else sharding.placed(self.avals))
+        options = loop_options(self.options, _jax.dtypes_in(program.jaxpr))
         # over the limit or not, this compile allocates nothing of the program's size
-        measure = measuring_options(self.options)
+        measure = measuring_options(options)
         got = _compile(emitted, placed, measure, self.donate, hidden_now, what)
-        return _Tried(program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what)
+        return _Tried(
+            program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what, options
+        )
 
     def attempt_or_none(self, fixed: int) -> _Tried | None:
         """The first attempt, or None where it fails (raised again, if the original does not
@@ -457,7 +460,7 @@ class _Search:
         def compile_with(options: Mapping[str, Any] | None) -> _Compiled:
             return _compile(tried.emitted, tried.placed, options, self.donate, hidden, what)
 
-        return _tuned(tried.got, self.options, self.limit, compile_with)
+        return _tuned(tried.got, tried.options, self.limit, compile_with)
 
     def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
         """The first attempt that fits (``first``, made already, or planned now), recorded in
