@@ -17,9 +17,10 @@ from tests.limits import limit_between
 
 
 def test_loop_options_turn_the_pass_off_for_narrow_floats_unless_the_user_sets_it():
-    narrow, wide = [jnp.float32, jnp.bfloat16], [jnp.float32, jnp.int32]
+    narrow = [jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)]
+    wide = [jnp.dtype(jnp.float32), jnp.dtype(jnp.int32), None]
     assert xla.loop_options(None, narrow) == xla.LOOP_OPTIONS
-    assert xla.loop_options({"a": 1}, [jnp.float16]) == {**xla.LOOP_OPTIONS, "a": 1}
+    assert xla.loop_options({"a": 1}, [jnp.dtype(jnp.float16)]) == {**xla.LOOP_OPTIONS, "a": 1}
     assert xla.loop_options({"a": 1}, wide) == {"a": 1}
     off = {"xla_disable_hlo_passes": ""}
     assert xla.loop_options(off, narrow) == off
@@ -58,3 +59,19 @@ def test_bfloat16_attention_splits_below_a_float32_copy_of_its_keys(fraction):
     # within jax.jit's own error against float64, or one bfloat16 rounding of the result
     bound = max(np.max(np.abs(want - ref)), np.max(np.abs(ref)) * 2.0**-8)
     assert np.max(np.abs(got - ref)) <= 2 * bound
+
+
+def test_programs_with_prng_keys_have_loop_options_too():
+    """Typed PRNG keys have a dtype NumPy does not know; reading a program's dtypes takes them."""
+
+    def f(key, x):
+        mask = jax.random.bernoulli(key, 0.5, (x.shape[0], 4000))
+        return jnp.sum(jnp.where(mask, x[:, :1] * jnp.ones((1, 4000)), 0.0), 1)
+
+    args = (jax.random.key(0), jnp.ones((2000, 8)))
+    closed = jax.make_jaxpr(f)(*args)
+    assert xla.loop_options(None, _jax.dtypes_in(closed.jaxpr)) == {}
+    limit = limit_between(f, args, 0.25)
+    safe = memsafe.jit(f, memory_limit=limit)
+    np.testing.assert_array_equal(safe(*args), memsafe_jit(f)(*args))
+    assert safe.plan(*args).after.total <= limit

@@ -70,7 +70,7 @@ def loop_options(user: Mapping[str, Any] | None, dtypes: Iterable[Any]) -> dict[
     """The user's ``compiler_options`` for a program memsafe rewrote into loops, whose values
     have ``dtypes``: with :data:`LOOP_OPTIONS` where one of them is in :data:`WIDENED`, except
     where the user sets those options."""
-    narrow = any(np.dtype(d) in WIDENED for d in dtypes)
+    narrow = any(d in WIDENED for d in dtypes)  # no np.dtype(): PRNG key types have none
     return {**(LOOP_OPTIONS if narrow else {}), **dict(user or {})}
 
 
