@@ -18,7 +18,6 @@ bodies and cond branches are rewritten the same way.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,17 +42,21 @@ from memsafe.primitives import CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from memsafe.split import registry
 from memsafe.split.registry import Mapping, NoRule
 
+#: Primitives selecting positions along an axis (:func:`window_of`).
+WINDOWS = frozenset({"slice", "rev", "dynamic_slice"})
+
 #: Primitives whose result at a position along a mapped axis reads only that position of the
-#: operands that carry the axis (their split rules' mappings say where).
+#: operands that carry the axis (their split rules' mappings say where). Windows, pads and
+#: concatenations are among them along their other axes; along their own, their rules create the
+#: axis (no operand carries it) and the window stays.
 POINTWISE = (
     ELEMENTWISE
     | REDUCTIONS
     | CUMULATIVE
+    | WINDOWS
     | {"broadcast_in_dim", "transpose", "reshape", "squeeze", "expand_dims", "dot_general"}
+    | {"pad", "concatenate", "sort", "stack"}
 )
-
-#: Primitives selecting positions along an axis (:func:`window_of`).
-WINDOWS = frozenset({"slice", "rev", "dynamic_slice"})
 
 #: Values up to this fraction of the temporary budget are left where they are.
 SMALL = 1 / 8
@@ -111,6 +114,10 @@ class Dynamic(Window):
         return self.size
 
 
+def _is_var(atom: Any) -> bool:
+    return isinstance(atom, Var) and not isinstance(atom, Literal)
+
+
 def _only(axes: list[int]) -> int | None:
     return axes[0] if len(axes) == 1 else None
 
@@ -137,19 +144,19 @@ def window_of(eqn: JaxprEqn, invals: list[Any]) -> tuple[int, Window] | None:
     return None
 
 
-#: What :meth:`_Hoist._windowed` answers for an operand the window cannot move past.
-_STOPPED = object()
-
-
 class _Hoist:
-    """The rewrite of one program: windows of single-use large values move up their chains."""
+    """The rewrite of one program: windows of large values move up their chains."""
 
     def __init__(self, closed: ClosedJaxpr, large: int, changes: list[str]) -> None:
         jaxpr = closed.jaxpr
         self.eqns = jaxpr.eqns
         self.large, self.changes = large, changes
-        self.uses = Counter(a for e in jaxpr.eqns for a in e.invars if isinstance(a, Var))
-        self.uses.update(a for a in jaxpr.outvars if isinstance(a, Var))
+        self.users: dict[Var, set[int]] = {}
+        for i, e in enumerate(jaxpr.eqns):
+            for a in e.invars:
+                if _is_var(a):
+                    self.users.setdefault(a, set()).add(i)
+        self.outputs = {a for a in jaxpr.outvars if _is_var(a)}
         self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
         self.env: dict[Any, Any] = {}
 
@@ -157,24 +164,25 @@ class _Hoist:
         if eqn.primitive.name in BODIES:
             return self._bodies(eqn, invals)
         found = window_of(eqn, invals)
-        if found is None or not self._movable(eqn.invars[0]):
+        root = eqn.invars[0] if eqn.invars else None
+        if found is None or not self._large(root) or self._read_elsewhere(root, {index}):
             return None
         axis, window = found
-        moved = self._above(eqn.invars[0], axis, window)
-        if moved is None:
+        cone = self._cone(root, axis)
+        if cone is None:
             return None
-        self.changes.append(f"{eqn.primitive.name} along axis {axis} computed before {moved[1]}")
-        return [moved[0]]
+        out = self._build(root, axis, window, cone, {})
+        moved = self.eqns[self.producer[root]].primitive.name
+        self.changes.append(f"{eqn.primitive.name} along axis {axis} computed before {moved}")
+        return [out]
 
-    def _movable(self, atom: Any) -> bool:
-        """A computed value used by one equation alone, and large enough to matter."""
-        return (
-            isinstance(atom, Var)
-            and not isinstance(atom, Literal)
-            and atom in self.producer
-            and self.uses[atom] == 1
-            and nbytes_of_aval(atom.aval) > self.large
-        )
+    def _large(self, atom: Any) -> bool:
+        """A value computed by the program, larger than what fits as it is."""
+        return _is_var(atom) and atom in self.producer and nbytes_of_aval(atom.aval) > self.large
+
+    def _read_elsewhere(self, var: Var, inside: set[int]) -> bool:
+        """Whether ``var`` is an output or read by an equation not in ``inside``."""
+        return var in self.outputs or not self.users.get(var, set()) <= inside
 
     def _mapping(self, eqn: JaxprEqn, axis: int) -> Mapping | None:
         """How ``axis`` of the result of ``eqn`` maps onto its operands, where the window
@@ -192,36 +200,54 @@ class _Hoist:
         creates = eqn.primitive.name == "broadcast_in_dim"
         return m if creates or any(a is not None for a in m.ins) else None
 
-    def _above(self, var: Var, axis: int, window: Window) -> tuple[Any, str] | None:
-        """``var`` windowed, computed from windowed operands, and the operation moved past; None
-        where the window does not commute with ``var``'s producer or would stop at a large
-        computed value."""
-        eqn = self.eqns[self.producer[var]]
-        m = self._mapping(eqn, axis)
-        if m is None:
+    def _cone(self, root: Var, axis: int) -> dict[Var, int] | None:
+        """The large computed values the window moves above, each with the axis it reads, from
+        ``root`` up to arguments and small values. None where the window would stay on a large
+        value: one whose producer it does not commute with, one read along two axes, or one read
+        by an operation outside the cone (it would be computed twice). A split stops at such a
+        window as it did before, and the values around it would be computed in other fusions
+        than jax.jit's: a max recomputed per stage next to a reversed operand rounded otherwise
+        than its ties did (fuzz seed 258, a max's gradient: tie count 0, NaN everywhere)."""
+        cone: dict[Var, int] = {}
+        stack = [(root, axis)]
+        while stack:
+            var, ax = stack.pop()
+            if var in cone:
+                if cone[var] != ax:
+                    return None
+                continue
+            eqn = self.eqns[self.producer[var]]
+            m = self._mapping(eqn, ax)
+            if m is None:
+                return None
+            cone[var] = ax
+            stack.extend((a, a_ax) for a, a_ax in zip(eqn.invars, m.ins) if a_ax is not None
+                         and self._large(a))  # fmt: skip
+        inside = {self.producer[v] for v in cone}
+        if any(self._read_elsewhere(v, inside) for v in cone if v is not root):
             return None
-        invals = [self._windowed(a, ax, window) for a, ax in zip(eqn.invars, m.ins)]
-        if any(v is _STOPPED for v in invals):
-            return None
-        size = window.length(var.aval.shape[axis])
-        (out,) = registry.rebind(eqn, invals, m, 0, size)
-        return out, eqn.primitive.name
+        return cone
 
-    def _windowed(self, atom: Any, axis: int | None, window: Window) -> Any:
-        """An operand read through the window along ``axis`` (whole where None); _STOPPED where
-        the window would stay on a large computed value. A split stops at such a window as it
-        did before, and the values around it would be computed in other fusions than jax.jit's:
-        a max recomputed per stage next to a reversed operand rounded otherwise than its ties
-        did (fuzz seed 258, a max's gradient: tie count 0, NaN everywhere)."""
-        if isinstance(atom, Literal):
-            return atom.val
-        value = self.env[atom]
+    def _build(
+        self, var: Any, axis: int | None, window: Window, cone: dict[Var, int], memo: dict
+    ) -> Any:
+        """``var`` read through the window along ``axis`` (whole where None): computed from
+        windowed operands where it is in ``cone``, else the window applied to it."""
+        if isinstance(var, Literal):
+            return var.val
         if axis is None:
-            return value
-        if atom in self.producer and nbytes_of_aval(atom.aval) > self.large:
-            moved = self._above(atom, axis, window) if self.uses[atom] == 1 else None
-            return _STOPPED if moved is None else moved[0]
-        return window.apply(value, axis)
+            return self.env[var]
+        if (var, axis) not in memo:
+            if var in cone:
+                eqn = self.eqns[self.producer[var]]
+                m = self._mapping(eqn, axis)
+                assert m is not None
+                ops = [self._build(a, ax, window, cone, memo) for a, ax in zip(eqn.invars, m.ins)]
+                size = window.length(var.aval.shape[axis])
+                (memo[var, axis],) = registry.rebind(eqn, ops, m, 0, size)
+            else:
+                memo[var, axis] = window.apply(self.env[var], axis)
+        return memo[var, axis]
 
     def _bodies(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
         new: dict[str, Any] = {}
