@@ -47,6 +47,9 @@ WINDOWS = {
         (y @ x.T).T, i, 4, 1
     ),
     "rev_of_argmax_input": lambda x, y, i: jnp.argmax(jnp.flip(jnp.abs(x @ y.T), 1), 1),
+    "dynamic_cols_of_stack_sum": lambda x, y, i: lax.dynamic_slice_in_dim(
+        jnp.stack([x @ y.T, jnp.sin(x @ y.T)], -1).sum(-1), i, 5, 1
+    ),
     "strided_rows_of_cumsum": lambda x, y, i: jnp.cumsum(x * y, 1)[::3],
     "rev_of_batched_product": lambda x, y, i: jnp.flip(
         jnp.einsum(
@@ -82,6 +85,20 @@ def test_window_moves_to_the_arguments():
     _, new, changes = _hoisted(lambda x, y: jnp.flip(x @ y.T, 0), x, y)
     assert _names(new).index("rev") < _names(new).index("dot_general")
     assert changes == ["rev along axis 0 computed before dot_general"]
+
+
+def test_a_value_read_twice_inside_the_cone_moves_once():
+    """``s`` is read by ``sin`` and by the stack, both moved: the slice lands on the arguments."""
+    x, y = jnp.ones((8, 3)), jnp.ones((5, 3))
+
+    def f(x, y):
+        s = jnp.outer(x[:, 0], y[:, 0])
+        return jnp.stack([s, jnp.sin(s)], -1).sum(-1)[:, 1:]
+
+    _, new, changes = _hoisted(f, x, y, large=100)
+    assert changes == ["slice along axis 1 computed before reduce_sum"]
+    assert _names(new).count("mul") == 1  # the outer product, computed once, already sliced
+    np.testing.assert_array_equal(evaluate(new, (x, y))[0], f(x, y))
 
 
 def test_value_used_twice_or_small_keeps_its_window():

@@ -11,9 +11,10 @@ window reaches program arguments or values used elsewhere, which the split rules
 arithmetic. The same elements go through the same operations; discarded positions are no longer
 computed.
 
-A value moves only when the window is its one use (otherwise it would be computed twice) and
-when it is larger than an eighth of the temporary budget (smaller ones fit as they are). Loop
-bodies and cond branches are rewritten the same way.
+The window moves above a cone of values larger than an eighth of the temporary budget (smaller
+ones fit as they are, and take the window where the cone reads them), and only where nothing but
+the cone reads those values (otherwise they would be computed twice) and the window would not
+stay on a large one. Loop bodies and cond branches are rewritten the same way.
 """
 
 from __future__ import annotations
