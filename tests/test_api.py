@@ -14,6 +14,7 @@ import pytest
 
 import memsafe
 from memsafe.xla import CPU_COMPILER_OPTIONS, compiler_options, merged_options
+from tests.agree import assert_like_jit
 
 jit_module = importlib.import_module("memsafe.jit")  # ``memsafe.jit`` is the function
 
@@ -88,7 +89,7 @@ BATCH = (X, jnp.ones((40, 4)))
 def test_lower_compile_call_on_pytrees():
     f = memsafe.jit(loss, memory_limit="1MiB")
     compiled = f.lower(PARAMS, BATCH).compile()
-    _close(compiled(PARAMS, BATCH), jax.jit(loss)(PARAMS, BATCH))
+    assert_like_jit(compiled(PARAMS, BATCH), loss, PARAMS, BATCH)
     assert (
         compiled.memory_analysis().argument_size_in_bytes == f.plan(PARAMS, BATCH).after.arguments
     )
