@@ -7,7 +7,7 @@ value's chunk at other positions. Where each position of a value along the axis 
 the same position of its operands (elementwise operations, broadcasts, transposes, reductions
 and scans over other axes, a matmul's free and batch axes: the split rules' mappings), the window
 commutes with the operation, which then runs on windowed operands. Applied up the chain, the
-window reaches program arguments or values used elsewhere, which the split rules read by index
+window reaches program arguments or small values, which the split rules read by index
 arithmetic. The same elements go through the same operations; discarded positions are no longer
 computed.
 
