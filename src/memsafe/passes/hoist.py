@@ -26,18 +26,17 @@ import jax
 from jax import lax
 
 from memsafe._jax import (
+    LOOP_BODIES,
     ClosedJaxpr,
     JaxprEqn,
     Literal,
     Var,
-    bind_eqn_with,
     dce,
     make_closed_jaxpr,
     nbytes_of_aval,
 )
-from memsafe.graph.interpret import evaluate
+from memsafe.graph.interpret import evaluate, runs_any, with_bodies
 from memsafe.passes.base import PassContext
-from memsafe.passes.unflatten import BODIES, held
 from memsafe.plan import PassRecord
 from memsafe.primitives import CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from memsafe.split import registry
@@ -162,8 +161,8 @@ class _Hoist:
         self.env: dict[Any, Any] = {}
 
     def __call__(self, index: int, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
-        if eqn.primitive.name in BODIES:
-            return self._bodies(eqn, invals)
+        if eqn.primitive.name in LOOP_BODIES:
+            return with_bodies(eqn, invals, lambda b: hoist(b, self.large, self.changes))
         found = window_of(eqn, invals)
         root = eqn.invars[0] if eqn.invars else None
         if found is None or not self._large(root) or self._read_elsewhere(root, {index}):
@@ -201,27 +200,28 @@ class _Hoist:
         creates = eqn.primitive.name == "broadcast_in_dim"
         return m if creates or any(a is not None for a in m.ins) else None
 
-    def _cone(self, root: Var, axis: int) -> dict[Var, int] | None:
-        """The large computed values the window moves above, each with the axis it reads, from
+    def _cone(self, root: Var, axis: int) -> dict[Var, tuple[int, Mapping]] | None:
+        """The large computed values the window moves above, each with the axis it reads and how
+        that axis maps through its producer, from
         ``root`` up to arguments and small values. None where the window would stay on a large
         value: one whose producer it does not commute with, one read along two axes, or one read
         by an operation outside the cone (it would be computed twice). A split stops at such a
         window as it did before, and the values around it would be computed in other fusions
         than jax.jit's: a max recomputed per stage next to a reversed operand rounded otherwise
         than its ties did (fuzz seed 258, a max's gradient: tie count 0, NaN everywhere)."""
-        cone: dict[Var, int] = {}
+        cone: dict[Var, tuple[int, Mapping]] = {}
         stack = [(root, axis)]
         while stack:
             var, ax = stack.pop()
             if var in cone:
-                if cone[var] != ax:
+                if cone[var][0] != ax:
                     return None
                 continue
             eqn = self.eqns[self.producer[var]]
             m = self._mapping(eqn, ax)
             if m is None:
                 return None
-            cone[var] = ax
+            cone[var] = ax, m
             stack.extend((a, a_ax) for a, a_ax in zip(eqn.invars, m.ins) if a_ax is not None
                          and self._large(a))  # fmt: skip
         inside = {self.producer[v] for v in cone}
@@ -230,8 +230,9 @@ class _Hoist:
         return cone
 
     def _build(
-        self, var: Any, axis: int | None, window: Window, cone: dict[Var, int], memo: dict
-    ) -> Any:
+        self, var: Any, axis: int | None, window: Window, cone: dict[Var, tuple[int, Mapping]],
+        memo: dict,
+    ) -> Any:  # fmt: skip
         """``var`` read through the window along ``axis`` (whole where None): computed from
         windowed operands where it is in ``cone``, else the window applied to it."""
         if isinstance(var, Literal):
@@ -239,10 +240,8 @@ class _Hoist:
         if axis is None:
             return self.env[var]
         if (var, axis) not in memo:
-            if var in cone:
-                eqn = self.eqns[self.producer[var]]
-                m = self._mapping(eqn, axis)
-                assert m is not None
+            if var in cone:  # the cone reads each of its values along one axis: this one
+                eqn, m = self.eqns[self.producer[var]], cone[var][1]
                 ops = [self._build(a, ax, window, cone, memo) for a, ax in zip(eqn.invars, m.ins)]
                 size = window.length(var.aval.shape[axis])
                 (memo[var, axis],) = registry.rebind(eqn, ops, m, 0, size)
@@ -250,32 +249,11 @@ class _Hoist:
                 memo[var, axis] = window.apply(self.env[var], axis)
         return memo[var, axis]
 
-    def _bodies(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
-        new: dict[str, Any] = {}
-        for param in BODIES[eqn.primitive.name]:
-            old = eqn.params[param]
-            bodies = held(old)
-            rewritten = [hoist(b, self.large, self.changes) for b in bodies]
-            if any(r is not b for r, b in zip(rewritten, bodies)):
-                new[param] = tuple(rewritten) if isinstance(old, tuple) else rewritten[0]
-        return bind_eqn_with(eqn, invals, **new) if new else None
-
-
-def _touches(closed: ClosedJaxpr) -> bool:
-    """Whether the program (or a body in it) has a window the pass may move."""
-    for eqn in closed.jaxpr.eqns:
-        if eqn.primitive.name in WINDOWS:
-            return True
-        for param in BODIES.get(eqn.primitive.name, ()):
-            if any(_touches(b) for b in held(eqn.params[param])):
-                return True
-    return False
-
 
 def hoist(closed: ClosedJaxpr, large: int, changes: list[str]) -> ClosedJaxpr:
     """``closed`` with windows of values over ``large`` bytes moved up (itself if none moved);
     what changed is appended to ``changes``."""
-    if not _touches(closed):
+    if not runs_any(closed, WINDOWS):
         return closed
     before = len(changes)
     rewrite = _Hoist(closed, large, changes)

@@ -26,8 +26,8 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import ClosedJaxpr, JaxprEqn, Var, bind_eqn, bind_eqn_with, dce
-from memsafe.graph.interpret import retrace
+from memsafe._jax import LOOP_BODIES, ClosedJaxpr, JaxprEqn, Var, bind_eqn, bind_eqn_with, dce
+from memsafe.graph.interpret import retrace, runs_any, with_bodies
 from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
 from memsafe.primitives import ELEMENTWISE
@@ -154,14 +154,6 @@ def _reduced_axes(eqn: JaxprEqn) -> tuple[int, ...]:
 
 # -- the pass --------------------------------------------------------------------------------------
 
-#: Parameters of control-flow primitives holding programs this pass rewrites too.
-BODIES = {"scan": ("jaxpr",), "while": ("body_jaxpr",), "cond": ("branches",)}
-
-
-def held(param: Any) -> tuple[ClosedJaxpr, ...]:
-    """The programs a body parameter holds (a cond's branches are a tuple)."""
-    return param if isinstance(param, tuple) else (param,)
-
 
 class _Unflatten:
     """The rewrite of one program: remembers each reshape's source as the program is traced."""
@@ -178,8 +170,8 @@ class _Unflatten:
             return self._reduce(eqn)
         if name in ELEMENTWISE:
             return self._elementwise(eqn, invals)
-        if name in BODIES:
-            return self._bodies(eqn, invals)
+        if name in LOOP_BODIES:
+            return with_bodies(eqn, invals, lambda b: unflatten(b, self.changes))
         return None
 
     def _reshape(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
@@ -225,32 +217,11 @@ class _Unflatten:
             )
         return outs
 
-    def _bodies(self, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
-        new: dict[str, Any] = {}
-        for param in BODIES[eqn.primitive.name]:
-            old = eqn.params[param]
-            bodies = held(old)
-            rewritten = [unflatten(b, self.changes) for b in bodies]
-            if any(r is not b for r, b in zip(rewritten, bodies)):
-                new[param] = tuple(rewritten) if isinstance(old, tuple) else rewritten[0]
-        return bind_eqn_with(eqn, invals, **new) if new else None
-
-
-def _touches(closed: ClosedJaxpr) -> bool:
-    """Whether the program (or a body in it) has a reshape: only then can the pass change it."""
-    for eqn in closed.jaxpr.eqns:
-        if eqn.primitive.name == "reshape":
-            return True
-        for param in BODIES.get(eqn.primitive.name, ()):
-            if any(_touches(b) for b in held(eqn.params[param])):
-                return True
-    return False
-
 
 def unflatten(closed: ClosedJaxpr, changes: list[str]) -> ClosedJaxpr:
     """``closed`` with its reshape chains and merged reductions rewritten (itself if none is);
     what changed is appended to ``changes``."""
-    if not _touches(closed):
+    if not runs_any(closed, ("reshape",)):
         return closed
     rewrite = _Unflatten()
     new = retrace(closed, rewrite)
@@ -269,4 +240,4 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     return new
 
 
-__all__ = ["BODIES", "MERGED_RULES", "held", "reshape_groups", "run", "unflatten"]
+__all__ = ["MERGED_RULES", "reshape_groups", "run", "unflatten"]
