@@ -95,14 +95,15 @@ def test_scan_with_a_carry_splits_along_an_axis_its_body_maps(grad):
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-6)
 
 
-def test_scan_whose_carry_sums_the_axis_is_refused_by_name():
-    """A carry that accumulates over the rows (a running total of every row) is the same on all
-    chunks of rows only once every chunk is seen: the scan cannot run per chunk."""
+def test_scan_whose_carry_takes_the_largest_row_is_refused_by_name():
+    """A carry that keeps the largest value over the rows is the same on all chunks of rows
+    only once every chunk is seen, and a max is no sum the chunks' shares add up to: the scan
+    cannot run per chunk. (A carry that *sums* over the rows can: tests/test_scan_sums.py.)"""
 
     def fun(x, w):
         def step(c, xt):
             z = jnp.tanh(xt @ w)
-            return c + jnp.sum(z), z
+            return c + jnp.max(z), z
 
         return lax.scan(step, 0.0, x)[1][:, :, :3]
 
@@ -123,7 +124,7 @@ def test_body_answers_are_walked_once_per_body_and_seeds():
     def fun(x, w):
         def step(c, xt):
             z = jnp.tanh(xt @ w)
-            return c + jnp.sum(z), z
+            return c + jnp.max(z), z
 
         return lax.scan(step, 0.0, x)[1]
 
@@ -228,7 +229,7 @@ def test_a_mask_broadcast_to_the_rows_inside_a_loop_body_is_made_per_chunk():
     from memsafe.split import body
 
     inner = inline_calls(scan.params["jaxpr"]).jaxpr
-    axes, maps = body.propagate(inner, {1: 0}, [(1, 0)])
+    axes, maps, _ = body.propagate(inner, {1: 0}, [(1, 0)])
     made = [e for i, e in enumerate(inner.eqns) if i in maps]
     assert "broadcast_in_dim" in {e.primitive.name for e in made}
     assert axes[inner.outvars[0]] == 0

@@ -198,6 +198,18 @@ def dce(closed: ClosedJaxpr) -> ClosedJaxpr:
     return ClosedJaxpr(new, list(closed.consts))
 
 
+def pruned(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[bool]]:
+    """``closed`` without the inputs its results do not read (and the equations they do not
+    need), and which of its inputs it keeps."""
+    from jax._src.interpreters import partial_eval as pe
+
+    jaxpr = closed.jaxpr
+    new, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars), instantiate=False)
+    if len(new.constvars) != len(jaxpr.constvars):  # pragma: no cover - keep it as it is
+        return closed, [True] * len(jaxpr.invars)
+    return ClosedJaxpr(new, list(closed.consts)), list(used)
+
+
 def with_outputs(closed: ClosedJaxpr, keep: Sequence[int]) -> ClosedJaxpr:
     """``closed`` computing only its results at positions ``keep`` (in that order), the
     equations no kept result needs dropped; inputs and constants stay as they are."""

@@ -24,6 +24,7 @@ from memsafe._jax import (
     Var,
     bind_eqn_with,
     eval_jaxpr,
+    pruned,
     scan_counts,
     scan_layout,
     with_outputs,
@@ -88,17 +89,25 @@ def _split_scan(eqn: JaxprEqn, invals: list[Any], moved: list[int]) -> list[Any]
     main_layout = scan_layout(p, consts, carry, len(invals), len(kept))
     main = bind_eqn_with(eqn, invals, jaxpr=with_outputs(p["jaxpr"], kept), **main_layout)
     steps = {k: v for k, v in counters(eqn).items() if _reads_carry(eqn, moved, k)}
-    if steps:
-        side = _counted_loop(eqn, invals, moved, steps)
-    else:
-        side_layout = scan_layout(p, consts + carry, 0, len(invals), len(moved))
-        side = bind_eqn_with(eqn, invals, jaxpr=with_outputs(p["jaxpr"], moved), **side_layout)
+    side = _counted_loop(eqn, invals, moved, steps) if steps else _carry_free(eqn, invals, moved)
     out: list[Any] = [None] * n
     for k, v in zip(kept, main):
         out[k] = v
     for k, v in zip(moved, side):
         out[k] = v
     return out
+
+
+def _carry_free(eqn: JaxprEqn, invals: list[Any], moved: list[int]) -> list[Any]:
+    """The ``moved`` results as a loop with no carry over the inputs they read (the scan's
+    constants and initial carries as its constants): an input it leaves unread (a mask the
+    carrying loop needs) is no operand of it, so a split does not see it read whole there."""
+    consts, carry = scan_counts(eqn.params)
+    body, used = pruned(with_outputs(eqn.params["jaxpr"], moved))
+    keep = [k for k, u in enumerate(used) if u]
+    fixed = sum(1 for k in keep if k < consts + carry)
+    layout = scan_layout(eqn.params, fixed, 0, len(keep), len(moved))
+    return bind_eqn_with(eqn, [invals[k] for k in keep], jaxpr=body, **layout)
 
 
 def _reads_carry(eqn: JaxprEqn, moved: list[int], k: int) -> bool:

@@ -4,32 +4,52 @@ A loop whose body maps the split axis through every equation (a batch of rows th
 over time or layers) runs chunk by chunk like any other equation: each chunk runs the whole loop
 on its rows. :func:`propagate` finds where the axis sits in each body value from where it sits in
 some of the body's inputs, growing that set to a fixed point (a loop carry that takes the axis in
-must give it back, and one that gives it back must take it in). It refuses a body that reduces
-the axis or reads a chunked value whole, and one with a result that does not carry the axis.
-:func:`chunk_body` is the body re-traced on chunk-shaped operands.
+must give it back, and one that gives it back must take it in). It refuses a body that reads a
+chunked value whole, and one with a result that does not carry the axis, except a *share*: a sum
+over the axis (a layer's parameter gradient, summed over the batch) that reaches the result
+only through operations linear in it (:mod:`memsafe.split.linear`), so that the chunks' shares
+add up to the result. A carry may be such a sum too (an accumulated gradient), when the body is
+linear in it. :func:`chunk_body` is the body re-traced on chunk-shaped operands.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
+import numpy as np
 
-from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Var, bind_eqn
-from memsafe.split import registry
+from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
+from memsafe.primitives import Scaling, facts
+from memsafe.split import registry, sinks
+from memsafe.split.linear import Role, keeps_sums
 from memsafe.split.registry import Mapping, NoRule
 from memsafe.split.sinks import Sink
 
 #: Where the axis sits in each body value that carries it.
 Axes = dict[Var, int]
+#: Reductions whose chunk results add up: a chunk's sum or contraction is its share.
+_SUMS = (sinks.SUM, sinks.DOT)
 
 
-def propagate(
-    jaxpr: Jaxpr, seeds: dict[Any, int], tied: Sequence[tuple[int, int]] = ()
-) -> tuple[Axes, dict[int, Mapping]]:
-    """The axis of every body value that carries it, and each equation's mapping.
+class Reached(NamedTuple):
+    """A body split along an axis: where each value carries it, the mapping of each equation
+    that touches it (a :class:`Sink` for those summing over it), and the shares: values that
+    are each chunk's share of a sum over the axis."""
+
+    axes: Axes
+    maps: dict[int, Mapping | Sink]
+    shares: frozenset[Var]
+
+    def result_shares(self, jaxpr: Jaxpr) -> tuple[int, ...]:
+        """Positions of the body's results that are shares."""
+        return tuple(k for k, v in enumerate(jaxpr.outvars) if v in self.shares)
+
+
+def propagate(jaxpr: Jaxpr, seeds: dict[Any, int], tied: Sequence[tuple[int, int]] = ()) -> Reached:
+    """The axis of every body value that carries it, each equation's mapping, and the shares.
 
     Args:
         jaxpr: the loop body.
@@ -37,17 +57,21 @@ def propagate(
         tied: (input position, output position) pairs that must agree (a loop's carry).
 
     Returns:
-        The axes of the body values, and the mapping of each equation (by index) that touches
-        the axis. Raises :class:`NoRule` naming what stops the axis.
+        The split of the body. Raises :class:`NoRule` naming what stops the axis.
     """
     seeds = dict(seeds)
-    for _ in range(len(jaxpr.invars) + 1):
+    carries = frozenset(i for i, _ in tied)
+    for _ in range(2 * len(jaxpr.invars) + 1):
         pulled = dict(seeds)  # the walk adds the inputs chunked operands are computed from
-        axes, maps = _forward(jaxpr, pulled)
-        grown = _tie(jaxpr, axes, pulled, tied)
+        try:
+            got = _Walk(jaxpr, pulled, carries).run()
+        except _ShareCarry as share:  # a carry accumulates a sum: it is one too
+            seeds[("share", share.position)] = 0
+            continue
+        grown = _tie(jaxpr, got, pulled, tied)
         if grown == seeds:
-            _check_outputs(jaxpr, axes)
-            return axes, maps
+            _check_outputs(jaxpr, got)
+            return got
         seeds = grown
     raise NoRule("the loop carry never settles on the split axis")
 
@@ -57,7 +81,7 @@ def reach(
     ins: dict[int, int],
     outs: dict[int, int],
     tied: Sequence[tuple[int, int]] = (),
-) -> tuple[Axes, dict[int, Mapping]]:
+) -> Reached:
     """:func:`propagate` from the body inputs in ``ins``; with none, from the first body input
     axis that lands on the one result in ``outs`` (a result is reached from the inputs).
 
@@ -75,7 +99,7 @@ def reach(
 @functools.lru_cache(maxsize=1024)
 def _reach_once(
     jaxpr: Jaxpr, ins: tuple, outs: tuple, tied: tuple
-) -> tuple[tuple[Axes, dict[int, Mapping]] | None, NoRule | None]:
+) -> tuple[Reached | None, NoRule | None]:
     try:
         return _reach(jaxpr, dict(ins), dict(outs), tied), None
     except NoRule as err:
@@ -84,44 +108,120 @@ def _reach_once(
 
 def _reach(
     jaxpr: Jaxpr, ins: dict[int, int], outs: dict[int, int], tied: Sequence[tuple[int, int]]
-) -> tuple[Axes, dict[int, Mapping]]:
+) -> Reached:
     if ins:
         return propagate(jaxpr, ins, tied)
     (o, a), target = next(iter(outs.items())), jaxpr.outvars
     for k, v in enumerate(jaxpr.invars):
         for b in range(len(v.aval.shape)):
             try:
-                axes, maps = propagate(jaxpr, {k: b}, tied)
+                got = propagate(jaxpr, {k: b}, tied)
             except NoRule:
                 continue
-            if axes.get(target[o]) == a:
-                return axes, maps
+            if got.axes.get(target[o]) == a:
+                return got
     raise NoRule("no input of the body carries the split axis to this result")
 
 
-def _forward(jaxpr: Jaxpr, seeds: dict[Any, int]) -> tuple[Axes, dict[int, Mapping]]:
-    """One walk in program order from the seeds: body inputs (by position) and generators
-    (``("made", equation, result)``: a broadcast or iota made at chunk shape)."""
-    axes: Axes = {jaxpr.invars[k]: a for k, a in seeds.items() if isinstance(k, int)}
-    made = {key[1]: (key[2], a) for key, a in seeds.items() if isinstance(key, tuple)}
-    maps: dict[int, Mapping] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        found = [(k, axes[v]) for k, v in enumerate(eqn.invars) if isinstance(v, Var) and v in axes]
-        if found:
-            m = _axis_map(eqn, ("in", found[0][0]), found[0][1])
-        elif i in made:
-            m = _axis_map(eqn, ("out", made[i][0]), made[i][1])
-        else:
-            continue
-        if isinstance(m, Sink):
+class _ShareCarry(Exception):
+    """The carry input at ``position`` meets a sum over the split axis in a sum: it
+    accumulates one, and the walk starts again with it as a share."""
+
+    def __init__(self, position: int) -> None:
+        self.position = position
+
+
+class _Walk:
+    """One walk in program order from the seeds: body inputs (by position), carries that are
+    shares (``("share", position)``) and generators (``("made", equation, result)``: a
+    broadcast or iota made at chunk shape)."""
+
+    def __init__(self, jaxpr: Jaxpr, seeds: dict[Any, int], carries: frozenset[int]) -> None:
+        self.jaxpr, self.seeds, self.carries = jaxpr, seeds, carries
+        self.producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+        self.axes: Axes = {jaxpr.invars[k]: a for k, a in seeds.items() if isinstance(k, int)}
+        keyed = [k for k in seeds if isinstance(k, tuple)]
+        self.shares = {jaxpr.invars[k[1]] for k in keyed if k[0] == "share"}
+        self.zeros: set[Var] = set()
+        self.maps: dict[int, Mapping | Sink] = {}
+
+    def role(self, atom: Any) -> Role:
+        if isinstance(atom, Literal):
+            return Role.ZERO if not np.any(np.asarray(atom.val)) else Role.WHOLE
+        if atom in self.axes:
+            return Role.SPLIT
+        if atom in self.shares:
+            return Role.SHARE
+        return Role.ZERO if atom in self.zeros else Role.WHOLE
+
+    def run(self) -> Reached:
+        made = {
+            k[1]: (k[2], a)
+            for k, a in self.seeds.items()
+            if isinstance(k, tuple) and k[0] == "made"
+        }
+        for i, eqn in enumerate(self.jaxpr.eqns):
+            roles = [self.role(a) for a in eqn.invars]
+            found = [(k, self.axes[v]) for k, v in enumerate(eqn.invars) if roles[k] is Role.SPLIT]
+            if found:
+                self.split(i, eqn, _axis_map(eqn, ("in", found[0][0]), found[0][1]), roles)
+            elif i in made:
+                self.split(i, eqn, _axis_map(eqn, ("out", made[i][0]), made[i][1]), roles)
+            elif Role.SHARE in roles:
+                if not keeps_sums(eqn, roles):
+                    self.accumulates(eqn, roles)
+                    raise NoRule(
+                        f"{eqn.primitive.name} inside the loop body is not linear in a sum over "
+                        "the split axis"
+                    )
+                self.shares.update(eqn.outvars)
+            elif eqn.primitive.name == "broadcast_in_dim" and roles[0] is Role.ZERO:
+                self.zeros.update(eqn.outvars)
+        return Reached(self.axes, self.maps, frozenset(self.shares))
+
+    def accumulates(self, eqn: JaxprEqn, roles: list[Role]) -> None:
+        """Raise :class:`_ShareCarry` where a sum adds a share to a value read whole that is
+        computed from a carry input: the carry may accumulate a sum (``0.5 * c + sum(z)``)."""
+        if facts(eqn.primitive.name).scaling is not Scaling.SAME:
+            return
+        for a, r in zip(eqn.invars, roles):
+            for k in self.carries_under(a) if r is Role.WHOLE else ():
+                if ("share", k) not in self.seeds and k not in self.seeds:
+                    raise _ShareCarry(k)
+
+    def carries_under(self, atom: Any) -> list[int]:
+        """The carry input positions ``atom`` is computed from."""
+        found, stack, seen = [], [atom], set()
+        while stack:
+            a = stack.pop()
+            if not isinstance(a, Var) or isinstance(a, Literal) or a in seen:
+                continue
+            seen.add(a)
+            if a in self.jaxpr.invars:
+                k = self.jaxpr.invars.index(a)
+                found += [k] if k in self.carries else []
+            elif (eqn := self.producer.get(a)) is not None:
+                stack.extend(eqn.invars)
+        return found
+
+    def split(self, i: int, eqn: JaxprEqn, m: Mapping | Sink, roles: list[Role]) -> None:
+        """Equation ``i`` reads or makes the split axis and maps it as ``m``."""
+        if Role.SHARE in roles:
+            raise NoRule(
+                f"{eqn.primitive.name} inside the loop body reads a sum over the split axis "
+                "with values split along it"
+            )
+        if isinstance(m, Sink) and m.reducer not in _SUMS:
             raise NoRule(f"{eqn.primitive.name} inside the loop body reduces the split axis")
-        _check_operands(eqn, m, axes, seeds, jaxpr)
+        _check_operands(eqn, m, self.axes, self.seeds, self.jaxpr)
+        self.maps[i] = m
+        if isinstance(m, Sink):
+            self.shares.update(eqn.outvars)
+            return
         for o, ax in zip(eqn.outvars, m.outs):
             if ax is None:
                 raise NoRule(f"{eqn.primitive.name} inside the loop body consumes the split axis")
-            axes[o] = ax
-        maps[i] = m
-    return axes, maps
+            self.axes[o] = ax
 
 
 def _axis_map(eqn: JaxprEqn, side: registry.Side, axis: int) -> Mapping | Sink:
@@ -135,7 +235,7 @@ def _axis_map(eqn: JaxprEqn, side: registry.Side, axis: int) -> Mapping | Sink:
 
 
 def _check_operands(
-    eqn: JaxprEqn, m: Mapping, axes: Axes, seeds: dict[Any, int], jaxpr: Jaxpr
+    eqn: JaxprEqn, m: Mapping | Sink, axes: Axes, seeds: dict[Any, int], jaxpr: Jaxpr
 ) -> None:
     """Every operand the mapping chunks must be chunked there, and no chunked operand may be
     read whole; a body input the mapping chunks joins the seeds on the next round."""
@@ -197,39 +297,43 @@ def _pull_once(
     return all(isinstance(v, Var) and _pull(jaxpr, v, a, seeds, done) for v, a in pulled)
 
 
-def _tie(jaxpr: Jaxpr, axes: Axes, seeds: dict[Any, int], tied: Sequence[tuple[int, int]]):
+def _tie(jaxpr: Jaxpr, got: Reached, seeds: dict[Any, int], tied: Sequence[tuple[int, int]]):
+    """The seeds grown by the carries: one whose result carries the axis (or is a share) takes
+    it in the same way."""
     grown = dict(seeds)
     for i, o in tied:
         inner, outer = jaxpr.invars[i], jaxpr.outvars[o]
-        got = axes.get(outer) if isinstance(outer, Var) else None
-        have = grown.get(i)
-        if got is not None and have is None:
-            grown[i] = got
-        elif have is not None and got is None and outer is not inner:
+        have, share_in = grown.get(i), ("share", i) in grown
+        out = got.axes.get(outer) if isinstance(outer, Var) else None
+        share_out = isinstance(outer, Var) and outer in got.shares
+        if share_out and have is not None:
+            raise NoRule("a loop carry takes the split axis in and gives back a sum over it")
+        if share_out:
+            grown[("share", i)] = 0
+        elif share_in and outer is not inner:
+            raise NoRule("a loop carry takes a sum over the split axis in but not out")
+        elif out is not None and have is None:
+            grown[i] = out
+        elif have is not None and out is None and outer is not inner:
             raise NoRule("a loop carry takes the split axis in but not out")
-        elif have is not None and got is not None and have != got:
+        elif have is not None and out is not None and have != out:
             raise NoRule("a loop carry moves the split axis")
     return grown
 
 
-def _check_outputs(jaxpr: Jaxpr, axes: Axes) -> None:
-    """Every result must carry the axis: one that does not would be the same on every chunk,
-    which a chunked loop cannot give back."""
+def _check_outputs(jaxpr: Jaxpr, got: Reached) -> None:
+    """Every result must carry the axis or be a share: one that is neither would be the same
+    on every chunk, which a chunked loop cannot give back."""
     for k, v in enumerate(jaxpr.outvars):
-        if not (isinstance(v, Var) and v in axes):
+        if not (isinstance(v, Var) and (v in got.axes or v in got.shares)):
             raise NoRule(f"the loop's result {k} does not carry the split axis")
 
 
-def chunk_body(
-    body: ClosedJaxpr,
-    axes: Axes,
-    maps: dict[int, Mapping],
-    size: int,
-    in_avals: Sequence[Any],
-) -> ClosedJaxpr:
+def chunk_body(body: ClosedJaxpr, got: Reached, size: int, in_avals: Sequence[Any]) -> ClosedJaxpr:
     """The body on operands chunked to ``size`` along their axes, with the chunk's start as an
-    extra first input (index arithmetic such as ``iota`` along the axis offsets by it)."""
-    jaxpr = body.jaxpr
+    extra first input (index arithmetic such as ``iota`` along the axis offsets by it). A sum
+    over the axis is taken over the chunk: its result is the chunk's share."""
+    jaxpr, axes, maps = body.jaxpr, got.axes, got.maps
 
     def run(start: Any, *args: Any) -> list[Any]:
         env: dict[Var, Any] = dict(zip(jaxpr.constvars, body.consts))
@@ -237,8 +341,9 @@ def chunk_body(
         read: Callable[[Any], Any] = lambda a: env[a] if isinstance(a, Var) else a.val
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(a) for a in eqn.invars]
-            if i in maps:
-                outs = registry.rebind(eqn, invals, maps[i], start, size)
+            m = maps.get(i)
+            if isinstance(m, Mapping):
+                outs = registry.rebind(eqn, invals, m, start, size)
             else:
                 outs = bind_eqn(eqn, invals)
             env.update(zip(eqn.outvars, outs))

@@ -135,14 +135,15 @@ class SplitRule:
     Attributes:
         axis_map: where the split axis goes through an equation of the primitive.
         rebind: the equation evaluated on one chunk.
-        running: for scans along the split axis, how chunks carry into the next.
+        running: how chunks carry into the next where the equation scans along the split axis
+            or sums over it into results that exist after the loop (the first that applies).
         piece_rebind: the equation on one piece of a concatenation (the distribute pass), where
             ``rebind`` uses a device meant for chunk loops (None: ``rebind``).
     """
 
     axis_map: AxisMap
     rebind: Rebind = bind_unchanged
-    running: Running | None = None
+    running: tuple[Running, ...] = ()
     piece_rebind: Rebind | None = None
 
 
@@ -153,15 +154,17 @@ SPLIT_RULES: dict[str, SplitRule] = {}
 def split_rule(
     *names: str,
     rebind: Rebind = bind_unchanged,
-    running: Running | None = None,
+    running: Running | tuple[Running, ...] = (),
     piece_rebind: Rebind | None = None,
 ) -> Callable[[AxisMap], AxisMap]:
     """Register the decorated axis map, with ``rebind`` (``running`` for scans, ``piece_rebind``
     where pieces bind otherwise than chunks), as the split rule of ``names``."""
 
+    runs = running if isinstance(running, tuple) else (running,)
+
     def deco(axis_map: AxisMap) -> AxisMap:
         for n in names:
-            SPLIT_RULES[n] = SplitRule(axis_map, rebind, running, piece_rebind)
+            SPLIT_RULES[n] = SplitRule(axis_map, rebind, runs, piece_rebind)
         return axis_map
 
     return deco
@@ -176,11 +179,10 @@ def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
 
 
 def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
-    """The running carry of ``eqn`` when it scans along the split axis, else None."""
-    run = SPLIT_RULES[eqn.primitive.name].running
-    if run is None or not run.applies(eqn, mapping):
-        return None
-    return run
+    """The running carry of ``eqn`` when it scans along the split axis (or sums over it into
+    results after the loop), else None."""
+    runs = SPLIT_RULES[eqn.primitive.name].running
+    return next((run for run in runs if run.applies(eqn, mapping)), None)
 
 
 def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:

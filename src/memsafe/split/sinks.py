@@ -222,7 +222,7 @@ class Pick(Reducer):
         (out,) = bind_eqn_with(eqn, [operand, shifted], mode=fill_or_drop, fill_value=fill)
         batch_out = [d for d in range(out.ndim) if d not in dn.offset_dims]
         keep = lax.broadcast_in_dim(held | outside, out.shape, tuple(batch_out))
-        return (lax.select(keep, out, jnp.full(out.shape, _additive_identity(out.dtype))),)
+        return (lax.select(keep, out, jnp.full(out.shape, additive_identity(out.dtype))),)
 
     def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
         op = lax.bitwise_or if acc[0].dtype == jnp.bool_ else lax.add
@@ -247,10 +247,10 @@ class SlicePick(Pick):
         rows = lax.slice(invals[0], starts, limits, strides)
         taken = jnp.take(rows, jnp.clip(local, 0, size - 1), axis=axis)
         keep = lax.broadcast_in_dim(held, taken.shape, (axis,))
-        return (lax.select(keep, taken, jnp.full(taken.shape, _additive_identity(taken.dtype))),)
+        return (lax.select(keep, taken, jnp.full(taken.shape, additive_identity(taken.dtype))),)
 
 
-def _additive_identity(dtype: Any) -> Any:
+def additive_identity(dtype: Any) -> Any:
     """The exact additive identity: x + (-0.0) == x for every float x, signed zeros included."""
     return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
 

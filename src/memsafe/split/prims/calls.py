@@ -40,19 +40,21 @@ def _body(eqn: JaxprEqn) -> ClosedJaxpr:
     return _inlined(sub)
 
 
-Reached = tuple[ClosedJaxpr, dict, dict]  # a body, the axes of its values, their mappings
+BodySplit = tuple[ClosedJaxpr, loop_body.Reached]  # a body and its split
 
 
-def _axes(body: ClosedJaxpr, side: Side, axis: int) -> Reached:
+def _axes(body: ClosedJaxpr, side: Side, axis: int) -> BodySplit:
     seeds = {side[1]: axis}
     ins, outs = (seeds, {}) if side[0] == "in" else ({}, seeds)
-    axes, maps = loop_body.reach(body.jaxpr, ins, outs)
-    return body, axes, maps
+    return body, loop_body.reach(body.jaxpr, ins, outs)
 
 
-def _mapping(name: str, reached: Reached, side: Side, axis: int) -> Mapping:
+def _mapping(name: str, reached: BodySplit, side: Side, axis: int) -> Mapping:
     """Every operand and result of a body at the axis its value carries."""
-    body, axes, _ = reached
+    body, got = reached
+    if got.result_shares(body.jaxpr):
+        raise NoRule(f"{name}: the body sums over the split axis into a result")
+    axes = got.axes
     ins = tuple(axes.get(v) for v in body.jaxpr.invars)
     outs = tuple(axes.get(v) for v in body.jaxpr.outvars)
     if (ins if side[0] == "in" else outs)[side[1]] != axis:
@@ -69,10 +71,10 @@ def _side(m: Mapping) -> Side:
     raise NoRule("the split axis passes through no operand or result")
 
 
-def _chunk_fun(reached: Reached, n: int) -> Any:
-    body, axes, maps = reached
+def _chunk_fun(reached: BodySplit, n: int) -> Any:
+    body, got = reached
     in_avals = [v.aval for v in body.jaxpr.invars]
-    return jaxpr_as_fun(loop_body.chunk_body(body, axes, maps, n, in_avals))
+    return jaxpr_as_fun(loop_body.chunk_body(body, got, n, in_avals))
 
 
 def _call(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
@@ -102,7 +104,7 @@ def _in_branch(side: Side) -> Side:
     return ("in", side[1] - 1) if side[0] == "in" else side
 
 
-def _branches(eqn: JaxprEqn, side: Side, axis: int) -> list[Reached]:
+def _branches(eqn: JaxprEqn, side: Side, axis: int) -> list[BodySplit]:
     """Each branch reached from the split axis at ``side`` of the cond."""
     return [_axes(_inlined(b), _in_branch(side), axis) for b in eqn.params["branches"]]
 

@@ -1,6 +1,8 @@
 """Loops. A ``scan`` runs its iterations in chunks (``lax.map``; with a carry, the loop over
 chunks threads it from chunk to chunk); a scan whose body maps the split axis through (rows
-through a scan over time or layers) runs whole on each chunk of rows."""
+through a scan over time or layers) runs whole on each chunk of rows, and where its body sums
+over the rows into some results (each layer's parameter gradient in a backward scan over
+layers), the chunks' shares of those results are added up (:class:`Summed`)."""
 
 from __future__ import annotations
 
@@ -8,11 +10,13 @@ import functools
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn_with, scan_counts, scan_layout
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import Mapping, NoRule, Running, Side, split_rule
+from memsafe.split.sinks import additive_identity
 
 
 def _along_length(eqn: JaxprEqn, side: Side, axis: int) -> bool:
@@ -66,6 +70,37 @@ class Threaded(Running):
         return list(carried)
 
 
+class Summed(Running):
+    """A scan split through its body, whose body sums over the split axis into some results:
+    those results exist after the loop over chunks, as the sum of each chunk's share (the
+    chunk's scan gives its share, earlier chunks' shares first in the sum). A carry that is
+    such a sum (an accumulated gradient) starts each chunk after the first from zero: the body
+    is linear in it (:mod:`memsafe.split.linear`), so the chunks' shares add up to the loop's."""
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return not _along_length_mapped(eqn, mapping) and None in mapping.outs
+
+    def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
+        consts, carry = scan_counts(eqn.params)
+        fed = list(invals)
+        for k in carried:
+            if k < carry:
+                v = fed[consts + k]
+                fed[consts + k] = jnp.full(v.shape, additive_identity(v.dtype))
+        return fed
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        summed = [k for k, a in enumerate(mapping.outs) if a is None]
+        if carried is None:
+            return outs, {k: outs[k] for k in summed}
+        return outs, {k: lax.add(carried[k], outs[k]) for k in summed}
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> list[Any]:
+        return [carried[k] for k in sorted(carried)]
+
+
 def _body_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[dict[int, int], dict[int, int]]:
     """(body input seeds, body output seeds) for the axis at ``side``: scanned inputs and stacked
     outputs lose their leading (length) axis inside the body."""
@@ -83,9 +118,9 @@ def _inlined(body: Any) -> Any:
     return inline_calls(body)
 
 
-def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, dict, dict]:
-    """The inlined body, the axis of its values and its equations' mappings. A stacked result
-    is reached from the body inputs: the first input axis that lands on it wins."""
+def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, loop_body.Reached]:
+    """The inlined body and its split. A stacked result is reached from the body inputs: the
+    first input axis that lands on it wins."""
     body = _inlined(eqn.params["jaxpr"])
     ins, outs = _body_seed(eqn, side, axis)
     consts, carry = scan_counts(eqn.params)
@@ -93,14 +128,14 @@ def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, dict, dict]:
     for o, a in outs.items():  # a carried result seeds the carry it comes back through
         if o < carry:
             ins.setdefault(consts + o, a)
-    axes, maps = loop_body.reach(body.jaxpr, ins, outs, tied)
-    return body, axes, maps
+    return body, loop_body.reach(body.jaxpr, ins, outs, tied)
 
 
 def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     """The axis through the body: every operand and result at its body axis (one more for the
-    scanned and stacked ones)."""
-    body, axes, _ = _body_axes(eqn, side, axis)
+    scanned and stacked ones); None for the results the body sums over it, and their carries."""
+    body, got = _body_axes(eqn, side, axis)
+    axes = got.axes
     consts, carry = scan_counts(eqn.params)
     scanned_in = consts + carry
     jaxpr = body.jaxpr
@@ -117,7 +152,7 @@ def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return Mapping(ins=ins, outs=outs)
 
 
-@split_rule("scan", rebind=lambda *a: _rebind_scan(*a), running=Threaded())
+@split_rule("scan", rebind=lambda *a: _rebind_scan(*a), running=(Threaded(), Summed()))
 def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     """Along the loop's length: the iterations run in chunks (threading the carry). Along
     another axis: the body must map it through (the whole loop runs on each chunk)."""
@@ -134,8 +169,8 @@ def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     if _along_length_mapped(eqn, m):
         return bind_eqn_with(eqn, invals, length=n)
     side, axis = next((("in", k), a) for k, a in enumerate(m.ins) if a is not None)
-    body, axes, maps = _body_axes(eqn, side, axis)
+    body, got = _body_axes(eqn, side, axis)
     in_avals = [v.aval for v in body.jaxpr.invars]
-    new = loop_body.chunk_body(body, axes, maps, n, in_avals)
+    new = loop_body.chunk_body(body, got, n, in_avals)
     layout = scan_layout(eqn.params, consts + 1, carry, len(invals) + 1, len(eqn.outvars))
     return bind_eqn_with(eqn, [jnp.asarray(start, jnp.int32), *invals], jaxpr=new, **layout)
