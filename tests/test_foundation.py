@@ -172,6 +172,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         unflatten,
         hoist,
         distribute,
+        remat,
         fission,
         split,
         schedule,
@@ -180,7 +181,7 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "unflatten", "hoist", "distribute", "fission", "split",
+        "match_replace", "reorder", "unflatten", "hoist", "distribute", "remat", "fission", "split",
         "schedule", "recompute", "constants",
     ]  # fmt: skip
 

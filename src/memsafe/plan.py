@@ -148,8 +148,10 @@ class Plan:
 
     @property
     def recompute_flops(self) -> int:
-        """Estimated flops the staged splits of this plan and its backward plan recompute."""
+        """Estimated flops the staged splits and rematerialized loops of this plan and its
+        backward plan recompute."""
         own = sum(s.recompute_flops for s in self.splits)
+        own += sum(int(r.data.get("recompute_flops", 0)) for r in self.passes)
         return own + (self.backward.recompute_flops if self.backward is not None else 0)
 
     @property
@@ -165,7 +167,8 @@ class Plan:
         for rec in self.records:
             lines.append("  " + rec.describe())
         if self.recompute_flops:
-            lines.append(f"  recompute cost: ~{self.recompute_flops:.2g} flops in staged passes")
+            flops = self.recompute_flops
+            lines.append(f"  recompute cost: ~{flops:.2g} flops (staged splits, remat)")
         if self.after is not None and not self.fits_unchanged:
             lines.append(f"  after:  {self.after.describe()}")
         if len(self.attempts) > 1:

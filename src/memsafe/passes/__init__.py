@@ -1,7 +1,7 @@
 """The rewriting pipeline, in order: match-and-replace, reorder, unflatten, hoist, distribute,
-fission, split, schedule, recompute, constants. Each pass is a module with ``run(closed, ctx) ->
-closed``; its name is the module's. ``memsafe.lapack_order`` is applied to every program memsafe
-compiles."""
+remat, fission, split, schedule, recompute, constants. Each pass is a module with
+``run(closed, ctx) -> closed``; its name is the module's. ``memsafe.lapack_order`` is applied
+to every program memsafe compiles."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from memsafe.passes import (
     hoist,
     match_replace,
     recompute,
+    remat,
     reorder,
     schedule,
     split,
@@ -28,6 +29,7 @@ PIPELINE: tuple[ModuleType, ...] = (
     unflatten,
     hoist,
     distribute,
+    remat,
     fission,
     split,
     schedule,

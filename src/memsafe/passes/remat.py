@@ -1,0 +1,214 @@
+"""Rematerialization of a scan's residuals: the backward loop recomputes them per iteration.
+
+The gradient of a ``lax.scan`` (flax's ``nn.scan`` over layers, an RNN over time) is a forward
+scan that stacks, for every iteration, the values its backward needs (each layer's attention
+probabilities: ``float32[layers, batch, heads, L, L]``), and a backward scan that reads them.
+Where those stacked residuals are larger than a share of the memory left for temporaries, this
+pass makes the forward scan stack only its carry at each iteration (each layer's input
+activations) and moves the computation of the residuals into the backward scan's body: the
+backward recomputes each iteration's residuals from that iteration's carry, its scanned inputs
+and the loop's constants, one iteration at a time. This is ``jax.checkpoint`` around the loop
+body, chosen from the limit: one more forward per iteration, for residuals of one iteration
+instead of all of them. The split pass can then chunk what is left along the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from memsafe._jax import (
+    ClosedJaxpr,
+    JaxprEqn,
+    Var,
+    bind_eqn_with,
+    eval_jaxpr,
+    pruned,
+    scan_counts,
+    scan_layout,
+    source_line,
+    with_outputs,
+)
+from memsafe.flops import jaxpr_flops
+from memsafe.graph import Graph
+from memsafe.graph.interpret import retrace
+from memsafe.passes.base import PassContext
+from memsafe.plan import PassRecord, format_bytes
+
+#: Residuals are recomputed when they take more than this share of the temporaries' budget.
+SHARE_OF_BUDGET = 0.5
+
+
+@dataclass(frozen=True)
+class Pair:
+    """A forward scan and the backward scan that alone reads some of its stacked results.
+
+    Attributes:
+        forward, backward: the two scans' equation indices.
+        residuals: the forward's result positions the backward reads (and nothing else).
+        slots: for each residual, its operand position in the backward scan.
+        carries: the forward's carry positions the residuals are computed from.
+    """
+
+    forward: int
+    backward: int
+    residuals: tuple[int, ...]
+    slots: tuple[int, ...]
+    carries: tuple[int, ...]
+
+
+def _pairs(graph: Graph) -> list[Pair]:
+    """Forward scans whose stacked results only a later scan of the same length reads, each
+    as one of its scanned operands."""
+    eqns, found = graph.eqns, []
+    for f, fwd in enumerate(eqns):
+        if fwd.primitive.name != "scan" or fwd.params["jaxpr"].jaxpr.effects:
+            continue
+        by_reader: dict[int, list[tuple[int, int]]] = {}
+        for k in range(scan_counts(fwd.params)[1], len(fwd.outvars)):
+            slot = _only_scanned_reader(graph, fwd, fwd.outvars[k])
+            if slot is not None:
+                by_reader.setdefault(slot[0], []).append((k, slot[1]))
+        for b, reads in by_reader.items():
+            residuals = tuple(k for k, _ in reads)
+            found.append(
+                Pair(f, b, residuals, tuple(s for _, s in reads), _carries(fwd, residuals))
+            )
+    return found
+
+
+def _only_scanned_reader(graph: Graph, fwd: JaxprEqn, var: Var) -> tuple[int, int] | None:
+    """(the scan, operand position) where ``var`` is read only there, scanned; else None."""
+    info = graph.info(var)
+    if info.is_output or len(info.consumers) != 1:
+        return None
+    (b,) = info.consumers
+    bwd = graph.eqns[b]
+    if bwd.primitive.name != "scan" or bwd.params["length"] != fwd.params["length"]:
+        return None
+    consts, carry = scan_counts(bwd.params)
+    slots = [p for p, a in enumerate(bwd.invars) if a is var]
+    if len(slots) != 1 or slots[0] < consts + carry:
+        return None
+    return b, slots[0]
+
+
+def _carries(fwd: JaxprEqn, residuals: tuple[int, ...]) -> tuple[int, ...]:
+    """The forward's carry positions the residuals' computation reads."""
+    consts, carry = scan_counts(fwd.params)
+    _, used = pruned(with_outputs(fwd.params["jaxpr"], residuals))
+    return tuple(k for k in range(carry) if used[consts + k])
+
+
+def _worth_it(graph: Graph, pair: Pair, budget: int) -> bool:
+    """Residuals over a share of the budget, and more than the stacked carries replacing them."""
+    fwd = graph.eqns[pair.forward]
+    held = sum(graph.info(fwd.outvars[k]).bytes for k in pair.residuals)
+    length = fwd.params["length"]
+    consts = scan_counts(fwd.params)[0]
+    stacked = sum(graph.info(fwd.invars[consts + k]).bytes * length for k in pair.carries)
+    return held > SHARE_OF_BUDGET * budget and held > 2 * stacked
+
+
+def _forward(fwd: JaxprEqn, invals: list[Any], pair: Pair) -> tuple[list[Any], list[Any]]:
+    """The forward scan stacking each iteration's carries in place of the residuals:
+    (its results, with None at the residuals; the stacked carries)."""
+    consts, carry = scan_counts(fwd.params)
+    body = fwd.params["jaxpr"]
+    n = len(body.jaxpr.outvars)
+    kept = [k for k in range(n) if k not in pair.residuals]
+    stacks = [body.jaxpr.invars[consts + k] for k in pair.carries]
+    jaxpr = body.jaxpr.replace(outvars=[body.jaxpr.outvars[k] for k in kept] + stacks)
+    new = ClosedJaxpr(jaxpr, list(body.consts))
+    layout = scan_layout(fwd.params, consts, carry, len(invals), len(kept) + len(stacks))
+    outs = bind_eqn_with(fwd, invals, jaxpr=new, **layout)
+    results: list[Any] = [None] * n
+    for k, v in zip(kept, outs):
+        results[k] = v
+    return results, list(outs[len(kept) :])
+
+
+def _backward(
+    bwd: JaxprEqn, invals: list[Any], fwd: JaxprEqn, fwd_invals: list[Any], stacked: list[Any],
+    pair: Pair,
+) -> list[Any]:  # fmt: skip
+    """The backward scan recomputing the residuals at each iteration from the forward's
+    constants, that iteration's stacked carries and the forward's scanned inputs there."""
+    f_consts, f_carry = scan_counts(fwd.params)
+    b_consts, b_carry = scan_counts(bwd.params)
+    res_body = with_outputs(fwd.params["jaxpr"], pair.residuals)
+    old = bwd.params["jaxpr"]
+    cf = fwd_invals[:f_consts]
+    xf = fwd_invals[f_consts + f_carry :]
+    own = [p for p in range(b_consts + b_carry, len(invals)) if p not in pair.slots]
+    n_cb, n_cf, n_own, n_st = b_consts, len(cf), len(own), len(stacked)
+
+    def body(*args: Any) -> list[Any]:
+        cb, cf_, rest = args[:n_cb], args[n_cb : n_cb + n_cf], args[n_cb + n_cf :]
+        carry_, rest = rest[:b_carry], rest[b_carry:]
+        xs_own, st, xf_ = rest[:n_own], rest[n_own : n_own + n_st], rest[n_own + n_st :]
+        carries = [None] * f_carry
+        for k, v in zip(pair.carries, st):
+            carries[k] = v
+        res = eval_jaxpr(res_body.jaxpr, res_body.consts, *cf_, *carries, *xf_)
+        xs = dict(zip(own, xs_own)) | dict(zip(pair.slots, res))
+        ordered = [xs[p] for p in range(b_consts + b_carry, len(invals))]
+        return eval_jaxpr(old.jaxpr, old.consts, *cb, *carry_, *ordered)
+
+    operands = [*invals[:b_consts], *cf, *invals[b_consts : b_consts + b_carry]]
+    operands += [invals[p] for p in own] + list(stacked) + list(xf)
+    fin, bin_ = fwd.params["jaxpr"].jaxpr.invars, old.jaxpr.invars
+    avals = [
+        *bin_[:b_consts], *fin[:f_consts], *bin_[b_consts : b_consts + b_carry],
+        *(bin_[p] for p in own), *(fin[f_consts + k] for k in pair.carries),
+        *fin[f_consts + f_carry :],
+    ]  # fmt: skip
+    shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in avals]
+    new = jax.make_jaxpr(body)(*shapes)
+    layout = scan_layout(bwd.params, b_consts + n_cf, b_carry, len(operands), len(bwd.outvars))
+    return bind_eqn_with(bwd, operands, jaxpr=new, **layout)
+
+
+def _record(graph: Graph, pair: Pair) -> PassRecord:
+    """What the pair's rewrite saves, and the forward work it repeats."""
+    fwd = graph.eqns[pair.forward]
+    held = sum(graph.info(fwd.outvars[k]).bytes for k in pair.residuals)
+    body = with_outputs(fwd.params["jaxpr"], pair.residuals)
+    flops = jaxpr_flops(body.jaxpr.eqns) * fwd.params["length"]
+    return PassRecord(
+        "remat",
+        f"scan: {len(pair.residuals)} stacked residual(s) ({format_bytes(held)}) recomputed "
+        f"in the backward loop from each iteration's carry, ~{flops:.1e} flops",
+        where=source_line(fwd),
+        bytes_saved=held,
+        data={"recompute_flops": flops},
+    )
+
+
+def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
+    """Recompute the residuals of every forward/backward scan pair where they are worth it."""
+    graph = Graph(closed)
+    chosen = [p for p in _pairs(graph) if _worth_it(graph, p, ctx.temp_budget)]
+    forwards = {p.forward: p for p in chosen}
+    backwards = {p.backward: p for p in chosen}
+    if not chosen or len(forwards) != len(chosen) or len(backwards) != len(chosen):
+        return closed  # one pair per scan: a scan read by two backward scans is left alone
+    seen: dict[int, tuple[list[Any], list[Any]]] = {}
+
+    def override(i: int, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
+        if i in forwards:
+            results, stacked = _forward(eqn, invals, forwards[i])
+            seen[i] = (invals, stacked)
+            return results
+        if i in backwards:
+            pair = backwards[i]
+            fwd_invals, stacked = seen[pair.forward]
+            fwd = graph.eqns[pair.forward]
+            return _backward(eqn, invals, fwd, fwd_invals, stacked, pair)
+        return None
+
+    for pair in chosen:
+        ctx.record(_record(graph, pair))
+    return retrace(closed, override)
