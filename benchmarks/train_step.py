@@ -1,7 +1,9 @@
 """A GPT-style model's training step under a memory limit (issue 12's benchmark), on this CPU.
 
 The model and the hand-tuned peer are in ``train_step_model.py`` (4 pre-LN causal blocks, width
-256, 4 heads, vocabulary 512). Every measurement runs in a fresh process (``--worker``):
+256, 4 heads, vocabulary 512), written two ways as users write it: a Python loop over the blocks
+(``loop``) and ``lax.scan`` over the stacked blocks (``scan``, as with flax's ``nn.scan``), neither
+with a checkpoint. Every measurement runs in a fresh process (``--worker``):
 
 (a) ``reach``: under a fixed limit (512 MiB), the longest sequence (batch 1, L doubling from 256)
     and the largest batch (L=1024, batch doubling from 1) for which memsafe verifies a program and
@@ -38,11 +40,19 @@ WORKER_TIMEOUT_S = 420
 MiB = 2**20
 
 
-def _setup(batch: int, length: int) -> tuple[Any, Any, Any]:
+#: How the user wrote the model: the Python loop or ``lax.scan`` over stacked blocks.
+WRITTEN = ("loop", "scan")
+
+
+def _setup(batch: int, length: int, written: str = "loop") -> tuple[Any, Any, Any, Any]:
+    """The model module, the user's loss as written, its parameters and a batch of tokens."""
     from benchmarks import train_step_model as gpt
 
     cfg = gpt.Config(batch=batch, length=length)
-    return gpt, gpt.init(cfg), gpt.tokens(cfg)
+    params = gpt.init(cfg)
+    if written == "scan":
+        return gpt, gpt.scan_loss, gpt.stacked(params), gpt.tokens(cfg)
+    return gpt, gpt.loss, params, gpt.tokens(cfg)
 
 
 def _footprint(jitted: Any, *args: Any) -> int:
@@ -66,15 +76,15 @@ def _timed(fun: Callable[..., Any], *args: Any, repeats: int = 3) -> tuple[float
     return first, statistics.median(times), out
 
 
-def reach_worker(batch: int, length: int) -> dict[str, Any]:
+def reach_worker(batch: int, length: int, written: str = "loop") -> dict[str, Any]:
     """jax.jit's footprints and memsafe's plan of one size under ``LIMIT_MIB``."""
     import jax
 
     import memsafe
     from memsafe.xla import memsafe_jit
 
-    gpt, params, ids = _setup(batch, length)
-    grad = jax.value_and_grad(gpt.loss)
+    _, loss, params, ids = _setup(batch, length, written)
+    grad = jax.value_and_grad(loss)
     out: dict[str, Any] = {
         "jax_mib": _footprint(jax.jit(grad), params, ids) / MiB,
         "jax_ynn_off_mib": _footprint(memsafe_jit(grad), params, ids) / MiB,
@@ -84,6 +94,7 @@ def reach_worker(batch: int, length: int) -> dict[str, Any]:
         plan = memsafe.jit(grad, memory_limit=LIMIT_MIB * MiB).plan(params, ids)
         out.update(memsafe_mib=plan.after.total / MiB, splits=len(plan.splits))
         out["recompute_flops"] = plan.recompute_flops
+        out["remat"] = any(r.pass_name == "remat" for r in plan.passes)
     except memsafe.MemoryLimitError as err:
         out["refused"] = str(err).splitlines()[0][:300]
         best = [ln for ln in str(err).splitlines() if "best footprint" in ln]
@@ -92,11 +103,13 @@ def reach_worker(batch: int, length: int) -> dict[str, Any]:
     return out
 
 
-def _hand_tuned(gpt: Any, params: Any, ids: Any, limit: int) -> tuple[Any, tuple, int, int]:
-    """The peer with the fewest micro-batches whose footprint is under ``limit``."""
+def _hand_tuned(
+    gpt: Any, stacked: Any, ids: Any, limit: int
+) -> tuple[Any, tuple, int, int]:  # fmt: skip
+    """The peer (on stacked parameters) with the fewest micro-batches whose footprint is under
+    ``limit``."""
     import jax
 
-    stacked = gpt.stacked(params)
     fp = 0
     for micro in (1, 2, 4):
         fun = jax.jit(lambda p, t, m=micro: gpt.hand_tuned_grad(p, t, m))
@@ -106,7 +119,7 @@ def _hand_tuned(gpt: Any, params: Any, ids: Any, limit: int) -> tuple[Any, tuple
     return fun, (stacked, ids), micro, fp
 
 
-def speed_worker(batch: int, length: int) -> dict[str, Any]:
+def speed_worker(batch: int, length: int, written: str = "loop") -> dict[str, Any]:
     """Times per step and first calls of jax.jit, memsafe and the hand-tuned peer."""
     import jax
     import numpy as np
@@ -114,8 +127,8 @@ def speed_worker(batch: int, length: int) -> dict[str, Any]:
     import memsafe
     from memsafe.xla import Footprint
 
-    gpt, params, ids = _setup(batch, length)
-    grad = jax.value_and_grad(gpt.loss)
+    gpt, loss, params, ids = _setup(batch, length, written)
+    grad = jax.value_and_grad(loss)
     plain = Footprint.from_compiled(jax.jit(grad).lower(params, ids).compile())
     limit = plain.arguments + plain.outputs + plain.temps // 4
     jax.clear_caches()
@@ -126,28 +139,31 @@ def speed_worker(batch: int, length: int) -> dict[str, Any]:
     plan = safe.plan(params, ids)
     out.update(memsafe_mib=plan.after.total / MiB, attempts=len(plan.attempts))
     out["recompute_flops"] = plan.recompute_flops
+    out["remat"] = any(r.pass_name == "remat" for r in plan.passes)
     out["loss_rel_diff"] = float(abs(got[0] - want[0]) / abs(want[0]))
     flat_got, flat_want = jax.tree.leaves(got[1]), jax.tree.leaves(want[1])
     out["grad_max_abs_diff"] = max(
         float(np.max(np.abs(a - b))) for a, b in zip(flat_got, flat_want)
     )
-    fun, args, micro, fp = _hand_tuned(gpt, params, ids, limit)
+    stacked = params if written == "scan" else gpt.stacked(params)
+    fun, args, micro, fp = _hand_tuned(gpt, stacked, ids, limit)
     out.update(hand_micro_batches=micro, hand_mib=fp / MiB)
     out["hand_first_s"], out["hand_step_s"], _ = _timed(fun, *args)
     return out
 
 
-WORKERS: dict[str, Callable[[int, int], dict[str, Any]]] = {
+WORKERS: dict[str, Callable[..., dict[str, Any]]] = {
     "reach": reach_worker,
     "speed": speed_worker,
 }
 
 
-def _run(kind: str, batch: int, length: int) -> dict[str, Any]:
+def _run(kind: str, batch: int, length: int, written: str = "loop") -> dict[str, Any]:
     """One worker in a fresh process; a timeout or crash is recorded, not raised."""
     env = {**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
-    cmd = [sys.executable, "-m", "benchmarks.train_step", "--worker", kind, str(batch), str(length)]
-    base = {"batch": batch, "length": length, "loadavg": os.getloadavg()}
+    cmd = [sys.executable, "-m", "benchmarks.train_step", "--worker", kind, str(batch)]
+    cmd += [str(length), written]
+    base = {"batch": batch, "length": length, "written": written, "loadavg": os.getloadavg()}
     try:
         done = subprocess.run(
             cmd, capture_output=True, text=True, env=env, timeout=WORKER_TIMEOUT_S, check=False
@@ -157,15 +173,15 @@ def _run(kind: str, batch: int, length: int) -> dict[str, Any]:
     if done.returncode != 0:
         return {**base, "error": done.stderr.strip().splitlines()[-1][:300]}
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    print(kind, batch, length, json.dumps(result), flush=True)
+    print(kind, written, batch, length, json.dumps(result), flush=True)
     return {**base, **result, "loadavg_end": os.getloadavg()}
 
 
-def _sweep(sizes: list[tuple[int, int]]) -> list[dict[str, Any]]:
+def _sweep(sizes: list[tuple[int, int]], written: str = "loop") -> list[dict[str, Any]]:
     """Reach results for ``sizes`` in order, stopping after the first size memsafe cannot do."""
     rows = []
     for batch, length in sizes:
-        rows.append(_run("reach", batch, length))
+        rows.append(_run("reach", batch, length, written))
         if "memsafe_mib" not in rows[-1]:
             break
     return rows
@@ -177,8 +193,10 @@ def measure() -> dict[str, Any]:
     return {
         "limit_mib": LIMIT_MIB,
         "sequence": _sweep([(1, 256 * 2**k) for k in range(6)]),
+        "sequence_scan": _sweep([(1, 256 * 2**k) for k in range(6)], "scan"),
         "batch": _sweep([(2**k, 1024) for k in range(6)]),
         "speed": _run("speed", 4, 1024),
+        "speed_scan": _run("speed", 4, 1024, "scan"),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
     }
@@ -216,8 +234,9 @@ def _reach_table(title: str, rows: list[dict[str, Any]], size: str) -> list[str]
 
 
 def _speed_table(s: dict[str, Any]) -> list[str]:
+    written = s.get("written", "loop")
     if "memsafe_step_s" not in s:
-        return ["### time per step", "", f"not measured: {s}", ""]
+        return [f"### time per step ({written})", "", f"not measured: {s}", ""]
     rows = [
         ("jax.jit, no limit", s["jax_mib"], s["jax_first_s"], s["jax_step_s"]),
         (f"memsafe, limit {s['limit_mib']:.0f} MiB", s["memsafe_mib"], s["memsafe_first_s"],
@@ -226,7 +245,8 @@ def _speed_table(s: dict[str, Any]) -> list[str]:
          s["hand_first_s"], s["hand_step_s"]),
     ]  # fmt: skip
     lines = [
-        f"### time per step (batch {s['batch']}, L={s['length']})",
+        f"### time per step, the model written as a {written} (batch {s['batch']}, "
+        f"L={s['length']})",
         "",
         "| program | footprint MiB | first call s | step s | step / jax.jit |",
         "|---|---|---|---|---|",
@@ -240,7 +260,7 @@ def _speed_table(s: dict[str, Any]) -> list[str]:
         f"memsafe against the hand-written peer: {s['memsafe_step_s'] / s['hand_step_s']:.2f}x per "
         f"step; first call {s['memsafe_first_s'] / s['jax_first_s']:.1f}x jax.jit's "
         f"({s['attempts']} compile attempt(s)); estimated recompute "
-        f"{s['recompute_flops']:.2g} flops; "
+        f"{s['recompute_flops']:.2g} flops{' (remat)' if s.get('remat') else ''}; "
         f"loss relative difference {s['loss_rel_diff']:.1e}, largest gradient difference "
         f"{s['grad_max_abs_diff']:.1e}; load average {s['loadavg'][0]:.1f} at the start.",
         "",
@@ -257,14 +277,16 @@ def render(run: dict[str, Any]) -> str:
         "the program it verified. Generated by `python -m benchmarks.train_step`.",
         "",
     ]
-    return "\n".join(
-        head
-        + _reach_table(
-            f"(a) longest sequence, batch 1, limit {LIMIT_MIB} MiB", run["sequence"], "length"
-        )
-        + _reach_table(f"(a) largest batch, L=1024, limit {LIMIT_MIB} MiB", run["batch"], "batch")
-        + _speed_table(run["speed"])
-    )
+    seq = f"(a) longest sequence, batch 1, limit {LIMIT_MIB} MiB"
+    lines = head + _reach_table(f"{seq}, Python loop", run["sequence"], "length")
+    if "sequence_scan" in run:
+        lines += _reach_table(f"{seq}, lax.scan", run["sequence_scan"], "length")
+    batch = f"(a) largest batch, L=1024, limit {LIMIT_MIB} MiB, Python loop"
+    lines += _reach_table(batch, run["batch"], "batch")
+    lines += _speed_table(run["speed"])
+    if "speed_scan" in run:
+        lines += _speed_table(run["speed_scan"])
+    return "\n".join(lines)
 
 
 def plot(run: dict[str, Any], path: Path) -> None:
@@ -274,11 +296,16 @@ def plot(run: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = run["sequence"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, label in (("jax_mib", "jax.jit"), ("memsafe_mib", "memsafe.jit (512 MiB limit)")):
-        pts = [(r["length"], r[key]) for r in rows if key in r]
-        ax.plot(*zip(*pts), marker="o", label=label)
+    lines = [
+        ("sequence", "jax_mib", "jax.jit"),
+        ("sequence", "memsafe_mib", "memsafe.jit, Python loop"),
+        ("sequence_scan", "memsafe_mib", "memsafe.jit, lax.scan"),
+    ]
+    for rows, key, label in lines:
+        pts = [(r["length"], r[key]) for r in run.get(rows, []) if key in r]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
     ax.axhline(LIMIT_MIB, color="gray", linestyle="--", label="limit")
     ax.set(xscale="log", yscale="log", xlabel="sequence length (batch 1)", ylabel="footprint, MiB")
     ax.set_title("GPT-style training step: memory against sequence length")
@@ -289,12 +316,12 @@ def plot(run: dict[str, Any], path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", nargs=3, metavar=("KIND", "BATCH", "LENGTH"))
+    parser.add_argument("--worker", nargs=4, metavar=("KIND", "BATCH", "LENGTH", "WRITTEN"))
     parser.add_argument("--render", action="store_true", help="redraw md and png from the JSON")
     args = parser.parse_args()
     if args.worker:
-        kind, batch, length = args.worker
-        print(json.dumps(WORKERS[kind](int(batch), int(length))))
+        kind, batch, length, written = args.worker
+        print(json.dumps(WORKERS[kind](int(batch), int(length), written)))
         return
     path = RESULTS / "train-step.json"
     run = json.loads(path.read_text()) if args.render else measure()

@@ -4,6 +4,9 @@ The model: token embedding, ``blocks`` pre-LN causal transformer blocks (4 heads
 a final layer norm, logits through the tied embedding, mean cross-entropy of the next token.
 
 - :func:`loss` is the user's code: a Python loop over a list of blocks' parameters.
+- :func:`scan_loss` is the same model as users of flax's ``nn.scan`` or equinox's stacked
+  layers write it: the blocks stacked (:func:`stacked`) and run by ``lax.scan``, with no
+  checkpoint.
 - :func:`hand_tuned_grad` is what a user writes to save memory by hand: the blocks stacked and run
   by ``lax.scan`` with ``jax.checkpoint`` around each block (activations rematerialized in the
   backward pass), and the batch split into micro-batches whose gradients are summed
@@ -90,6 +93,13 @@ def loss(params: dict[str, Any], ids: jax.Array, heads: int = 4) -> jax.Array:
 def stacked(params: dict[str, Any]) -> dict[str, Any]:
     """The same parameters with the blocks stacked along a leading axis (for ``lax.scan``)."""
     return {**params, "blocks": jax.tree.map(lambda *b: jnp.stack(b), *params["blocks"])}
+
+
+def scan_loss(params: dict[str, Any], ids: jax.Array, heads: int = 4) -> jax.Array:
+    """The user's training loss with the blocks stacked and run by ``lax.scan``."""
+    x = params["embed"][ids[:, :-1]]
+    x, _ = jax.lax.scan(lambda x, p: (block(p, x, heads), None), x, params["blocks"])
+    return _head(params, x, ids)
 
 
 def _scanned_loss(params: dict[str, Any], ids: jax.Array, heads: int) -> jax.Array:

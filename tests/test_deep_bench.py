@@ -24,3 +24,12 @@ def test_hand_tuned_peer_equals_the_users_gradient():
     want = (value, gpt.stacked(grads))
     got = memsafe_jit(gpt.hand_tuned_grad, static_argnums=2)(gpt.stacked(params), ids, 2)
     _close(got, want)
+
+
+def test_the_scan_form_is_the_users_loss():
+    """The model written with ``lax.scan`` over stacked blocks computes the loop's loss and
+    gradient (the benchmark's second form)."""
+    params, ids = gpt.init(SMALL), gpt.tokens(SMALL)
+    value, grads = memsafe_jit(jax.value_and_grad(gpt.loss))(params, ids)
+    got = memsafe_jit(jax.value_and_grad(gpt.scan_loss))(gpt.stacked(params), ids)
+    _close(got, (value, gpt.stacked(grads)))
