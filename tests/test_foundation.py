@@ -160,6 +160,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         hoist,
         match_replace,
         recompute,
+        remat,
         reorder,
         schedule,
         split,

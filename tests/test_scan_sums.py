@@ -97,7 +97,7 @@ def test_a_carry_decaying_a_total_over_the_rows():
     ws, x = _inputs()
     scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
     inner = scan.params["jaxpr"].jaxpr
-    got = body.propagate(inner, {0: 0}, [(0, 0), (1, 1)])
+    got = body.propagate(inner, {0: 0}, [(0, 0), (1, 1)], sums=True)
     assert got.result_shares(inner) == (1,) and inner.invars[1] in got.shares
     limit = limit_between(fun, (ws, x), 1 / 3)
     assert_like_jit(memsafe.jit(fun, memory_limit=limit)(ws, x), fun, ws, x)
@@ -116,7 +116,7 @@ def test_a_share_through_a_nonlinear_operation_is_refused():
     scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
     inner = scan.params["jaxpr"].jaxpr
     with pytest.raises(NoRule, match="not linear in a sum over the split axis"):
-        body.propagate(inner, {0: 0}, [(1, 0)])
+        body.propagate(inner, {0: 0}, [(1, 0)], sums=True)
 
 
 def test_a_share_plus_a_value_read_whole_is_refused():
@@ -132,7 +132,7 @@ def test_a_share_plus_a_value_read_whole_is_refused():
     ws, x = _inputs()
     scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
     with pytest.raises(NoRule, match="add inside the loop body is not linear"):
-        body.propagate(scan.params["jaxpr"].jaxpr, {0: 0}, [(0, 0)])
+        body.propagate(scan.params["jaxpr"].jaxpr, {0: 0}, [(0, 0)], sums=True)
     limit = limit_between(fun, (ws, x), 1 / 4)
     try:  # whatever memsafe does instead, it gives jax.jit's answer
         got = memsafe.jit(fun, memory_limit=limit)(ws, x)

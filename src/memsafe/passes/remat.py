@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+import numpy as np
 
 from memsafe._jax import (
     ClosedJaxpr,
@@ -106,10 +107,14 @@ def _worth_it(graph: Graph, pair: Pair, budget: int) -> bool:
     """Residuals over a share of the budget, and more than the stacked carries replacing them."""
     fwd = graph.eqns[pair.forward]
     held = sum(graph.info(fwd.outvars[k]).bytes for k in pair.residuals)
-    length = fwd.params["length"]
     consts = scan_counts(fwd.params)[0]
-    stacked = sum(graph.info(fwd.invars[consts + k]).bytes * length for k in pair.carries)
+    inner = fwd.params["jaxpr"].jaxpr.invars
+    stacked = sum(_bytes(inner[consts + k].aval) for k in pair.carries) * fwd.params["length"]
     return held > SHARE_OF_BUDGET * budget and held > 2 * stacked
+
+
+def _bytes(aval: Any) -> int:
+    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def _forward(fwd: JaxprEqn, invals: list[Any], pair: Pair) -> tuple[list[Any], list[Any]]:

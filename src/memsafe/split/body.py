@@ -48,13 +48,17 @@ class Reached(NamedTuple):
         return tuple(k for k, v in enumerate(jaxpr.outvars) if v in self.shares)
 
 
-def propagate(jaxpr: Jaxpr, seeds: dict[Any, int], tied: Sequence[tuple[int, int]] = ()) -> Reached:
+def propagate(
+    jaxpr: Jaxpr, seeds: dict[Any, int], tied: Sequence[tuple[int, int]] = (), sums: bool = False
+) -> Reached:
     """The axis of every body value that carries it, each equation's mapping, and the shares.
 
     Args:
         jaxpr: the loop body.
         seeds: body input position -> axis, where the chunked operands enter.
         tied: (input position, output position) pairs that must agree (a loop's carry).
+        sums: whether the body may sum over the axis into shares (a loop, whose runner adds
+            the chunks' shares); otherwise a sum over the axis stops it.
 
     Returns:
         The split of the body. Raises :class:`NoRule` naming what stops the axis.
@@ -64,7 +68,7 @@ def propagate(jaxpr: Jaxpr, seeds: dict[Any, int], tied: Sequence[tuple[int, int
     for _ in range(2 * len(jaxpr.invars) + 1):
         pulled = dict(seeds)  # the walk adds the inputs chunked operands are computed from
         try:
-            got = _Walk(jaxpr, pulled, carries).run()
+            got = _Walk(jaxpr, pulled, carries, sums).run()
         except _ShareCarry as share:  # a carry accumulates a sum: it is one too
             seeds[("share", share.position)] = 0
             continue
@@ -81,6 +85,7 @@ def reach(
     ins: dict[int, int],
     outs: dict[int, int],
     tied: Sequence[tuple[int, int]] = (),
+    sums: bool = False,
 ) -> Reached:
     """:func:`propagate` from the body inputs in ``ins``; with none, from the first body input
     axis that lands on the one result in ``outs`` (a result is reached from the inputs).
@@ -89,7 +94,7 @@ def reach(
     the same question once per candidate value and axis, and each answer walks the whole body.
     The returned dicts are shared: read them, do not change them."""
     got, err = _reach_once(
-        jaxpr, tuple(sorted(ins.items())), tuple(sorted(outs.items())), tuple(tied)
+        jaxpr, tuple(sorted(ins.items())), tuple(sorted(outs.items())), tuple(tied), sums
     )
     if err is not None:
         raise NoRule(str(err), inherent=err.inherent)
@@ -98,24 +103,28 @@ def reach(
 
 @functools.lru_cache(maxsize=1024)
 def _reach_once(
-    jaxpr: Jaxpr, ins: tuple, outs: tuple, tied: tuple
+    jaxpr: Jaxpr, ins: tuple, outs: tuple, tied: tuple, sums: bool
 ) -> tuple[Reached | None, NoRule | None]:
     try:
-        return _reach(jaxpr, dict(ins), dict(outs), tied), None
+        return _reach(jaxpr, dict(ins), dict(outs), tied, sums), None
     except NoRule as err:
         return None, err
 
 
 def _reach(
-    jaxpr: Jaxpr, ins: dict[int, int], outs: dict[int, int], tied: Sequence[tuple[int, int]]
+    jaxpr: Jaxpr,
+    ins: dict[int, int],
+    outs: dict[int, int],
+    tied: Sequence[tuple[int, int]],
+    sums: bool,
 ) -> Reached:
     if ins:
-        return propagate(jaxpr, ins, tied)
+        return propagate(jaxpr, ins, tied, sums)
     (o, a), target = next(iter(outs.items())), jaxpr.outvars
     for k, v in enumerate(jaxpr.invars):
         for b in range(len(v.aval.shape)):
             try:
-                got = propagate(jaxpr, {k: b}, tied)
+                got = propagate(jaxpr, {k: b}, tied, sums)
             except NoRule:
                 continue
             if got.axes.get(target[o]) == a:
@@ -136,8 +145,10 @@ class _Walk:
     shares (``("share", position)``) and generators (``("made", equation, result)``: a
     broadcast or iota made at chunk shape)."""
 
-    def __init__(self, jaxpr: Jaxpr, seeds: dict[Any, int], carries: frozenset[int]) -> None:
-        self.jaxpr, self.seeds, self.carries = jaxpr, seeds, carries
+    def __init__(
+        self, jaxpr: Jaxpr, seeds: dict[Any, int], carries: frozenset[int], sums: bool
+    ) -> None:
+        self.jaxpr, self.seeds, self.carries, self.sums = jaxpr, seeds, carries, sums
         self.producer = {o: e for e in jaxpr.eqns for o in e.outvars}
         self.axes: Axes = {jaxpr.invars[k]: a for k, a in seeds.items() if isinstance(k, int)}
         keyed = [k for k in seeds if isinstance(k, tuple)]
@@ -211,7 +222,7 @@ class _Walk:
                 f"{eqn.primitive.name} inside the loop body reads a sum over the split axis "
                 "with values split along it"
             )
-        if isinstance(m, Sink) and m.reducer not in _SUMS:
+        if isinstance(m, Sink) and not (self.sums and m.reducer in _SUMS):
             raise NoRule(f"{eqn.primitive.name} inside the loop body reduces the split axis")
         _check_operands(eqn, m, self.axes, self.seeds, self.jaxpr)
         self.maps[i] = m

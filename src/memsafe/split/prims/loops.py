@@ -128,7 +128,7 @@ def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, loop_body.Rea
     for o, a in outs.items():  # a carried result seeds the carry it comes back through
         if o < carry:
             ins.setdefault(consts + o, a)
-    return body, loop_body.reach(body.jaxpr, ins, outs, tied)
+    return body, loop_body.reach(body.jaxpr, ins, outs, tied, sums=True)
 
 
 def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
