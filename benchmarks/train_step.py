@@ -298,14 +298,15 @@ def plot(run: dict[str, Any], path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6, 4))
     lines = [
-        ("sequence", "jax_mib", "jax.jit"),
-        ("sequence", "memsafe_mib", "memsafe.jit, Python loop"),
-        ("sequence_scan", "memsafe_mib", "memsafe.jit, lax.scan"),
+        ("sequence", "jax_mib", "jax.jit, Python loop", "C0", "-"),
+        ("sequence_scan", "jax_mib", "jax.jit, lax.scan", "C0", "--"),
+        ("sequence", "memsafe_mib", "memsafe.jit, Python loop", "C1", "-"),
+        ("sequence_scan", "memsafe_mib", "memsafe.jit, lax.scan", "C1", "--"),
     ]
-    for rows, key, label in lines:
+    for rows, key, label, color, style in lines:
         pts = [(r["length"], r[key]) for r in run.get(rows, []) if key in r]
         if pts:
-            ax.plot(*zip(*pts), marker="o", label=label)
+            ax.plot(*zip(*pts), marker="o", color=color, linestyle=style, label=label)
     ax.axhline(LIMIT_MIB, color="gray", linestyle="--", label="limit")
     ax.set(xscale="log", yscale="log", xlabel="sequence length (batch 1)", ylabel="footprint, MiB")
     ax.set_title("GPT-style training step: memory against sequence length")
