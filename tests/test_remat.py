@@ -137,3 +137,23 @@ def test_fits_where_a_hand_written_checkpoint_fits():
     plan = memsafe.jit(_grad_mlp, memory_limit=limit).plan(*args)
     assert plan.after.total <= limit < plan.before.total, plan
     assert any(r.pass_name == "remat" for r in plan.passes), plan
+
+
+def test_a_literal_initial_carry():
+    """A scan whose initial carry is a literal (``0.0``): the pass weighs it by its aval (it
+    raised on the literal, found by fuzz seed 812)."""
+    ws, _, x = _inputs()
+
+    def fun(ws, x):
+        def step(c, w):
+            z = jnp.tanh(x @ w + c)  # the residuals read the carry
+            return jnp.tanh(c + jnp.mean(jnp.nan_to_num(z))), jnp.max(z, 1)
+
+        return jax.grad(lambda ws: jnp.sum(jnp.nan_to_num(lax.scan(step, 0.0, ws)[1])))(ws)
+
+    before, after, ctx = _pass(fun, (ws, x), budget=1)
+    scans = [e for e in before.jaxpr.eqns if e.primitive.name == "scan"]
+    assert any(type(a).__name__ == "Literal" for e in scans for a in e.invars)
+    assert len(ctx.plan.records) == 1
+    got = jax.jit(jaxpr_as_fun(after))(ws, x)[0]
+    np.testing.assert_allclose(got, jax.jit(fun)(ws, x), rtol=1e-5, atol=1e-6)

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
 
 from memsafe._jax import (
     ClosedJaxpr,
@@ -26,6 +25,7 @@ from memsafe._jax import (
     Var,
     bind_eqn_with,
     eval_jaxpr,
+    nbytes_of_aval,
     pruned,
     scan_counts,
     scan_layout,
@@ -109,12 +109,9 @@ def _worth_it(graph: Graph, pair: Pair, budget: int) -> bool:
     held = sum(graph.info(fwd.outvars[k]).bytes for k in pair.residuals)
     consts = scan_counts(fwd.params)[0]
     inner = fwd.params["jaxpr"].jaxpr.invars
-    stacked = sum(_bytes(inner[consts + k].aval) for k in pair.carries) * fwd.params["length"]
+    stacked = sum(nbytes_of_aval(inner[consts + k].aval) for k in pair.carries)
+    stacked *= fwd.params["length"]
     return held > SHARE_OF_BUDGET * budget and held > 2 * stacked
-
-
-def _bytes(aval: Any) -> int:
-    return int(np.prod(aval.shape, dtype=np.int64)) * np.dtype(aval.dtype).itemsize
 
 
 def _forward(fwd: JaxprEqn, invals: list[Any], pair: Pair) -> tuple[list[Any], list[Any]]:
