@@ -47,6 +47,10 @@ class Facts:
         monoid: for reductions, the name of the monoid combining partial results.
         scaling: how a factor constant along the split axis passes (None: it does not).
         lapack: on the CPU it is a LAPACK call (``memsafe.lapack_order``).
+        decides: its result is a discrete decision on its operands' values (a comparison, an
+            argmax, a sort order): recomputed in another compile, where XLA may round its
+            floating-point operands otherwise (a contracted multiply-add), it can decide a tie
+            the other way.
     """
 
     kind: Kind
@@ -57,6 +61,7 @@ class Facts:
     monoid: str | None = None
     scaling: Scaling | None = None
     lapack: bool = False
+    decides: bool = False
 
 
 def _elementwise(**facts: object) -> Facts:
@@ -73,7 +78,7 @@ def _reduction(monoid: str) -> Facts:
 
 _ARITH = _elementwise(cheap=True, fold=True)
 _ARITH_COMM = _elementwise(cheap=True, fold=True, commutative=True)
-_COMPARE = _elementwise(cheap=True)
+_COMPARE = _elementwise(cheap=True, decides=True)
 _MATH = _elementwise()  # transcendental and special functions: not recomputed per chunk
 _MATH_CHEAP = _elementwise(cheap=True)
 
@@ -148,8 +153,8 @@ TABLE: dict[str, Facts] = {
         _MATH,
     ),
     # comparisons, logic, bits
-    "eq": _elementwise(cheap=True, commutative=True),
-    "ne": _elementwise(cheap=True, commutative=True),
+    "eq": _elementwise(cheap=True, commutative=True, decides=True),
+    "ne": _elementwise(cheap=True, commutative=True, decides=True),
     **dict.fromkeys(["lt", "le", "gt", "ge"], _COMPARE),
     "and": _elementwise(commutative=True),
     "or": _elementwise(commutative=True),
@@ -181,8 +186,10 @@ TABLE: dict[str, Facts] = {
     "reduce_and": _reduction("and"),
     "reduce_or": _reduction("or"),
     "reduce_xor": _reduction("xor"),
-    "argmax": _reduction("argmax"),
-    "argmin": _reduction("argmin"),
+    "argmax": Facts(Kind.REDUCTION, monoid="argmax", decides=True),
+    "argmin": Facts(Kind.REDUCTION, monoid="argmin", decides=True),
+    # orders: what goes where depends on comparing the values
+    **dict.fromkeys(["sort", "top_k"], Facts(Kind.OTHER, decides=True)),
     **dict.fromkeys(
         ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"], Facts(Kind.CUMULATIVE)
     ),
@@ -235,3 +242,5 @@ REDUCTIONS = _names(lambda f: f.kind is Kind.REDUCTION)
 CUMULATIVE = _names(lambda f: f.kind is Kind.CUMULATIVE)
 #: LAPACK calls on the CPU.
 LAPACK = _names(lambda f: f.lapack)
+#: Discrete decisions on their operands' values (comparisons, argmax, sort orders).
+DECIDES = _names(lambda f: f.decides)
