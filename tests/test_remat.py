@@ -159,26 +159,18 @@ def test_a_literal_initial_carry():
     assert_like_jit(jax.jit(jaxpr_as_fun(after))(ws, x)[0], fun, ws, x)
 
 
-def test_the_forward_keeps_its_decisions():
-    """A maximum's gradient reads which operand won. Recomputed in another compile a tie could
-    go the other way (fuzz seed 1871 gave 40 NaNs where jax.jit gives 19): the forward stacks
-    its comparisons' results and the backward reads them, so ties fall as in jax.jit."""
+def test_residuals_that_decide_on_values_stay_stored():
+    """A maximum's gradient stores which operand won. Recomputed in another compile a tie could
+    go the other way (fuzz seed 1871 gave 40 NaNs where jax.jit gives 19): such residuals are
+    not recomputed."""
     ws, _, x = _inputs()
-    x = jnp.nan_to_num(x)
 
     def fun(ws, x):
         def step(h, w):
             s = h @ w[:, :D]
-            s = s.at[:, 0].set(0.0)  # exact ties of s and s / 2
-            return jnp.tanh(jnp.maximum(s, 0.5 * s) + jnp.stack([s, 2 * s]).max(0)), None
+            return jnp.tanh(jnp.maximum(s, 0.5 * s)), None
 
         return jax.grad(lambda ws: jnp.sum(lax.scan(step, x, ws)[0]))(ws)
 
-    _, after, ctx = _pass(fun, (ws, x), budget=1)
-    assert len(ctx.plan.records) == 1
-    fwd = next(e for e in after.jaxpr.eqns if e.primitive.name == "scan")
-    assert any(o.aval.dtype == jnp.bool_ for o in fwd.outvars)  # the stacked decisions
-    got = jax.jit(jaxpr_as_fun(after))(ws, x)[0]
-    want = jax.jit(fun)(ws, x)
-    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
-    assert_like_jit(got, fun, ws, x)
+    before, after, ctx = _pass(fun, (ws, x), budget=1)
+    assert ctx.plan.records == [] and after is before

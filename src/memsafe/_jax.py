@@ -210,17 +210,6 @@ def pruned(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[bool]]:
     return ClosedJaxpr(new, list(closed.consts)), list(used)
 
 
-def rewired(closed: ClosedJaxpr, outvars: Sequence[Any], given: Sequence[Var] = ()) -> ClosedJaxpr:
-    """``closed`` computing ``outvars`` (any of its values), with the values ``given`` as
-    extra inputs after its own (the equations producing them dropped, and those nothing needs
-    any more)."""
-    jaxpr = closed.jaxpr
-    drop = set(given)
-    eqns = [e for e in jaxpr.eqns if not drop & set(e.outvars)]
-    new = jaxpr.replace(invars=[*jaxpr.invars, *given], outvars=list(outvars), eqns=eqns)
-    return dce(ClosedJaxpr(new, list(closed.consts)))
-
-
 def with_outputs(closed: ClosedJaxpr, keep: Sequence[int]) -> ClosedJaxpr:
     """``closed`` computing only its results at positions ``keep`` (in that order), the
     equations no kept result needs dropped; inputs and constants stay as they are."""

@@ -14,7 +14,6 @@ instead of all of them. The split pass can then chunk what is left along the bat
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +28,6 @@ from memsafe._jax import (
     eval_jaxpr,
     nbytes_of_aval,
     pruned,
-    rewired,
     scan_counts,
     scan_layout,
     source_line,
@@ -55,10 +53,6 @@ class Pair:
         residuals: the forward's result positions the backward reads (and nothing else).
         slots: for each residual, its operand position in the backward scan.
         carries: the forward's carry positions the residuals are computed from.
-        decisions: the values of the forward's (inlined) body computing the residuals that
-            decide on floating-point values (comparisons, argmax, sort orders; the results of
-            each such equation): stacked by the forward like its carries, and read by the
-            backward instead of deciding again.
     """
 
     forward: int
@@ -66,7 +60,6 @@ class Pair:
     residuals: tuple[int, ...]
     slots: tuple[int, ...]
     carries: tuple[int, ...]
-    decisions: tuple[Var, ...]
 
 
 def _pairs(graph: Graph) -> list[Pair]:
@@ -83,9 +76,9 @@ def _pairs(graph: Graph) -> list[Pair]:
                 by_reader.setdefault(slot[0], []).append((k, slot[1]))
         for b, reads in by_reader.items():
             residuals = tuple(k for k, _ in reads)
-            slots = tuple(s for _, s in reads)
-            carries, decisions = _sources(fwd, residuals)
-            found.append(Pair(f, b, residuals, slots, carries, decisions))
+            found.append(
+                Pair(f, b, residuals, tuple(s for _, s in reads), _carries(fwd, residuals))
+            )
     return found
 
 
@@ -105,36 +98,26 @@ def _only_scanned_reader(graph: Graph, fwd: JaxprEqn, var: Var) -> tuple[int, in
     return b, slots[0]
 
 
-def _body(fwd: JaxprEqn) -> ClosedJaxpr:
-    """The forward's body with its calls inlined (their decisions visible); one object per
-    body, as the pair names its values."""
-    return _inlined(fwd.params["jaxpr"])
-
-
-@functools.lru_cache(maxsize=16)
-def _inlined(body: ClosedJaxpr) -> ClosedJaxpr:
-    return inline_calls(body)
-
-
-def _sources(fwd: JaxprEqn, residuals: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[Var, ...]]:
-    """The forward's carry positions the residuals' computation reads, and the values in it
-    that decide on floating-point values.
-
-    Recomputed in the backward loop, a comparison could decide a tie otherwise than the
-    forward did: another compile of the same operations may round their operands otherwise
-    (XLA contracts a multiply and an add into one rounding in one fusion and not in another).
-    Fuzz seed 1871 (a maximum's gradient) gave 40 NaNs where jax.jit gives 19 when its
-    comparisons were recomputed; the forward's decisions are kept instead (booleans, mostly)."""
+def _carries(fwd: JaxprEqn, residuals: tuple[int, ...]) -> tuple[int, ...]:
+    """The forward's carry positions the residuals' computation reads."""
     consts, carry = scan_counts(fwd.params)
-    body = with_outputs(_body(fwd), residuals)
-    decisions = tuple(
-        o
-        for e in body.jaxpr.eqns
-        if e.primitive.name in DECIDES and any(_inexact(a) for a in e.invars)
-        for o in e.outvars
+    _, used = pruned(with_outputs(fwd.params["jaxpr"], residuals))
+    return tuple(k for k in range(carry) if used[consts + k])
+
+
+def _decides(fwd: JaxprEqn, pair: Pair) -> bool:
+    """Whether computing the residuals decides on floating-point values (a comparison, an
+    argmax, a sort; flax's layer norm clamps its variance with a maximum). Recomputed in the
+    backward loop, another compile of the same operations may round their operands otherwise
+    (XLA contracts a multiply and an add into one rounding in one fusion and not in another)
+    and break a tie the other way from the forward: fuzz seed 1871, a maximum's gradient, gave
+    40 NaNs where jax.jit gives 19. Stacking the forward's decisions for the backward instead
+    gave a wrong answer further down the pipeline (fuzz seed 716) that is not understood yet, so
+    such residuals stay stored."""
+    body = inline_calls(with_outputs(fwd.params["jaxpr"], pair.residuals))
+    return any(
+        e.primitive.name in DECIDES and any(_inexact(a) for a in e.invars) for e in body.jaxpr.eqns
     )
-    _, used = pruned(rewired(body, body.jaxpr.outvars, decisions))
-    return tuple(k for k in range(carry) if used[consts + k]), decisions
 
 
 def _inexact(atom: Any) -> bool:
@@ -143,31 +126,26 @@ def _inexact(atom: Any) -> bool:
 
 
 def _worth_it(graph: Graph, pair: Pair, budget: int) -> bool:
-    """Residuals over a share of the budget, and more than twice what replaces them (the
-    stacked carries and decisions)."""
+    """Residuals over a share of the budget, and more than the stacked carries replacing them."""
     fwd = graph.eqns[pair.forward]
     held = sum(graph.info(fwd.outvars[k]).bytes for k in pair.residuals)
-    stacked = sum(nbytes_of_aval(v.aval) for v in _stacked(fwd, pair)) * fwd.params["length"]
+    consts = scan_counts(fwd.params)[0]
+    inner = fwd.params["jaxpr"].jaxpr.invars
+    stacked = sum(nbytes_of_aval(inner[consts + k].aval) for k in pair.carries)
+    stacked *= fwd.params["length"]
     return held > SHARE_OF_BUDGET * budget and held > 2 * stacked
 
 
-def _stacked(fwd: JaxprEqn, pair: Pair) -> list[Var]:
-    """The body values the forward stacks for the backward: the carries the residuals are
-    computed from, and their decisions."""
-    consts = scan_counts(fwd.params)[0]
-    invars = _body(fwd).jaxpr.invars
-    return [invars[consts + k] for k in pair.carries] + list(pair.decisions)
-
-
 def _forward(fwd: JaxprEqn, invals: list[Any], pair: Pair) -> tuple[list[Any], list[Any]]:
-    """The forward scan stacking each iteration's carries and decisions in place of the
-    residuals: (its results, with None at the residuals; the stacked values)."""
+    """The forward scan stacking each iteration's carries in place of the residuals:
+    (its results, with None at the residuals; the stacked carries)."""
     consts, carry = scan_counts(fwd.params)
-    body = _body(fwd)
+    body = fwd.params["jaxpr"]
     n = len(body.jaxpr.outvars)
     kept = [k for k in range(n) if k not in pair.residuals]
-    stacks = _stacked(fwd, pair)
-    new = rewired(body, [body.jaxpr.outvars[k] for k in kept] + stacks)
+    stacks = [body.jaxpr.invars[consts + k] for k in pair.carries]
+    jaxpr = body.jaxpr.replace(outvars=[body.jaxpr.outvars[k] for k in kept] + stacks)
+    new = ClosedJaxpr(jaxpr, list(body.consts))
     layout = scan_layout(fwd.params, consts, carry, len(invals), len(kept) + len(stacks))
     outs = bind_eqn_with(fwd, invals, jaxpr=new, **layout)
     results: list[Any] = [None] * n
@@ -181,13 +159,10 @@ def _backward(
     pair: Pair,
 ) -> list[Any]:  # fmt: skip
     """The backward scan recomputing the residuals at each iteration from the forward's
-    constants, that iteration's stacked carries and decisions and the forward's scanned inputs
-    there."""
+    constants, that iteration's stacked carries and the forward's scanned inputs there."""
     f_consts, f_carry = scan_counts(fwd.params)
     b_consts, b_carry = scan_counts(bwd.params)
-    whole = with_outputs(_body(fwd), pair.residuals)
-    res_body = rewired(whole, whole.jaxpr.outvars, pair.decisions)
-    n_carry = len(pair.carries)
+    res_body = with_outputs(fwd.params["jaxpr"], pair.residuals)
     old = bwd.params["jaxpr"]
     cf = fwd_invals[:f_consts]
     xf = fwd_invals[f_consts + f_carry :]
@@ -199,9 +174,9 @@ def _backward(
         carry_, rest = rest[:b_carry], rest[b_carry:]
         xs_own, st, xf_ = rest[:n_own], rest[n_own : n_own + n_st], rest[n_own + n_st :]
         carries = [None] * f_carry
-        for k, v in zip(pair.carries, st[:n_carry]):
+        for k, v in zip(pair.carries, st):
             carries[k] = v
-        res = eval_jaxpr(res_body.jaxpr, res_body.consts, *cf_, *carries, *xf_, *st[n_carry:])
+        res = eval_jaxpr(res_body.jaxpr, res_body.consts, *cf_, *carries, *xf_)
         xs = dict(zip(own, xs_own)) | dict(zip(pair.slots, res))
         ordered = [xs[p] for p in range(b_consts + b_carry, len(invals))]
         return eval_jaxpr(old.jaxpr, old.consts, *cb, *carry_, *ordered)
@@ -211,7 +186,8 @@ def _backward(
     fin, bin_ = fwd.params["jaxpr"].jaxpr.invars, old.jaxpr.invars
     avals = [
         *bin_[:b_consts], *fin[:f_consts], *bin_[b_consts : b_consts + b_carry],
-        *(bin_[p] for p in own), *_stacked(fwd, pair), *fin[f_consts + f_carry :],
+        *(bin_[p] for p in own), *(fin[f_consts + k] for k in pair.carries),
+        *fin[f_consts + f_carry :],
     ]  # fmt: skip
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in avals]
     new = jax.make_jaxpr(body)(*shapes)
@@ -238,7 +214,11 @@ def _record(graph: Graph, pair: Pair) -> PassRecord:
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Recompute the residuals of every forward/backward scan pair where they are worth it."""
     graph = Graph(closed)
-    chosen = [p for p in _pairs(graph) if _worth_it(graph, p, ctx.temp_budget)]
+    chosen = [
+        p
+        for p in _pairs(graph)
+        if _worth_it(graph, p, ctx.temp_budget) and not _decides(graph.eqns[p.forward], p)
+    ]
     forwards = {p.forward: p for p in chosen}
     backwards = {p.backward: p for p in chosen}
     if not chosen or len(forwards) != len(chosen) or len(backwards) != len(chosen):
