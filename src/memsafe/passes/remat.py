@@ -21,12 +21,14 @@ import jax
 import numpy as np
 
 from memsafe._jax import (
+    LOOP_BODIES,
     ClosedJaxpr,
     JaxprEqn,
     Var,
     bind_eqn_with,
     eval_jaxpr,
     nbytes_of_aval,
+    programs,
     pruned,
     scan_counts,
     scan_layout,
@@ -114,10 +116,17 @@ def _decides(fwd: JaxprEqn, pair: Pair) -> bool:
     40 NaNs where jax.jit gives 19. Stacking the forward's decisions for the backward instead
     gave a wrong answer further down the pipeline (fuzz seed 716) that is not understood yet, so
     such residuals stay stored."""
-    body = inline_calls(with_outputs(fwd.params["jaxpr"], pair.residuals))
-    return any(
-        e.primitive.name in DECIDES and any(_inexact(a) for a in e.invars) for e in body.jaxpr.eqns
-    )
+    return _compares(inline_calls(with_outputs(fwd.params["jaxpr"], pair.residuals)))
+
+
+def _compares(closed: ClosedJaxpr) -> bool:
+    """Whether ``closed``, or a loop body or branch it runs, decides on floating-point values."""
+    for e in closed.jaxpr.eqns:
+        if e.primitive.name in DECIDES and any(_inexact(a) for a in e.invars):
+            return True
+        if e.primitive.name in LOOP_BODIES and any(_compares(b) for b in programs(e)):
+            return True
+    return False
 
 
 def _inexact(atom: Any) -> bool:
