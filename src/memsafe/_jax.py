@@ -210,11 +210,17 @@ def pruned(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, list[bool]]:
     return ClosedJaxpr(new, list(closed.consts)), list(used)
 
 
+def with_results(closed: ClosedJaxpr, results: Sequence[Any]) -> ClosedJaxpr:
+    """``closed`` returning ``results`` (any of its values, its inputs included), the equations
+    they do not need dropped; inputs and constants stay as they are."""
+    jaxpr = closed.jaxpr.replace(outvars=list(results))
+    return dce(ClosedJaxpr(jaxpr, list(closed.consts)))
+
+
 def with_outputs(closed: ClosedJaxpr, keep: Sequence[int]) -> ClosedJaxpr:
     """``closed`` computing only its results at positions ``keep`` (in that order), the
     equations no kept result needs dropped; inputs and constants stay as they are."""
-    jaxpr = closed.jaxpr.replace(outvars=[closed.jaxpr.outvars[k] for k in keep])
-    return dce(ClosedJaxpr(jaxpr, list(closed.consts)))
+    return with_results(closed, [closed.jaxpr.outvars[k] for k in keep])
 
 
 def _exclude_memsafe_frames() -> None:

@@ -146,15 +146,21 @@ def retrace(closed: ClosedJaxpr, override: Override | None = None) -> ClosedJaxp
     return new
 
 
+def any_eqn(closed: ClosedJaxpr, pred: Callable[[JaxprEqn], bool]) -> bool:
+    """Whether ``closed``, or a loop body or cond branch it runs, has an equation ``pred``
+    holds for."""
+    for eqn in closed.jaxpr.eqns:
+        if pred(eqn):
+            return True
+        if eqn.primitive.name in LOOP_BODIES and any(any_eqn(b, pred) for b in programs(eqn)):
+            return True
+    return False
+
+
 def runs_any(closed: ClosedJaxpr, names: Collection[str]) -> bool:
     """Whether ``closed``, or a loop body or cond branch it runs, has an equation of a primitive
     in ``names`` (a pass that rewrites only those can skip the program otherwise)."""
-    for eqn in closed.jaxpr.eqns:
-        if eqn.primitive.name in names:
-            return True
-        if eqn.primitive.name in LOOP_BODIES and any(runs_any(b, names) for b in programs(eqn)):
-            return True
-    return False
+    return any_eqn(closed, lambda eqn: eqn.primitive.name in names)
 
 
 def with_bodies(

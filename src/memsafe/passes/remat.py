@@ -18,26 +18,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import numpy as np
+import jax.numpy as jnp
 
 from memsafe._jax import (
-    LOOP_BODIES,
     ClosedJaxpr,
     JaxprEqn,
     Var,
     bind_eqn_with,
     eval_jaxpr,
     nbytes_of_aval,
-    programs,
     pruned,
     scan_counts,
     scan_layout,
     source_line,
     with_outputs,
+    with_results,
 )
 from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
-from memsafe.graph.interpret import inline_calls, retrace
+from memsafe.graph.interpret import any_eqn, inline_calls, retrace
 from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord, format_bytes
 from memsafe.primitives import DECIDES
@@ -55,6 +54,7 @@ class Pair:
         residuals: the forward's result positions the backward reads (and nothing else).
         slots: for each residual, its operand position in the backward scan.
         carries: the forward's carry positions the residuals are computed from.
+        computes: the forward's body computing only the residuals.
     """
 
     forward: int
@@ -62,6 +62,7 @@ class Pair:
     residuals: tuple[int, ...]
     slots: tuple[int, ...]
     carries: tuple[int, ...]
+    computes: ClosedJaxpr
 
 
 def _pairs(graph: Graph) -> list[Pair]:
@@ -78,9 +79,9 @@ def _pairs(graph: Graph) -> list[Pair]:
                 by_reader.setdefault(slot[0], []).append((k, slot[1]))
         for b, reads in by_reader.items():
             residuals = tuple(k for k, _ in reads)
-            found.append(
-                Pair(f, b, residuals, tuple(s for _, s in reads), _carries(fwd, residuals))
-            )
+            computes = with_outputs(fwd.params["jaxpr"], residuals)
+            slots = tuple(s for _, s in reads)
+            found.append(Pair(f, b, residuals, slots, _carries(fwd, computes), computes))
     return found
 
 
@@ -100,14 +101,14 @@ def _only_scanned_reader(graph: Graph, fwd: JaxprEqn, var: Var) -> tuple[int, in
     return b, slots[0]
 
 
-def _carries(fwd: JaxprEqn, residuals: tuple[int, ...]) -> tuple[int, ...]:
-    """The forward's carry positions the residuals' computation reads."""
+def _carries(fwd: JaxprEqn, computes: ClosedJaxpr) -> tuple[int, ...]:
+    """The forward's carry positions the residuals' computation ``computes`` reads."""
     consts, carry = scan_counts(fwd.params)
-    _, used = pruned(with_outputs(fwd.params["jaxpr"], residuals))
+    _, used = pruned(computes)
     return tuple(k for k in range(carry) if used[consts + k])
 
 
-def _decides(fwd: JaxprEqn, pair: Pair) -> bool:
+def _decides(pair: Pair) -> bool:
     """Whether computing the residuals decides on floating-point values (a comparison, an
     argmax, a sort; flax's layer norm clamps its variance with a maximum). Recomputed in the
     backward loop, another compile of the same operations may round their operands otherwise
@@ -116,28 +117,24 @@ def _decides(fwd: JaxprEqn, pair: Pair) -> bool:
     40 NaNs where jax.jit gives 19. Stacking the forward's decisions for the backward instead
     gave a wrong answer further down the pipeline (fuzz seed 716) that is not understood yet, so
     such residuals stay stored."""
-    return _compares(inline_calls(with_outputs(fwd.params["jaxpr"], pair.residuals)))
+    return any_eqn(inline_calls(pair.computes), _compares_floats)
 
 
-def _compares(closed: ClosedJaxpr) -> bool:
-    """Whether ``closed``, or a loop body or branch it runs, decides on floating-point values."""
-    for e in closed.jaxpr.eqns:
-        if e.primitive.name in DECIDES and any(_inexact(a) for a in e.invars):
-            return True
-        if e.primitive.name in LOOP_BODIES and any(_compares(b) for b in programs(e)):
-            return True
-    return False
+def _compares_floats(eqn: JaxprEqn) -> bool:
+    return eqn.primitive.name in DECIDES and any(
+        jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in eqn.invars
+    )
 
 
-def _inexact(atom: Any) -> bool:
-    dtype = getattr(atom.aval, "dtype", None)
-    return dtype is not None and np.issubdtype(dtype, np.inexact)
+def _held(graph: Graph, pair: Pair) -> int:
+    """Bytes of the stacked residuals."""
+    fwd = graph.eqns[pair.forward]
+    return sum(graph.info(fwd.outvars[k]).bytes for k in pair.residuals)
 
 
 def _worth_it(graph: Graph, pair: Pair, budget: int) -> bool:
     """Residuals over a share of the budget, and more than the stacked carries replacing them."""
-    fwd = graph.eqns[pair.forward]
-    held = sum(graph.info(fwd.outvars[k]).bytes for k in pair.residuals)
+    fwd, held = graph.eqns[pair.forward], _held(graph, pair)
     consts = scan_counts(fwd.params)[0]
     inner = fwd.params["jaxpr"].jaxpr.invars
     stacked = sum(nbytes_of_aval(inner[consts + k].aval) for k in pair.carries)
@@ -153,8 +150,7 @@ def _forward(fwd: JaxprEqn, invals: list[Any], pair: Pair) -> tuple[list[Any], l
     n = len(body.jaxpr.outvars)
     kept = [k for k in range(n) if k not in pair.residuals]
     stacks = [body.jaxpr.invars[consts + k] for k in pair.carries]
-    jaxpr = body.jaxpr.replace(outvars=[body.jaxpr.outvars[k] for k in kept] + stacks)
-    new = ClosedJaxpr(jaxpr, list(body.consts))
+    new = with_results(body, [body.jaxpr.outvars[k] for k in kept] + stacks)
     layout = scan_layout(fwd.params, consts, carry, len(invals), len(kept) + len(stacks))
     outs = bind_eqn_with(fwd, invals, jaxpr=new, **layout)
     results: list[Any] = [None] * n
@@ -171,8 +167,7 @@ def _backward(
     constants, that iteration's stacked carries and the forward's scanned inputs there."""
     f_consts, f_carry = scan_counts(fwd.params)
     b_consts, b_carry = scan_counts(bwd.params)
-    res_body = with_outputs(fwd.params["jaxpr"], pair.residuals)
-    old = bwd.params["jaxpr"]
+    res_body, old = pair.computes, bwd.params["jaxpr"]
     cf = fwd_invals[:f_consts]
     xf = fwd_invals[f_consts + f_carry :]
     own = [p for p in range(b_consts + b_carry, len(invals)) if p not in pair.slots]
@@ -206,10 +201,8 @@ def _backward(
 
 def _record(graph: Graph, pair: Pair) -> PassRecord:
     """What the pair's rewrite saves, and the forward work it repeats."""
-    fwd = graph.eqns[pair.forward]
-    held = sum(graph.info(fwd.outvars[k]).bytes for k in pair.residuals)
-    body = with_outputs(fwd.params["jaxpr"], pair.residuals)
-    flops = jaxpr_flops(body.jaxpr.eqns) * fwd.params["length"]
+    fwd, held = graph.eqns[pair.forward], _held(graph, pair)
+    flops = jaxpr_flops(pair.computes.jaxpr.eqns) * fwd.params["length"]
     return PassRecord(
         "remat",
         f"scan: {len(pair.residuals)} stacked residual(s) ({format_bytes(held)}) recomputed "
@@ -223,11 +216,7 @@ def _record(graph: Graph, pair: Pair) -> PassRecord:
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Recompute the residuals of every forward/backward scan pair where they are worth it."""
     graph = Graph(closed)
-    chosen = [
-        p
-        for p in _pairs(graph)
-        if _worth_it(graph, p, ctx.temp_budget) and not _decides(graph.eqns[p.forward], p)
-    ]
+    chosen = [p for p in _pairs(graph) if _worth_it(graph, p, ctx.temp_budget) and not _decides(p)]
     forwards = {p.forward: p for p in chosen}
     backwards = {p.backward: p for p in chosen}
     if not chosen or len(forwards) != len(chosen) or len(backwards) != len(chosen):
