@@ -61,7 +61,7 @@ def keeps_sums(eqn: JaxprEqn, roles: Sequence[Role]) -> bool:
         return _all_of(roles, _ALL_OF[name])
     scaling = facts(name).scaling
     if scaling is Scaling.SAME:
-        return _all_of(roles, slice(1, None) if name == "select_n" else slice(None))
+        return _all_of(roles, slice(None))  # sums and differences (select_n is above)
     if scaling is Scaling.COMMUTES and not _inexact(eqn):
         return False  # a share converted to an integer no longer adds up
     return len(roles) == 1 and (scaling is not None or name in _UNARY)
