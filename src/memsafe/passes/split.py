@@ -20,7 +20,7 @@ from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
 from memsafe.split import online, recompute
-from memsafe.split.emit import Split, StagedSplit, emit
+from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, speed_cap, two_chunks
 
@@ -250,6 +250,8 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
             sinks.append("output")
         if split.label is not None:
             sinks.append(split.label)
+        if tiled_selection(graph, split, chunk.chunk):
+            sinks.append("top_k in tiles")
         ctx.record(
             SplitRecord(
                 value=" + ".join(_describe(graph, v) for v in [var, *merged]),

@@ -16,7 +16,7 @@ from memsafe._jax import ClosedJaxpr, Literal, Var, make_closed_jaxpr
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, evaluate
 from memsafe.split import loop as chunk_loop
-from memsafe.split import peephole
+from memsafe.split import peephole, selection
 from memsafe.split.loop import ChunkEnv, Fold, Written
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, running_along
@@ -75,6 +75,14 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
     return loops
 
 
+def tiled_selection(graph: Graph, split: Split, chunk: int) -> bool:
+    """Whether one of ``split``'s loops runs its ``top_k`` in tiles (memsafe.split.selection)."""
+    return split.devices == 1 and any(
+        selection.plan(graph, split.region, lp, chunk) is not None
+        for lp in plan_loops(graph, split.region)
+    )
+
+
 def _loop_group(
     graph: Graph,
     region: Region,
@@ -83,7 +91,11 @@ def _loop_group(
     dead: frozenset[int],
     runner: chunk_loop.Runner,
 ):
-    """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``."""
+    """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``
+    (a lone ``top_k`` along the axis on one device: in tiles, memsafe.split.selection)."""
+    fused = selection.plan(graph, region, loop, chunk) if runner is chunk_loop.run else None
+    if fused is not None:
+        return fused.group(loop, chunk, dead, runner)
     eqns = graph.eqns
     peep = peephole.plan(graph, region, loop.eqns, chunk)
     running = tuple(

@@ -1,0 +1,295 @@
+"""A ``top_k`` along the split axis whose operand is computed tile by tile and never stored.
+
+A chunk loop whose only work is a ``top_k`` along the axis (kNN: the distances of every query to
+a chunk of points, then the k nearest) stores each chunk's operand. XLA's CPU backend runs a
+product of that size at a third of its GEMM rate: 10,000 x 8,192 x 64 at 56 GFLOP/s where a
+2048^3 product runs at 158 (jax 0.10.2, 2 cores, YNNPACK off). Computed in tiles of a few hundred
+positions, each reduced at once, the same product runs at 140 GFLOP/s in a tile-sized buffer. So
+such a loop runs in two passes:
+
+1. Over the chunks, and inside each chunk over tiles: the operand of one tile, reduced to the
+   maxima of blocks of ``block`` positions in ``top_k``'s total order
+   (:func:`memsafe.split.topk.block_maxima`). Each chunk keeps the k best blocks of every row,
+   merged with the loop's running k best (earlier blocks first on ties).
+2. After the loop: each row's k blocks, recomputed for that row alone from its own slice of the
+   operands and the blocks' positions of the others, and ``top_k`` of those ``k * block``
+   candidates and of the last ``size % block`` positions, computed directly.
+
+The argument of :mod:`memsafe.split.topk` makes this exact, ties included: only the k blocks with
+the best maxima can hold a top-k element, and candidates keep their original order. The passes
+compute the operand in different products (a tile's GEMM, a row's product with its gathered
+columns), which XLA may round differently: two values within rounding of each other may be
+ordered by either pass, as between any two compiles of the program.
+
+A loop qualifies where the operand has two axes, the split one last; where its other axis (the
+rows) maps through every equation computing it (:func:`memsafe.split.body.reach`); and where
+nothing computing it depends on positions along the split axis (an ``iota``), since the
+candidates are positions gathered per row.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
+from memsafe.graph import Graph
+from memsafe.graph.interpret import Group
+from memsafe.split import body as body_split
+from memsafe.split import peephole, sinks, topk
+from memsafe.split.loop import ChunkEnv, Fold, Runner, Written
+from memsafe.split.region import Region
+from memsafe.split.registry import Mapping, NoRule, running_along
+from memsafe.split.sinks import Sink
+
+#: Bytes of one tile of the operand (10,000 rows x 768 positions: 1.26 s for the first pass of a
+#: 10,000 x 131,072 x 64 kNN, against 1.53 s at 512 and 2.46 s at 208, on this CPU).
+TILE_BYTES = 32 << 20
+#: Most rows whose candidates are recomputed at once (64: 0.18 s for 10,000 rows of 320
+#: candidates of 64 floats, against 0.31 s at 256 and 0.37 s at 1,024).
+ROW_BATCH = 64
+#: Fraction of a chunk's operand bytes (what the plan budgets for) the row-wise candidates may use.
+CANDIDATE_SHARE = 4
+
+
+def block_length(size: int, k: int) -> int | None:
+    """Positions per block: a power of two balancing the ``size / block`` maxima each row keeps
+    against the ``k * block`` candidates it recomputes, each of which gathers its operands (None
+    where the axis is too short to pay)."""
+    g = 2 ** round(math.log2(min(max(math.sqrt(size / k) / 4, 8), 256)))
+    return g if size // g >= topk.MIN_BLOCKS_PER_K * k else None
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """The loop's equations up to the ``top_k``'s operand, evaluated on any range of positions."""
+
+    graph: Graph
+    region: Region
+    eqns: tuple[int, ...]
+    sink: int
+    sliced: tuple[Var, ...]
+    whole: tuple[Var, ...]
+
+    def at(self, start: Any, n: int, sliced: list[Any], whole: list[Any]) -> Any:
+        """The operand over positions ``[start, start + n)`` of the full ``sliced`` operands."""
+        env = ChunkEnv.slice_in(
+            self.graph, self.region, self._peep(n), start, n,
+            list(zip(self.sliced, sliced)), dict(zip(self.whole, whole)),
+        )  # fmt: skip
+        return self._run(env)
+
+    def on(self, start: Any, local: list[Any], whole: list[Any]) -> Any:
+        """The operand over positions held in ``local`` (the sliced operands, already cut)."""
+        n = local[0].shape[self.region.axis_of[self.sliced[0]]]
+        env = ChunkEnv(
+            self.graph, self.region, self._peep(n), start, n,
+            dict(zip(self.sliced, local)), dict(zip(self.whole, whole)),
+        )  # fmt: skip
+        return self._run(env)
+
+    def _peep(self, n: int) -> peephole.Peepholes:
+        return peephole.plan(self.graph, self.region, self.eqns, n)
+
+    def _run(self, env: ChunkEnv) -> Any:
+        for i in self.eqns:
+            if i != self.sink and i not in env.peep.skip:
+                env.bind(i)
+        return env.invals(self.sink)[0]
+
+
+@dataclass(frozen=True)
+class FusedTopK:
+    """A loop's ``top_k`` run in the two passes of the module doc."""
+
+    operand: _Operand
+    k: int
+    block: int
+    tile: int
+    rows_per_batch: int
+    row_axes: tuple[int | None, ...]  # the row axis of each sliced, then whole, operand
+    row_body: ClosedJaxpr  # the operand of one row: (row, start, *sliced cut, *whole cut)
+
+    def group(self, loop: Any, chunk: int, dead: frozenset[int], runner: Runner) -> Group:
+        """The loop as a group of the graph interpreter."""
+        eqn = self.operand.graph.eqns[self.operand.sink]
+        carry = Fold(((eqn, Sink(sinks.TOP_K, (1,))),))
+        size = self.operand.region.size
+        blocked = size - size % self.block
+        step = min(max(chunk - chunk % self.block, self.k * self.block), blocked)
+        n_sliced = len(self.operand.sliced)
+        axes = (
+            *(self.operand.region.axis_of[v] for v in self.operand.sliced),
+            *(None for _ in self.operand.whole),
+        )
+
+        def chunk_body(start: Any, n: int, ops: list[Any], fed: Any) -> tuple[Any, list[Any]]:
+            del fed
+            maxima = self._maxima(start, n, ops[:n_sliced], ops[n_sliced:])
+            vals, ids = topk.top_k(maxima, min(self.k, n // self.block))
+            first = lax.div(start, jnp.int32(self.block)).astype(ids.dtype)
+            return ([(vals, ids + first)], []), []
+
+        def run_loop(operands: list[Any]) -> list[Any]:
+            (_, ids), _ = runner(chunk_body, blocked, step, operands, carry, Written((), ()), axes)
+            return self._finish(ids, operands[:n_sliced], operands[n_sliced:], eqn)
+
+        return Group(
+            eqns=frozenset(loop.eqns) | dead,
+            needs=(*loop.sliced, *loop.whole),
+            gives=loop.outputs,
+            position=min(loop.eqns),
+            run=run_loop,
+        )
+
+    def _maxima(self, start: Any, n: int, sliced: list[Any], whole: list[Any]) -> Any:
+        """Block maxima of positions ``[start, start + n)``, tile by tile: (rows, n // block)."""
+        n_tiles, rest = divmod(n, self.tile)
+
+        def tile(at: Any, width: int) -> Any:
+            op = self.operand.at(at, width, sliced, whole)
+            return topk.block_maxima(op.reshape(op.shape[0], width // self.block, self.block))
+
+        parts = []
+        if n_tiles:
+            stacked = lax.map(lambda t: tile(start + t * self.tile, self.tile), jnp.arange(n_tiles))
+            parts.append(jnp.moveaxis(stacked, 0, 1).reshape(stacked.shape[1], -1))
+        if rest:
+            parts.append(tile(start + n_tiles * self.tile, rest))
+        return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
+
+    def _finish(self, ids: Any, sliced: list[Any], whole: list[Any], eqn: Any) -> list[Any]:
+        """``top_k`` of the chosen blocks' candidates, recomputed row by row, and of the tail."""
+        rows, g = ids.shape[0], self.block
+        ids = lax.sort(ids, dimension=1)  # candidates in their original order
+        pos = (ids[:, :, None] * g + jnp.arange(g, dtype=ids.dtype)).reshape(rows, -1)
+
+        def row(args: tuple[Any, Any]) -> Any:
+            r, chosen = args
+            cut = [_row_of(v, a, r) for v, a in zip(sliced + whole, self.row_axes)]
+            gathered = [
+                _blocks(v, chosen, g, self.operand.region.axis_of[s])
+                for v, s in zip(cut[: len(sliced)], self.operand.sliced)
+            ]
+            (out,) = eval_jaxpr(
+                self.row_body.jaxpr, self.row_body.consts, r, jnp.int32(0),
+                *gathered, *cut[len(sliced):],
+            )  # fmt: skip
+            return out[0]
+
+        cands = lax.map(
+            row, (jnp.arange(rows, dtype=jnp.int32), ids), batch_size=self.rows_per_batch
+        )
+        size = self.operand.region.size
+        blocked = size - size % g
+        if blocked < size:
+            tail = self.operand.at(jnp.int32(blocked), size - blocked, sliced, whole)
+            tail_pos = jnp.broadcast_to(jnp.arange(blocked, size, dtype=pos.dtype), tail.shape)
+            cands = jnp.concatenate([cands, tail], axis=1)
+            pos = jnp.concatenate([pos, tail_pos], axis=1)
+        vals, at = lax.top_k(cands, self.k)
+        idx = jnp.take_along_axis(pos, at, axis=1)
+        return [vals, idx.astype(eqn.outvars[1].aval.dtype)]
+
+
+def _blocks(value: Any, chosen: Any, g: int, axis: int) -> Any:
+    """Blocks ``chosen`` (ascending) of ``g`` positions of ``value`` along ``axis``, in order, as
+    one axis of ``len(chosen) * g`` positions (a gather of contiguous windows)."""
+    windows = jax.vmap(lambda b: lax.dynamic_slice_in_dim(value, b * g, g, axis))(chosen)
+    windows = jnp.moveaxis(windows, 0, axis)
+    shape = (*value.shape[:axis], len(chosen) * g, *value.shape[axis + 1 :])
+    return windows.reshape(shape)
+
+
+def _row_of(value: Any, axis: int | None, r: Any) -> Any:
+    """Row ``r`` of ``value`` along ``axis``, kept as an axis of length 1 (None: all of it)."""
+    return value if axis is None else lax.dynamic_slice_in_dim(value, r, 1, axis)
+
+
+def plan(graph: Graph, region: Region, loop: Any, chunk: int) -> FusedTopK | None:
+    """The fused form of ``loop`` (a stage of ``region`` run in chunks of ``chunk``), or None
+    where it does not qualify (see the module doc) or cannot pay."""
+    sink = _lone_top_k(graph, region, loop)
+    if sink is None:
+        return None
+    eqn = graph.eqns[sink]
+    operand_var = eqn.invars[0]
+    rows, size = operand_var.aval.shape
+    k = int(eqn.params["k"])
+    g = block_length(size, k)
+    if g is None or chunk < k * g or operand_var.aval.dtype == jnp.bool_:
+        return None
+    operand = _Operand(graph, region, loop.eqns, sink, loop.sliced, loop.whole)
+    cone = _cone(operand, k * g)
+    if cone is None:
+        return None
+    try:
+        reached = body_split.reach(cone.jaxpr, {}, {0: 0})
+    except NoRule:
+        return None
+    ins = cone.jaxpr.invars[1:]
+    row_axes = tuple(reached.axes.get(v) for v in ins)
+    row_body = body_split.chunk_body(cone, reached, 1, [v.aval for v in cone.jaxpr.invars])
+    itemsize = operand_var.aval.dtype.itemsize
+    tile = max(g, TILE_BYTES // max(rows * itemsize, 1) // g * g)
+    budget = rows * chunk * itemsize // CANDIDATE_SHARE
+    per_row = k * g * (_column_bytes(region, loop.sliced, row_axes, rows) + 4 * itemsize)
+    batch = int(min(rows, ROW_BATCH, max(1, budget // max(per_row, 1))))
+    return FusedTopK(operand, k, g, min(tile, chunk - chunk % g), batch, row_axes, row_body)
+
+
+def _lone_top_k(graph: Graph, region: Region, loop: Any) -> int | None:
+    """The loop's one sink where it is a ``top_k`` along the last axis of a matrix and the loop
+    does nothing else (no values written along the axis, no scans along it)."""
+    if len(loop.sinks) != 1 or loop.surviving or loop.threads or not loop.sliced:
+        return None
+    (sink,) = loop.sinks
+    m = region.maps[sink]
+    if not (isinstance(m, Sink) and m.reducer is sinks.TOP_K):
+        return None
+    eqn = graph.eqns[sink]
+    if len(eqn.invars[0].aval.shape) != 2 or m.ins[0] != 1:
+        return None
+    if any(
+        isinstance(region.maps[i], Mapping) and running_along(graph.eqns[i], region.maps[i])
+        for i in loop.eqns
+    ):
+        return None
+    return sink
+
+
+def _cone(operand: _Operand, n: int) -> ClosedJaxpr | None:
+    """The operand over ``n`` positions as a jaxpr of (start, *sliced cut, *whole); None where
+    it reads ``start`` (it depends on positions along the axis)."""
+    region = operand.region
+
+    def cut(v: Var) -> jax.ShapeDtypeStruct:
+        shape = list(v.aval.shape)
+        shape[region.axis_of[v]] = n
+        return jax.ShapeDtypeStruct(tuple(shape), v.aval.dtype)
+
+    avals = [cut(v) for v in operand.sliced] + [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in operand.whole
+    ]
+    n_sliced = len(operand.sliced)
+    cone = jax.make_jaxpr(
+        lambda start, *xs: [operand.on(start, list(xs[:n_sliced]), list(xs[n_sliced:]))]
+    )(jax.ShapeDtypeStruct((), jnp.int32), *avals)
+    start = cone.jaxpr.invars[0]
+    if any(start in e.invars for e in cone.jaxpr.eqns) or start in cone.jaxpr.outvars:
+        return None
+    return cone
+
+
+def _column_bytes(region: Region, sliced: tuple[Var, ...], row_axes: tuple, rows: int) -> int:
+    """Bytes one position of the split axis takes in one row's cut of the sliced operands."""
+    total = 0
+    for v, ra in zip(sliced, row_axes):
+        elems = math.prod(v.aval.shape) // max(v.aval.shape[region.axis_of[v]], 1)
+        total += (elems // max(rows, 1) if ra is not None else elems) * v.aval.dtype.itemsize
+    return total
