@@ -119,6 +119,14 @@ def test_positions_along_the_axis_keep_the_chunked_top_k():
     assert_like_jit(out, lambda x, y: by_position(x, y, 5), x, y)
 
 
+def test_float64():
+    with jax.enable_x64():
+        x, y = _inputs("specials", 40, 3001, 3, seed=7, dtype=np.float64)
+        out, _, split = _run(l2, "512KiB", x, y, 5)
+        assert TILED in split.sinks
+        assert_like_jit(out, lambda x, y: l2(x, y, 5), x, y)
+
+
 def test_integer_operand():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.integers(-3, 4, (40, 3)), jnp.int32)

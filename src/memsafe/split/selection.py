@@ -157,7 +157,8 @@ class FusedTopK:
 
         parts = []
         if n_tiles:
-            stacked = lax.map(lambda t: tile(start + t * self.tile, self.tile), jnp.arange(n_tiles))
+            tiles = jnp.arange(n_tiles, dtype=jnp.int32)
+            stacked = lax.map(lambda t: tile(start + t * self.tile, self.tile), tiles)
             parts.append(jnp.moveaxis(stacked, 0, 1).reshape(stacked.shape[1], -1))
         if rest:
             parts.append(tile(start + n_tiles * self.tile, rest))
