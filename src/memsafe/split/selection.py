@@ -172,14 +172,16 @@ class FusedTopK:
 
         def row(args: tuple[Any, Any]) -> Any:
             r, chosen = args
-            cut = [_row_of(v, a, r) for v, a in zip(sliced + whole, self.row_axes)]
+            axes = self.operand.region.axis_of
+            n_sliced = len(sliced)
             gathered = [
-                _blocks(v, chosen, g, self.operand.region.axis_of[s])
-                for v, s in zip(cut[: len(sliced)], self.operand.sliced)
+                _windows(v, chosen, g, axes[s], r, a)
+                for v, s, a in zip(sliced, self.operand.sliced, self.row_axes)
             ]
+            cut = [_row_of(v, a, r) for v, a in zip(whole, self.row_axes[n_sliced:])]
             (out,) = eval_jaxpr(
                 self.row_body.jaxpr, self.row_body.consts, r, jnp.int32(0),
-                *gathered, *cut[len(sliced):],
+                *gathered, *cut,
             )  # fmt: skip
             return out[0]
 
@@ -198,12 +200,21 @@ class FusedTopK:
         return [vals, idx.astype(eqn.outvars[1].aval.dtype)]
 
 
-def _blocks(value: Any, chosen: Any, g: int, axis: int) -> Any:
+def _windows(value: Any, chosen: Any, g: int, axis: int, r: Any, row_axis: int | None) -> Any:
     """Blocks ``chosen`` (ascending) of ``g`` positions of ``value`` along ``axis``, in order, as
-    one axis of ``len(chosen) * g`` positions (a gather of contiguous windows)."""
-    windows = jax.vmap(lambda b: lax.dynamic_slice_in_dim(value, b * g, g, axis))(chosen)
-    windows = jnp.moveaxis(windows, 0, axis)
-    shape = (*value.shape[:axis], len(chosen) * g, *value.shape[axis + 1 :])
+    one axis of ``len(chosen) * g`` positions; only row ``r`` (kept as an axis of length 1)
+    where ``value`` carries the rows along ``row_axis``."""
+
+    def window(b: Any) -> Any:
+        starts, sizes = [jnp.int32(0)] * value.ndim, list(value.shape)
+        starts[axis], sizes[axis] = (b * g).astype(jnp.int32), g
+        if row_axis is not None:
+            starts[row_axis], sizes[row_axis] = r.astype(jnp.int32), 1
+        return lax.dynamic_slice(value, starts, sizes)
+
+    windows = jnp.moveaxis(jax.vmap(window)(chosen), 0, axis)
+    shape = list(windows.shape)
+    shape[axis : axis + 2] = [shape[axis] * shape[axis + 1]]
     return windows.reshape(shape)
 
 
@@ -223,7 +234,7 @@ def plan(graph: Graph, region: Region, loop: Any, chunk: int) -> FusedTopK | Non
     rows, size = operand_var.aval.shape
     k = int(eqn.params["k"])
     g = block_length(size, k)
-    if g is None or chunk < k * g or operand_var.aval.dtype == jnp.bool_:
+    if g is None or rows < 1 or chunk < k * g or operand_var.aval.dtype == jnp.bool_:
         return None
     operand = _Operand(graph, region, loop.eqns, sink, loop.sliced, loop.whole)
     cone = _cone(operand, k * g)
