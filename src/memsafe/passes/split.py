@@ -250,8 +250,9 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
             sinks.append("output")
         if split.label is not None:
             sinks.append(split.label)
-        if tiled_selection(graph, split, chunk.chunk):
-            sinks.append("top_k in tiles")
+        tiled = tiled_selection(graph, split, chunk.chunk)
+        if tiled is not None:
+            sinks.append(tiled)
         ctx.record(
             SplitRecord(
                 value=" + ".join(_describe(graph, v) for v in [var, *merged]),

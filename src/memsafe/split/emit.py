@@ -75,12 +75,16 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
     return loops
 
 
-def tiled_selection(graph: Graph, split: Split, chunk: int) -> bool:
-    """Whether one of ``split``'s loops runs its ``top_k`` in tiles (memsafe.split.selection)."""
-    return split.devices == 1 and any(
-        selection.plan(graph, split.region, lp, chunk) is not None
-        for lp in plan_loops(graph, split.region)
-    )
+def tiled_selection(graph: Graph, split: Split, chunk: int) -> str | None:
+    """How one of ``split``'s loops runs its ``top_k`` in tiles (memsafe.split.selection), for
+    the plan; None where none does."""
+    if split.devices != 1:
+        return None
+    for lp in plan_loops(graph, split.region):
+        fused = selection.plan(graph, split.region, lp, chunk)
+        if fused is not None:
+            return fused.describe()
+    return None
 
 
 def _loop_group(

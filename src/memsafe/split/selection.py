@@ -10,7 +10,8 @@ such a loop runs in two passes:
 1. Over the chunks, and inside each chunk over tiles: the operand of one tile, reduced to the
    maxima of blocks of ``block`` positions in ``top_k``'s total order
    (:func:`memsafe.split.topk.block_maxima`). Each chunk keeps the k best blocks of every row,
-   merged with the loop's running k best (earlier blocks first on ties).
+   merged with the loop's running k best (earlier blocks first on ties). A chunk stores only its
+   block maxima, so it runs ``block / 4`` times the positions the plan chose for a stored chunk.
 2. After the loop: each row's k blocks, recomputed for that row alone from its own slice of the
    operands and the blocks' positions of the others, and ``top_k`` of those ``k * block``
    candidates and of the last ``size % block`` positions, computed directly.
@@ -47,22 +48,29 @@ from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, NoRule, running_along
 from memsafe.split.sinks import Sink
 
-#: Bytes of one tile of the operand (10,000 rows x 768 positions: 1.26 s for the first pass of a
-#: 10,000 x 131,072 x 64 kNN, against 1.53 s at 512 and 2.46 s at 208, on this CPU).
-TILE_BYTES = 32 << 20
+#: Bytes of one tile of the operand. First pass of a 10,000 x 131,072 x 64 L2 kNN on this CPU
+#: (2 cores, YNNPACK off), by tile width: 256 positions (10 MiB) 1.20 s, 512 1.25 s, 1,024 1.34 s.
+TILE_BYTES = 10 << 20
+#: Positions per block: 32 reduces at 135-139 GFLOP/s in the same pass, where 64 fell to 82-88
+#: and 16 to 115.
+BLOCK = 32
 #: Most rows whose candidates are recomputed at once (64: 0.18 s for 10,000 rows of 320
 #: candidates of 64 floats, against 0.31 s at 256 and 0.37 s at 1,024).
 ROW_BATCH = 64
-#: Fraction of a chunk's operand bytes (what the plan budgets for) the row-wise candidates may use.
-CANDIDATE_SHARE = 4
+#: Fraction of a chunk's operand bytes (what the plan budgets for) that the candidates, and the
+#: block maxima of one chunk of the loop, may use.
+SHARE = 4
 
 
 def block_length(size: int, k: int) -> int | None:
-    """Positions per block: a power of two balancing the ``size / block`` maxima each row keeps
-    against the ``k * block`` candidates it recomputes, each of which gathers its operands (None
-    where the axis is too short to pay)."""
-    g = 2 ** round(math.log2(min(max(math.sqrt(size / k) / 4, 8), 256)))
-    return g if size // g >= topk.MIN_BLOCKS_PER_K * k else None
+    """Positions per block: :data:`BLOCK`, or a shorter power of two (at least 8) where the axis
+    holds too few blocks for ``k`` (None where even blocks of 8 are too few to pay)."""
+    g = BLOCK
+    while g >= 8:
+        if size // g >= topk.MIN_BLOCKS_PER_K * k:
+            return g
+        g //= 2
+    return None
 
 
 @dataclass(frozen=True)
@@ -111,9 +119,19 @@ class FusedTopK:
     k: int
     block: int
     tile: int
+    step: int  # positions per chunk of the loop: block maxima take 1/block of a chunk's operand
     rows_per_batch: int
     row_axes: tuple[int | None, ...]  # the row axis of each sliced, then whole, operand
     row_body: ClosedJaxpr  # the operand of one row: (row, start, *sliced cut, *whole cut)
+
+    def describe(self) -> str:
+        """What the plan says of the loop."""
+        size = self.operand.region.size
+        loops = -(-(size - size % self.block) // self.step)
+        return (
+            f"top_k in tiles ({loops} chunks of {self.step} in tiles of {self.tile}, "
+            f"block maxima of {self.block}, then each row's best blocks)"
+        )
 
     def group(self, loop: Any, chunk: int, dead: frozenset[int], runner: Runner) -> Group:
         """The loop as a group of the graph interpreter."""
@@ -121,7 +139,6 @@ class FusedTopK:
         carry = Fold(((eqn, Sink(sinks.TOP_K, (1,))),))
         size = self.operand.region.size
         blocked = size - size % self.block
-        step = min(max(chunk - chunk % self.block, self.k * self.block), blocked)
         n_sliced = len(self.operand.sliced)
         axes = (
             *(self.operand.region.axis_of[v] for v in self.operand.sliced),
@@ -136,7 +153,9 @@ class FusedTopK:
             return ([(vals, ids + first)], []), []
 
         def run_loop(operands: list[Any]) -> list[Any]:
-            (_, ids), _ = runner(chunk_body, blocked, step, operands, carry, Written((), ()), axes)
+            (_, ids), _ = runner(
+                chunk_body, blocked, self.step, operands, carry, Written((), ()), axes
+            )
             return self._finish(ids, operands[:n_sliced], operands[n_sliced:], eqn)
 
         return Group(
@@ -234,7 +253,7 @@ def plan(graph: Graph, region: Region, loop: Any, chunk: int) -> FusedTopK | Non
     rows, size = operand_var.aval.shape
     k = int(eqn.params["k"])
     g = block_length(size, k)
-    if g is None or rows < 1 or chunk < k * g or operand_var.aval.dtype == jnp.bool_:
+    if g is None or rows < 1 or chunk < g or operand_var.aval.dtype == jnp.bool_:
         return None
     operand = _Operand(graph, region, loop.eqns, sink, loop.sliced, loop.whole)
     cone = _cone(operand, k * g)
@@ -248,11 +267,12 @@ def plan(graph: Graph, region: Region, loop: Any, chunk: int) -> FusedTopK | Non
     row_axes = tuple(reached.axes.get(v) for v in ins)
     row_body = body_split.chunk_body(cone, reached, 1, [v.aval for v in cone.jaxpr.invars])
     itemsize = operand_var.aval.dtype.itemsize
-    tile = max(g, TILE_BYTES // max(rows * itemsize, 1) // g * g)
-    budget = rows * chunk * itemsize // CANDIDATE_SHARE
+    budget = rows * chunk * itemsize // SHARE
+    tile = min(max(g, TILE_BYTES // (rows * itemsize) // g * g), chunk - chunk % g)
+    step = min(max(budget // (rows * itemsize) * g // tile * tile, k * g), size - size % g)
     per_row = k * g * (_column_bytes(region, loop.sliced, row_axes, rows) + 4 * itemsize)
     batch = int(min(rows, ROW_BATCH, max(1, budget // max(per_row, 1))))
-    return FusedTopK(operand, k, g, min(tile, chunk - chunk % g), batch, row_axes, row_body)
+    return FusedTopK(operand, k, g, tile, step, batch, row_axes, row_body)
 
 
 def _lone_top_k(graph: Graph, region: Region, loop: Any) -> int | None:
