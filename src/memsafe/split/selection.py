@@ -51,9 +51,9 @@ from memsafe.split.sinks import Sink
 #: Bytes of one tile of the operand. First pass of a 10,000 x 131,072 x 64 L2 kNN on this CPU
 #: (2 cores, YNNPACK off), by tile width: 256 positions (10 MiB) 1.20 s, 512 1.25 s, 1,024 1.34 s.
 TILE_BYTES = 10 << 20
-#: Positions per block: 32 reduces at 135-139 GFLOP/s in the same pass, where 64 fell to 82-88
-#: and 16 to 115.
-BLOCK = 32
+#: Positions per block (memsafe.split.topk's longest): in the same pass blocks of 32 reduce at
+#: 135-139 GFLOP/s, 64 at 82-88 and 16 at 115.
+BLOCK = topk.MAX_BLOCK
 #: Most rows whose candidates are recomputed at once (64: 0.18 s for 10,000 rows of 320
 #: candidates of 64 floats, against 0.31 s at 256 and 0.37 s at 1,024).
 ROW_BATCH = 64
