@@ -95,6 +95,15 @@ def _ratio_target(name: str, case: dict | None, num: str, den: str, goal: str) -
     return {"name": name, "value": value, "goal": goal, "met": met, "text": text}
 
 
+def _gemm_target(name: str, case: dict | None, method: str, most: float) -> dict:
+    """``method``'s time as a multiple of the GEMM bound measured in the same run."""
+    res = (case or {}).get("results", {}).get(method, {})
+    x = res.get("x_gemm_bound")
+    label = case["case"]["label"] if case else "?"
+    text = f"{label}: {method} at " + ("n/a" if x is None else f"{x:.2f}") + " x the GEMM bound"
+    return _fact_target(name, x, None if x is None else x <= most, f"{text} (goal <= {most:g})")
+
+
 def _fact_target(name: str, value: Any, met: bool | None, text: str) -> dict:
     status = {True: "met", False: "NOT met", None: "not measured"}[met]
     return {"name": name, "value": value, "goal": None, "met": met, "text": f"{text}: {status}"}
@@ -124,7 +133,8 @@ def targets(workload: str, record: dict) -> list[dict]:
     if workload == "knn":
         l2 = _find(record, lambda c: c["metric"] == "l2" and "rule" not in c["label"])
         out += [
-            _ratio_target("knn_vs_faiss", l2, "faiss", "memsafe", ">= 1.5"),
+            _ratio_target("knn_vs_faiss", l2, "faiss", "memsafe", ">= 2"),
+            _gemm_target("knn_vs_gemm_bound", l2, "memsafe", 2.0),
             _ratio_target("knn_vs_chunked", l2, "memsafe", "best_chunked", "<= 1.0"),
             _ratio_target(
                 "knn_broadcast_vs_expanded", l2, "memsafe_broadcast", "memsafe", "<= 1.1"
@@ -144,8 +154,9 @@ def targets(workload: str, record: dict) -> list[dict]:
             )
         )
         out.append(r)
-        for metric in ("l1", "cosine"):
+        for metric, peer in (("l1", "keops"), ("cosine", "best_chunked")):
             case = _find(record, lambda c, m=metric: c["metric"] == m)
+            out.append(_ratio_target(f"knn_{metric}_vs_{peer}", case, "memsafe", peer, "<= 1.0"))
             out.append(_under_limit(f"knn_{metric}_under_limit", case))
     elif workload == "kernel_matvec":
         big = _find(record, lambda c: True)
