@@ -28,6 +28,9 @@ SETTINGS = (
     "LIBRARY_FUSION_TYPE_REDUCE",
     "LIBRARY_FUSION_TYPE_DOT,LIBRARY_FUSION_TYPE_REDUCE",
 )
+#: Growth of the process beyond what memory_analysis() reports that still counts as accounted for
+#: (allocator and thread-pool noise); the hidden buffers at stake are whole products, 313 MiB.
+SLACK = 48 * 2**20
 FORMS = ("product", "row max", "block max of 128", "tiles of 256, block max of 32")
 
 
@@ -61,6 +64,8 @@ def measure(setting: str, form: str) -> dict:
     x = jax.device_put(rng.standard_normal((N, D), dtype=np.float32))
     y = jax.device_put(rng.standard_normal((M, D), dtype=np.float32))
     options = {"xla_cpu_experimental_ynn_fusion_type": setting}
+    small = jax.jit(_forms()["row max"], compiler_options=options)
+    jax.block_until_ready(small(x[:256], y[:256]))  # the runtime's own start-up, not counted
     compiled = jax.jit(_forms()[form], compiler_options=options).lower(x, y).compile()
     analysis = compiled.memory_analysis()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -84,7 +89,7 @@ def measure(setting: str, form: str) -> dict:
 def _row(r: dict) -> str:
     mib = 2**20
     hidden = r["rss_growth"] - r["temps"] - r["outputs"]
-    flag = "hidden" if hidden > 16 * mib else "counted"
+    flag = "hidden" if hidden > SLACK else "counted"
     return (
         f"| {r['setting']} | {r['form']} | {r['gflops']:.0f} | {r['temps'] / mib:.1f} | "
         f"{r['rss_growth'] / mib:.1f} | {flag} |"
@@ -111,7 +116,7 @@ def main() -> None:
         "",
         f"{N:,} x {M:,} x {D}, float32, one process per row, load average "
         f"{record['loadavg'][0]:.1f}. `hidden`: the process grew by more than the temporaries "
-        "and outputs `memory_analysis()` reports (16 MiB slack).",
+        "and outputs `memory_analysis()` reports, with 48 MiB of slack for the allocator.",
         "",
         "| fusion types | form | GFLOP/s | temps MiB | RSS growth MiB | memory |",
         "|---|---|---|---|---|---|",
