@@ -7,6 +7,8 @@ in a dependency order that keeps the original program order wherever it can.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -35,6 +37,17 @@ class Loop:
     threads: tuple[int, ...]  # scans along the axis whose final carries are used
     surviving: tuple[Var, ...]
     outputs: tuple[Var, ...]  # sink results, final carries, surviving values, in that order
+
+    def group(self, dead: frozenset[int], run: Callable[[list[Any]], list[Any]]) -> Group:
+        """The loop as a group of the graph interpreter: ``run`` maps its operands (sliced, then
+        whole) to its outputs; it also covers the region's ``dead`` equations."""
+        return Group(
+            eqns=frozenset(self.eqns) | dead,
+            needs=(*self.sliced, *self.whole),
+            gives=self.outputs,
+            position=min(self.eqns),
+            run=run,
+        )
 
 
 def plan_loops(graph: Graph, region: Region) -> list[Loop]:
@@ -99,7 +112,7 @@ def _loop_group(
     (a lone ``top_k`` along the axis on one device: in tiles, memsafe.split.selection)."""
     fused = selection.plan(graph, region, loop, chunk) if runner is chunk_loop.run else None
     if fused is not None:
-        return fused.group(loop, chunk, dead, runner)
+        return loop.group(dead, functools.partial(fused.run, runner=runner))
     eqns = graph.eqns
     peep = peephole.plan(graph, region, loop.eqns, chunk)
     running = tuple(
@@ -136,13 +149,7 @@ def _loop_group(
         results, bufs = runner(body, region.size, chunk, operands, carry, written, axes)
         return results + bufs
 
-    return Group(
-        eqns=frozenset(loop.eqns) | dead,
-        needs=(*loop.sliced, *loop.whole),
-        gives=loop.outputs,
-        position=min(loop.eqns),
-        run=run_loop,
-    )
+    return loop.group(dead, run_loop)
 
 
 class OneDevice:

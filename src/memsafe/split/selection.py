@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -40,13 +40,15 @@ from jax import lax
 
 from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
 from memsafe.graph import Graph
-from memsafe.graph.interpret import Group
 from memsafe.split import body as body_split
 from memsafe.split import peephole, sinks, topk
 from memsafe.split.loop import ChunkEnv, Fold, Runner, Written
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, NoRule, running_along
 from memsafe.split.sinks import Sink
+
+if TYPE_CHECKING:
+    from memsafe.split.emit import Loop
 
 #: Bytes of one tile of the operand. First pass of a 10,000 x 131,072 x 64 L2 kNN on this CPU
 #: (2 cores, YNNPACK off), by tile width: 256 positions (10 MiB) 1.20 s, 512 1.25 s, 1,024 1.34 s.
@@ -133,12 +135,12 @@ class FusedTopK:
             f"block maxima of {self.block}, then each row's best blocks)"
         )
 
-    def group(self, loop: Any, chunk: int, dead: frozenset[int], runner: Runner) -> Group:
-        """The loop as a group of the graph interpreter."""
+    def run(self, operands: list[Any], runner: Runner) -> list[Any]:
+        """The ``top_k``'s values and indices from the loop's operands (sliced, then whole), its
+        chunks run by ``runner``."""
         eqn = self.operand.graph.eqns[self.operand.sink]
         carry = Fold(((eqn, Sink(sinks.TOP_K, (1,))),))
         size = self.operand.region.size
-        blocked = size - size % self.block
         n_sliced = len(self.operand.sliced)
         axes = (
             *(self.operand.region.axis_of[v] for v in self.operand.sliced),
@@ -152,19 +154,9 @@ class FusedTopK:
             first = lax.div(start, jnp.int32(self.block)).astype(ids.dtype)
             return ([(vals, ids + first)], []), []
 
-        def run_loop(operands: list[Any]) -> list[Any]:
-            (_, ids), _ = runner(
-                chunk_body, blocked, self.step, operands, carry, Written((), ()), axes
-            )
-            return self._finish(ids, operands[:n_sliced], operands[n_sliced:], eqn)
-
-        return Group(
-            eqns=frozenset(loop.eqns) | dead,
-            needs=(*loop.sliced, *loop.whole),
-            gives=loop.outputs,
-            position=min(loop.eqns),
-            run=run_loop,
-        )
+        blocked = size - size % self.block
+        (_, ids), _ = runner(chunk_body, blocked, self.step, operands, carry, Written((), ()), axes)
+        return self._finish(ids, operands[:n_sliced], operands[n_sliced:], eqn)
 
     def _maxima(self, start: Any, n: int, sliced: list[Any], whole: list[Any]) -> Any:
         """Block maxima of positions ``[start, start + n)``, tile by tile: (rows, n // block)."""
@@ -242,7 +234,7 @@ def _row_of(value: Any, axis: int | None, r: Any) -> Any:
     return value if axis is None else lax.dynamic_slice_in_dim(value, r, 1, axis)
 
 
-def plan(graph: Graph, region: Region, loop: Any, chunk: int) -> FusedTopK | None:
+def plan(graph: Graph, region: Region, loop: Loop, chunk: int) -> FusedTopK | None:
     """The fused form of ``loop`` (a stage of ``region`` run in chunks of ``chunk``), or None
     where it does not qualify (see the module doc) or cannot pay."""
     sink = _lone_top_k(graph, region, loop)
@@ -275,7 +267,7 @@ def plan(graph: Graph, region: Region, loop: Any, chunk: int) -> FusedTopK | Non
     return FusedTopK(operand, k, g, tile, step, batch, row_axes, row_body)
 
 
-def _lone_top_k(graph: Graph, region: Region, loop: Any) -> int | None:
+def _lone_top_k(graph: Graph, region: Region, loop: Loop) -> int | None:
     """The loop's one sink where it is a ``top_k`` along the last axis of a matrix and the loop
     does nothing else (no values written along the axis, no scans along it)."""
     if len(loop.sinks) != 1 or loop.surviving or loop.threads or not loop.sliced:
