@@ -252,15 +252,15 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
             sinks.append(split.label)
         tiled = tiled_selection(graph, split, chunk.chunk)
         if tiled is not None:
-            sinks.append(tiled)
+            sinks.append(tiled.describe())
         ctx.record(
             SplitRecord(
                 value=" + ".join(_describe(graph, v) for v in [var, *merged]),
                 bytes=sum(graph.info(v).bytes for v in [var, *merged]),
                 axis=region.seed_axis,
                 size=region.size,
-                chunk=chunk.chunk,
-                loops=chunk.iterations,
+                chunk=chunk.chunk if tiled is None else tiled.step,
+                loops=chunk.iterations if tiled is None else tiled.loops,
                 devices=chunk.devices,
                 share=chunk.share,
                 mesh_axes=split.mesh_axes,

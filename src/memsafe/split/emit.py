@@ -88,15 +88,14 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
     return loops
 
 
-def tiled_selection(graph: Graph, split: Split, chunk: int) -> str | None:
-    """How one of ``split``'s loops runs its ``top_k`` in tiles (memsafe.split.selection), for
-    the plan; None where none does."""
+def tiled_selection(graph: Graph, split: Split, chunk: int) -> selection.FusedTopK | None:
+    """The loop of ``split`` that runs its ``top_k`` in tiles (memsafe.split.selection), if any."""
     if split.devices != 1:
         return None
     for lp in plan_loops(graph, split.region):
         fused = selection.plan(graph, split.region, lp, chunk)
         if fused is not None:
-            return fused.describe()
+            return fused
     return None
 
 

@@ -126,13 +126,17 @@ class FusedTopK:
     row_axes: tuple[int | None, ...]  # the row axis of each sliced, then whole, operand
     row_body: ClosedJaxpr  # the operand of one row: (row, start, *sliced cut, *whole cut)
 
-    def describe(self) -> str:
-        """What the plan says of the loop."""
+    @property
+    def loops(self) -> int:
+        """Chunks the loop runs (the positions after the last whole block come after it)."""
         size = self.operand.region.size
-        loops = -(-(size - size % self.block) // self.step)
+        return -(-(size - size % self.block) // self.step)
+
+    def describe(self) -> str:
+        """What the plan says of the loop, beside its chunks."""
         return (
-            f"top_k in tiles ({loops} chunks of {self.step} in tiles of {self.tile}, "
-            f"block maxima of {self.block}, then each row's best blocks)"
+            f"top_k in tiles of {self.tile} (block maxima of {self.block}, "
+            "then each row's best blocks)"
         )
 
     def run(self, operands: list[Any], runner: Runner) -> list[Any]:
