@@ -132,6 +132,17 @@ def test_float64():
         assert_like_jit(out, lambda x, y: l2(x, y, 5), x, y)
 
 
+@pytest.mark.parametrize("name", ["l2", "l1"])
+def test_bfloat16_ties(name):
+    """Small integers are exact in bfloat16 (and their distances in XLA's float32 arithmetic):
+    ties and duplicate points pick the same neighbours as jax.jit."""
+    x, y = _inputs("ties", 40, 3001, 3, seed=8, dtype=jnp.bfloat16)
+    f = PROGRAMS[name]
+    out, _, split = _run(f, "160KiB", x, y, 5)
+    assert _tiled(split)
+    assert_like_jit(out, lambda x, y: f(x, y, 5), x, y)
+
+
 def test_integer_operand():
     rng = np.random.default_rng(4)
     x = jnp.asarray(rng.integers(-3, 4, (40, 3)), jnp.int32)

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -47,8 +47,17 @@ from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, NoRule, running_along
 from memsafe.split.sinks import Sink
 
-if TYPE_CHECKING:
-    from memsafe.split.emit import Loop
+
+class Loop(Protocol):
+    """What this module reads of a stage of a region (``memsafe.split.emit.Loop``)."""
+
+    eqns: tuple[int, ...]
+    sinks: tuple[int, ...]
+    threads: tuple[int, ...]
+    sliced: tuple[Var, ...]
+    whole: tuple[Var, ...]
+    surviving: tuple[Var, ...]
+
 
 #: Bytes of one tile of the operand. First pass of a 10,000 x 131,072 x 64 L2 kNN on this CPU
 #: (2 cores, YNNPACK off), by tile width: 256 positions (10 MiB) 1.20 s, 512 1.25 s, 1,024 1.34 s.
