@@ -89,8 +89,9 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
 
 
 def tiled_selection(graph: Graph, split: Split, chunk: int) -> selection.FusedTopK | None:
-    """The loop of ``split`` that runs its ``top_k`` in tiles (memsafe.split.selection), if any."""
-    if split.devices != 1:
+    """The loop of ``split`` that runs its ``top_k`` in tiles (memsafe.split.selection), if any:
+    a staged split on one device (the loops :func:`_loop_group` runs with the plain runner)."""
+    if not isinstance(split, StagedSplit):
         return None
     for lp in plan_loops(graph, split.region):
         fused = selection.plan(graph, split.region, lp, chunk)
