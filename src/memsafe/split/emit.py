@@ -143,7 +143,7 @@ def _loop_group(
                 parts.append(env.partial(i))
         return (parts, [env.carries[i] for i in running]), [env.local[v] for v in loop.surviving]
 
-    axes = (*(region.axis_of[v] for v in loop.sliced), *(None for _ in loop.whole))
+    axes = chunk_loop.operand_axes(region.axis_of, loop.sliced, loop.whole)
 
     def run_loop(operands: list[Any]) -> list[Any]:
         results, bufs = runner(body, region.size, chunk, operands, carry, written, axes)

@@ -132,6 +132,14 @@ def local_start(start: Any, length: int) -> Any:
 Runner = Callable[..., tuple[list[Any], list[Any]]]
 
 
+def operand_axes(
+    axis_of: Mapping_[Var, int], sliced: Sequence[Var], whole: Sequence[Var]
+) -> tuple[int | None, ...]:
+    """What a :data:`Runner` takes of a loop's operands (``sliced``, then ``whole``): the split
+    axis of each, None where it is read whole."""
+    return (*(axis_of[v] for v in sliced), *(None for _ in whole))
+
+
 def chunked(
     body: Body,
     size: int,

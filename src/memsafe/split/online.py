@@ -549,7 +549,7 @@ class OnlineSplit(OneDevice):
         for i in sorted(region.sinks):
             gives.extend([raw_key(i)] if i in plan.deferred else graph.eqns[i].outvars)
 
-        axes = (*(region.axis_of[v] for v in sliced), *(None for _ in plan.whole))
+        axes = chunk_loop.operand_axes(region.axis_of, sliced, plan.whole)
 
         def run_loop(operands: list[Any]) -> list[Any]:
             results, bufs = runner(body, region.size, chunk, operands, carry, written, axes)

@@ -42,7 +42,7 @@ from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import body as body_split
 from memsafe.split import peephole, sinks, topk
-from memsafe.split.loop import ChunkEnv, Fold, Runner, Written
+from memsafe.split.loop import ChunkEnv, Fold, Runner, Written, operand_axes
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, NoRule, running_along
 from memsafe.split.sinks import Sink
@@ -136,10 +136,15 @@ class FusedTopK:
     row_body: ClosedJaxpr  # the operand of one row: (row, start, *sliced cut, *whole cut)
 
     @property
-    def loops(self) -> int:
-        """Chunks the loop runs (the positions after the last whole block come after it)."""
+    def blocked(self) -> int:
+        """Positions in whole blocks: the loop runs over them, the rest come after it."""
         size = self.operand.region.size
-        return -(-(size - size % self.block) // self.step)
+        return size - size % self.block
+
+    @property
+    def loops(self) -> int:
+        """Chunks the loop runs."""
+        return -(-self.blocked // self.step)
 
     def describe(self) -> str:
         """What the plan says of the loop, beside its chunks."""
@@ -153,12 +158,9 @@ class FusedTopK:
         chunks run by ``runner``."""
         eqn = self.operand.graph.eqns[self.operand.sink]
         carry = Fold(((eqn, Sink(sinks.TOP_K, (1,))),))
-        size = self.operand.region.size
-        n_sliced = len(self.operand.sliced)
-        axes = (
-            *(self.operand.region.axis_of[v] for v in self.operand.sliced),
-            *(None for _ in self.operand.whole),
-        )
+        op = self.operand
+        n_sliced = len(op.sliced)
+        axes = operand_axes(op.region.axis_of, op.sliced, op.whole)
 
         def chunk_body(start: Any, n: int, ops: list[Any], fed: Any) -> tuple[Any, list[Any]]:
             del fed
@@ -167,8 +169,9 @@ class FusedTopK:
             first = lax.div(start, jnp.int32(self.block)).astype(ids.dtype)
             return ([(vals, ids + first)], []), []
 
-        blocked = size - size % self.block
-        (_, ids), _ = runner(chunk_body, blocked, self.step, operands, carry, Written((), ()), axes)
+        (_, ids), _ = runner(
+            chunk_body, self.blocked, self.step, operands, carry, Written((), ()), axes
+        )
         return self._finish(ids, operands[:n_sliced], operands[n_sliced:], eqn)
 
     def _maxima(self, start: Any, n: int, sliced: list[Any], whole: list[Any]) -> Any:
@@ -212,8 +215,7 @@ class FusedTopK:
         cands = lax.map(
             row, (jnp.arange(rows, dtype=jnp.int32), ids), batch_size=self.rows_per_batch
         )
-        size = self.operand.region.size
-        blocked = size - size % g
+        size, blocked = self.operand.region.size, self.blocked
         if blocked < size:
             tail = self.operand.at(jnp.int32(blocked), size - blocked, sliced, whole)
             tail_pos = jnp.broadcast_to(jnp.arange(blocked, size, dtype=pos.dtype), tail.shape)
