@@ -159,24 +159,36 @@ def test_a_literal_initial_carry():
     assert_like_jit(jax.jit(jaxpr_as_fun(after))(ws, x)[0], fun, ws, x)
 
 
-def _maximum(s):
-    return jnp.maximum(s, 0.5 * s)
-
-
-def _maximum_in_a_loop(s):
-    return lax.fori_loop(0, 2, lambda _, s: jnp.maximum(s, 0.5 * s), s)
-
-
-@pytest.mark.parametrize("decide", [_maximum, _maximum_in_a_loop], ids=["body", "nested loop"])
-def test_residuals_that_decide_on_values_stay_stored(decide):
-    """A maximum's gradient stores which operand won. Recomputed in another compile a tie could
-    go the other way (fuzz seed 1871 gave 40 NaNs where jax.jit gives 19): such residuals are
-    not recomputed, also where the maximum is inside a loop in the body."""
+def test_the_forward_keeps_its_decisions():
+    """A maximum's gradient reads which operand won. Recomputed in another compile a tie could
+    go the other way (fuzz seed 1871 gave 40 NaNs where jax.jit gives 19): the forward stacks
+    its comparisons' results, the backward reads them, and ties fall as in jax.jit."""
     ws, _, x = _inputs()
 
     def fun(ws, x):
         def step(h, w):
-            return jnp.tanh(decide(h @ w[:, :D])), None
+            s = h @ w[:, :D]
+            s = s.at[:, 0].set(0.0)  # exact ties of s and s / 2
+            return jnp.tanh(jnp.maximum(s, 0.5 * s) + jnp.stack([s, 2 * s]).max(0)), None
+
+        return jax.grad(lambda ws: jnp.sum(jnp.nan_to_num(lax.scan(step, x, ws)[0])))(ws)
+
+    _, after, ctx = _pass(fun, (ws, x), budget=1)
+    assert len(ctx.plan.records) == 1
+    fwd = next(e for e in after.jaxpr.eqns if e.primitive.name == "scan")
+    assert any(o.aval.dtype == jnp.bool_ for o in fwd.outvars)  # the decisions, stacked
+    assert_like_jit(jax.jit(jaxpr_as_fun(after))(ws, x)[0], fun, ws, x)
+
+
+def test_decisions_inside_a_loop_of_the_body_stay_stored():
+    """A comparison inside a loop of the body cannot be stacked by the forward: such
+    residuals are not recomputed."""
+    ws, _, x = _inputs()
+
+    def fun(ws, x):
+        def step(h, w):
+            s = h @ w[:, :D]
+            return jnp.tanh(lax.fori_loop(0, 2, lambda _, s: jnp.maximum(s, 0.5 * s), s)), None
 
         return jax.grad(lambda ws: jnp.sum(lax.scan(step, x, ws)[0]))(ws)
 

@@ -217,6 +217,16 @@ def with_results(closed: ClosedJaxpr, results: Sequence[Any]) -> ClosedJaxpr:
     return dce(ClosedJaxpr(jaxpr, list(closed.consts)))
 
 
+def rewired(closed: ClosedJaxpr, results: Sequence[Any], given: Sequence[Var]) -> ClosedJaxpr:
+    """``closed`` returning ``results`` (any of its values) with its values ``given`` taken as
+    extra inputs after its own: the equations producing them dropped, and those nothing needs
+    any more."""
+    drop = set(given)
+    eqns = [e for e in closed.jaxpr.eqns if not drop & set(e.outvars)]
+    jaxpr = closed.jaxpr.replace(invars=[*closed.jaxpr.invars, *given], eqns=eqns)
+    return with_results(ClosedJaxpr(jaxpr, list(closed.consts)), results)
+
+
 def with_outputs(closed: ClosedJaxpr, keep: Sequence[int]) -> ClosedJaxpr:
     """``closed`` computing only its results at positions ``keep`` (in that order), the
     equations no kept result needs dropped; inputs and constants stay as they are."""

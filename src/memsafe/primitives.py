@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
 
 
 class Kind(enum.Enum):
@@ -244,3 +247,13 @@ CUMULATIVE = _names(lambda f: f.kind is Kind.CUMULATIVE)
 LAPACK = _names(lambda f: f.lapack)
 #: Discrete decisions on their operands' values (comparisons, argmax, sort orders).
 DECIDES = _names(lambda f: f.decides)
+
+
+def compares_floats(eqn: Any) -> bool:
+    """Whether ``eqn`` decides on floating-point values (a comparison, an argmax, a sort; the
+    gradient of a maximum compares each value with the maximum). A value recomputed in another
+    program, or in another order of additions, may round otherwise and decide a tie the
+    other way."""
+    return eqn.primitive.name in DECIDES and any(
+        np.issubdtype(getattr(a.aval, "dtype", np.int32), np.inexact) for a in eqn.invars
+    )

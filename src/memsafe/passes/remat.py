@@ -10,6 +10,12 @@ backward recomputes each iteration's residuals from that iteration's carry, its 
 and the loop's constants, one iteration at a time. This is ``jax.checkpoint`` around the loop
 body, chosen from the limit: one more forward per iteration, for residuals of one iteration
 instead of all of them. The split pass can then chunk what is left along the batch.
+
+Where computing the residuals decides on floating-point values (a maximum's gradient records
+which operand won; flax's layer norm clamps its variance with a maximum), the forward also
+stacks those decisions, and the backward reads them instead of deciding again: recomputed in
+another compile, a comparison may see its operands rounded otherwise and break a tie the other
+way (fuzz seed 1871 gave 40 NaNs where jax.jit gives 19 when the backward decided again).
 """
 
 from __future__ import annotations
@@ -18,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from memsafe._jax import (
     ClosedJaxpr,
@@ -28,6 +33,7 @@ from memsafe._jax import (
     eval_jaxpr,
     nbytes_of_aval,
     pruned,
+    rewired,
     scan_counts,
     scan_layout,
     source_line,
@@ -39,7 +45,7 @@ from memsafe.graph import Graph
 from memsafe.graph.interpret import any_eqn, inline_calls, retrace
 from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord, format_bytes
-from memsafe.primitives import DECIDES
+from memsafe.primitives import compares_floats
 
 #: Residuals are recomputed when they take more than this share of the temporaries' budget.
 SHARE_OF_BUDGET = 0.5
@@ -54,7 +60,12 @@ class Pair:
         residuals: the forward's result positions the backward reads (and nothing else).
         slots: for each residual, its operand position in the backward scan.
         carries: the forward's carry positions the residuals are computed from.
-        computes: the forward's body computing only the residuals.
+        body: the forward's body with its calls inlined (the decisions below are its values).
+        decisions: the values of ``body`` that decide on floating-point values for the
+            residuals (the results of comparisons, argmax, sort orders): stacked by the forward
+            like its carries and read by the backward instead of deciding again.
+        computes: the residuals' computation from the forward's body inputs, then the
+            decisions.
     """
 
     forward: int
@@ -62,6 +73,8 @@ class Pair:
     residuals: tuple[int, ...]
     slots: tuple[int, ...]
     carries: tuple[int, ...]
+    body: ClosedJaxpr
+    decisions: tuple[Var, ...]
     computes: ClosedJaxpr
 
 
@@ -78,11 +91,18 @@ def _pairs(graph: Graph) -> list[Pair]:
             if slot is not None:
                 by_reader.setdefault(slot[0], []).append((k, slot[1]))
         for b, reads in by_reader.items():
-            residuals = tuple(k for k, _ in reads)
-            computes = with_outputs(fwd.params["jaxpr"], residuals)
-            slots = tuple(s for _, s in reads)
-            found.append(Pair(f, b, residuals, slots, _carries(fwd, computes), computes))
+            found.append(_pair(fwd, f, b, reads))
     return found
+
+
+def _pair(fwd: JaxprEqn, f: int, b: int, reads: list[tuple[int, int]]) -> Pair:
+    """The pair of scans ``f`` and ``b``, ``reads`` the (residual, slot) it reads."""
+    residuals, slots = tuple(k for k, _ in reads), tuple(s for _, s in reads)
+    body = inline_calls(fwd.params["jaxpr"])
+    whole = with_outputs(body, residuals)
+    decisions = tuple(o for e in whole.jaxpr.eqns if compares_floats(e) for o in e.outvars)
+    computes = rewired(whole, whole.jaxpr.outvars, decisions)
+    return Pair(f, b, residuals, slots, _carries(fwd, computes), body, decisions, computes)
 
 
 def _only_scanned_reader(graph: Graph, fwd: JaxprEqn, var: Var) -> tuple[int, int] | None:
@@ -109,21 +129,9 @@ def _carries(fwd: JaxprEqn, computes: ClosedJaxpr) -> tuple[int, ...]:
 
 
 def _decides(pair: Pair) -> bool:
-    """Whether computing the residuals decides on floating-point values (a comparison, an
-    argmax, a sort; flax's layer norm clamps its variance with a maximum). Recomputed in the
-    backward loop, another compile of the same operations may round their operands otherwise
-    (XLA contracts a multiply and an add into one rounding in one fusion and not in another)
-    and break a tie the other way from the forward: fuzz seed 1871, a maximum's gradient, gave
-    40 NaNs where jax.jit gives 19. Stacking the forward's decisions for the backward instead
-    gave a wrong answer further down the pipeline (fuzz seed 716) that is not understood yet, so
-    such residuals stay stored."""
-    return any_eqn(inline_calls(pair.computes), _compares_floats)
-
-
-def _compares_floats(eqn: JaxprEqn) -> bool:
-    return eqn.primitive.name in DECIDES and any(
-        jnp.issubdtype(a.aval.dtype, jnp.inexact) for a in eqn.invars
-    )
+    """Whether computing the residuals still decides on floating-point values where the
+    forward cannot stack the decisions (inside a loop or a branch of its body)."""
+    return any_eqn(pair.computes, compares_floats)
 
 
 def _held(graph: Graph, pair: Pair) -> int:
@@ -133,23 +141,28 @@ def _held(graph: Graph, pair: Pair) -> int:
 
 
 def _worth_it(graph: Graph, pair: Pair, budget: int) -> bool:
-    """Residuals over a share of the budget, and more than the stacked carries replacing them."""
+    """Residuals over a share of the budget, and more than twice what replaces them (the
+    stacked carries and decisions)."""
     fwd, held = graph.eqns[pair.forward], _held(graph, pair)
-    consts = scan_counts(fwd.params)[0]
-    inner = fwd.params["jaxpr"].jaxpr.invars
-    stacked = sum(nbytes_of_aval(inner[consts + k].aval) for k in pair.carries)
-    stacked *= fwd.params["length"]
+    stacked = sum(nbytes_of_aval(v.aval) for v in _stacked(fwd, pair)) * fwd.params["length"]
     return held > SHARE_OF_BUDGET * budget and held > 2 * stacked
 
 
+def _stacked(fwd: JaxprEqn, pair: Pair) -> list[Var]:
+    """The body values the forward stacks for the backward: the carries the residuals are
+    computed from, then their decisions."""
+    consts = scan_counts(fwd.params)[0]
+    return [pair.body.jaxpr.invars[consts + k] for k in pair.carries] + list(pair.decisions)
+
+
 def _forward(fwd: JaxprEqn, invals: list[Any], pair: Pair) -> tuple[list[Any], list[Any]]:
-    """The forward scan stacking each iteration's carries in place of the residuals:
-    (its results, with None at the residuals; the stacked carries)."""
+    """The forward scan stacking each iteration's carries and decisions in place of the
+    residuals: (its results, with None at the residuals; the stacked values)."""
     consts, carry = scan_counts(fwd.params)
-    body = fwd.params["jaxpr"]
+    body = pair.body
     n = len(body.jaxpr.outvars)
     kept = [k for k in range(n) if k not in pair.residuals]
-    stacks = [body.jaxpr.invars[consts + k] for k in pair.carries]
+    stacks = _stacked(fwd, pair)
     new = with_results(body, [body.jaxpr.outvars[k] for k in kept] + stacks)
     layout = scan_layout(fwd.params, consts, carry, len(invals), len(kept) + len(stacks))
     outs = bind_eqn_with(fwd, invals, jaxpr=new, **layout)
@@ -164,7 +177,8 @@ def _backward(
     pair: Pair,
 ) -> list[Any]:  # fmt: skip
     """The backward scan recomputing the residuals at each iteration from the forward's
-    constants, that iteration's stacked carries and the forward's scanned inputs there."""
+    constants, that iteration's stacked carries and decisions and the forward's scanned inputs
+    there."""
     f_consts, f_carry = scan_counts(fwd.params)
     b_consts, b_carry = scan_counts(bwd.params)
     res_body, old = pair.computes, bwd.params["jaxpr"]
@@ -172,15 +186,16 @@ def _backward(
     xf = fwd_invals[f_consts + f_carry :]
     own = [p for p in range(b_consts + b_carry, len(invals)) if p not in pair.slots]
     n_cb, n_cf, n_own, n_st = b_consts, len(cf), len(own), len(stacked)
+    n_carry = len(pair.carries)
 
     def body(*args: Any) -> list[Any]:
         cb, cf_, rest = args[:n_cb], args[n_cb : n_cb + n_cf], args[n_cb + n_cf :]
         carry_, rest = rest[:b_carry], rest[b_carry:]
         xs_own, st, xf_ = rest[:n_own], rest[n_own : n_own + n_st], rest[n_own + n_st :]
         carries = [None] * f_carry
-        for k, v in zip(pair.carries, st):
+        for k, v in zip(pair.carries, st[:n_carry]):
             carries[k] = v
-        res = eval_jaxpr(res_body.jaxpr, res_body.consts, *cf_, *carries, *xf_)
+        res = eval_jaxpr(res_body.jaxpr, res_body.consts, *cf_, *carries, *xf_, *st[n_carry:])
         xs = dict(zip(own, xs_own)) | dict(zip(pair.slots, res))
         ordered = [xs[p] for p in range(b_consts + b_carry, len(invals))]
         return eval_jaxpr(old.jaxpr, old.consts, *cb, *carry_, *ordered)
@@ -190,8 +205,7 @@ def _backward(
     fin, bin_ = fwd.params["jaxpr"].jaxpr.invars, old.jaxpr.invars
     avals = [
         *bin_[:b_consts], *fin[:f_consts], *bin_[b_consts : b_consts + b_carry],
-        *(bin_[p] for p in own), *(fin[f_consts + k] for k in pair.carries),
-        *fin[f_consts + f_carry :],
+        *(bin_[p] for p in own), *_stacked(fwd, pair), *fin[f_consts + f_carry :],
     ]  # fmt: skip
     shapes = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in avals]
     new = jax.make_jaxpr(body)(*shapes)

@@ -84,11 +84,13 @@ def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]
 
 def strategy(graph: Graph, region: Region) -> Split:
     """How ``region`` runs: staged max-shifted exp-sums as one online loop where that applies,
-    else one loop per stage."""
+    else one loop per stage (computing the values its later loops recompute and compare the
+    same way in every loop, :mod:`memsafe.split.recompute`)."""
     try:
         return online.plan(graph, region)
     except online.NotOnline:
-        return StagedSplit(region)
+        staged = StagedSplit(region)
+        return StagedSplit(region, same=recompute.decides_on_recomputed(graph, staged))
 
 
 def _option(
@@ -159,7 +161,7 @@ def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Split every too-large intermediate that some axis allows, at the top level and inside
     loop bodies; block the rest."""
-    return _split_bodies(_split_top(closed, ctx), ctx)
+    return _split_bodies(*_split_top(closed, ctx), ctx)
 
 
 def _largest_inside(eqn: Any) -> int:
@@ -169,16 +171,20 @@ def _largest_inside(eqn: Any) -> int:
     return max(values, default=0)
 
 
-def _split_bodies(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
+def _split_bodies(
+    closed: ClosedJaxpr, kept: dict[int, ClosedJaxpr], ctx: PassContext
+) -> ClosedJaxpr:
     """Loops whose body makes a too-large value get their body split, under the budget left once
     the loop's operands and results are placed (each iteration runs the split body); a cond's
-    branches likewise."""
+    branches likewise. Loops whose bodies' ``id`` are in ``kept`` stay as they are."""
     graph = Graph(closed)
     budget = ctx.temp_budget
     loops = {
         i: LOOP_BODIES[e.primitive.name]
         for i, e in enumerate(graph.eqns)
-        if e.primitive.name in LOOP_BODIES and _largest_inside(e) > budget // SHARE
+        if e.primitive.name in LOOP_BODIES
+        and _largest_inside(e) > budget // SHARE
+        and not any(id(b) in kept for b in programs(e))
     }
     if not loops:
         return closed
@@ -207,9 +213,21 @@ def _live(graph: Graph, eqn: Any) -> int:
     return sum(graph.info(v).bytes for v in values)
 
 
-def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
-    """Split every too-large intermediate of the program's top level that some axis allows."""
+def _loop_bodies(closed: ClosedJaxpr) -> dict[int, ClosedJaxpr]:
+    """Each loop body and cond branch at the top level of ``closed``, by ``id``."""
+    return {
+        id(b): b for e in closed.jaxpr.eqns if e.primitive.name in LOOP_BODIES for b in programs(e)
+    }
+
+
+def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict[int, ClosedJaxpr]]:
+    """Split every too-large intermediate of the program's top level that some axis allows;
+    returns the program and the loop bodies not to split again (by ``id``, held so that no
+    other object takes the ``id``): those of staged splits whose later loops compare values
+    they recompute, which every loop must compute alike (split again, one body could sum in
+    another order than the other)."""
     failed: set[tuple] = set()
+    kept: dict[int, ClosedJaxpr] = {}
     for _ in range(MAX_REGIONS):
         graph = Graph(closed)
         budget = ctx.temp_budget
@@ -237,13 +255,17 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
                     )
                 )
         if chosen is None:
-            return closed
+            return closed, kept
         var, split, chunk, merged = chosen
         region = split.region
         chunk = speed_cap(graph, region, chunk)
         if chunk.floored:
             ctx.block(_floor_blocker(graph, var, region.seed_axis, chunk))
         new = emit(closed, graph, split, chunk.chunk)
+        inner = recompute.unwrapped(split)
+        if isinstance(inner, StagedSplit) and inner.same:
+            old = _loop_bodies(closed)
+            kept |= {k: b for k, b in _loop_bodies(new).items() if k not in old}
         eqns = graph.eqns
         sinks = sorted({m.kind for m in region.sinks.values()})
         if any(graph.info(v).is_output for v in region.surviving):
@@ -272,4 +294,4 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
             )
         )
         closed = new
-    return closed
+    return closed, kept

@@ -91,7 +91,7 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
 def tiled_selection(graph: Graph, split: Split, chunk: int) -> selection.FusedTopK | None:
     """The loop of ``split`` that runs its ``top_k`` in tiles (memsafe.split.selection), if any:
     a staged split on one device (the loops :func:`_loop_group` runs with the plain runner)."""
-    if not isinstance(split, StagedSplit):
+    if not isinstance(split, StagedSplit) or split.same:
         return None
     for lp in plan_loops(graph, split.region):
         fused = selection.plan(graph, split.region, lp, chunk)
@@ -107,14 +107,18 @@ def _loop_group(
     chunk: int,
     dead: frozenset[int],
     runner: chunk_loop.Runner,
+    same: bool = False,
 ):
     """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``
-    (a lone ``top_k`` along the axis on one device: in tiles, memsafe.split.selection)."""
-    fused = selection.plan(graph, region, loop, chunk) if runner is chunk_loop.run else None
+    (a lone ``top_k`` along the axis on one device: in tiles, memsafe.split.selection). With
+    ``same``, the values are computed as in every other loop of the region (no peephole moves,
+    no tiles)."""
+    tiled = runner is chunk_loop.run and not same
+    fused = selection.plan(graph, region, loop, chunk) if tiled else None
     if fused is not None:
         return loop.group(dead, functools.partial(fused.run, runner=runner))
     eqns = graph.eqns
-    peep = peephole.plan(graph, region, loop.eqns, chunk)
+    peep = peephole.plan(graph, region, () if same else loop.eqns, chunk)  # () plans none
     running = tuple(
         i
         for i in loop.eqns
@@ -171,6 +175,9 @@ class StagedSplit(OneDevice):
     """A region run as one loop per stage, each recomputing what it needs from the leaves."""
 
     region: Region
+    #: Its later loops compare values they recompute: every loop computes them the same way
+    #: (no peephole moves, no tiles; :mod:`memsafe.split.recompute`).
+    same: bool = False
     #: Weight of the loop's iterations when choosing between axes.
     cost_weight: ClassVar[float] = 1.0
     #: Name added to the split's record (None: nothing to add).
@@ -189,7 +196,9 @@ class StagedSplit(OneDevice):
         covered = frozenset().union(*(lp.eqns for lp in loops))
         dead = frozenset(self.region.maps) - covered
         return [
-            _loop_group(graph, self.region, lp, chunk, dead if k == 0 else frozenset(), runner)
+            _loop_group(
+                graph, self.region, lp, chunk, dead if k == 0 else frozenset(), runner, self.same
+            )
             for k, lp in enumerate(loops)
         ]
 

@@ -4,18 +4,30 @@ results and surviving values leave a loop.
 
 An online split (memsafe.split.online) runs its stages as one loop with running rescaling and
 recomputes nothing; a split sharded over a mesh costs what the split it wraps costs.
+
+A later loop that compares recomputed values with what an earlier loop found (the gradient of
+``max`` compares each value with the maximum) needs each value with the bits the earlier loop
+had (:func:`decides_on_recomputed`). The loops recompute the same equations on the same chunks;
+what could change the bits is computing them otherwise in one loop: a peephole move, or a split
+of one loop's body (fuzz seed 716: the second loop's body, split again along a contraction,
+summed in another order and found no value equal to the minimum the first loop had found; 0/0
+followed; a product split by rows may round otherwise too, as XLA blocks it otherwise). Such a
+split runs every loop without peepholes, and the split pass does not split its loops' bodies.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from memsafe._jax import LOOP_BODIES, programs
 from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
+from memsafe.graph.interpret import any_eqn
+from memsafe.primitives import compares_floats
 from memsafe.split.emit import StagedSplit, plan_loops
 
 
-def _unwrapped(split: Any) -> Any:
+def unwrapped(split: Any) -> Any:
     """The split a mesh wrapper (``.inner``) shards, or ``split`` itself."""
     while hasattr(split, "inner"):
         split = split.inner
@@ -26,10 +38,29 @@ def cost(graph: Graph, split: Any) -> dict[str, int]:
     """``stages`` (the loops ``split`` runs) and ``recompute_flops`` (the estimated flops its
     later loops spend re-evaluating equations of earlier stages), as keyword arguments of
     :class:`memsafe.plan.SplitRecord`."""
-    split = _unwrapped(split)
+    split = unwrapped(split)
     if not isinstance(split, StagedSplit):
         return {"stages": 1, "recompute_flops": 0}
     region, eqns = split.region, graph.eqns
     loops = plan_loops(graph, region)
     again = [eqns[i] for lp in loops for i in lp.eqns if region.stage[i] < lp.stage]
     return {"stages": len(loops), "recompute_flops": jaxpr_flops(again)}
+
+
+def decides_on_recomputed(graph: Graph, split: Any) -> bool:
+    """Whether a loop of ``split`` recomputes equations of an earlier stage and compares
+    floating-point values (in its own equations or the loops and branches they run)."""
+    split = unwrapped(split)
+    if not isinstance(split, StagedSplit):
+        return False
+    region, eqns = split.region, graph.eqns
+    return any(
+        any(region.stage[i] < lp.stage for i in lp.eqns)
+        and any(_compares(eqns[i]) for i in lp.eqns)
+        for lp in plan_loops(graph, region)
+    )
+
+
+def _compares(eqn: Any) -> bool:
+    inner = programs(eqn) if eqn.primitive.name in LOOP_BODIES else ()
+    return compares_floats(eqn) or any(any_eqn(b, compares_floats) for b in inner)
