@@ -74,7 +74,11 @@ def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]
     """Intermediates over ``budget / SHARE`` bytes, largest first. Where none is, but the
     program is still estimated over ``limit`` (many moderate values alive at once, as in a deep
     network's backward pass), those over ``budget / MANY_SHARE``."""
-    values = [vi for vi in graph.values() if vi.producer is not None and not vi.is_output]
+    values = [
+        vi
+        for vi in graph.values()
+        if vi.producer is not None and not vi.is_output and vi.consumers  # dead: XLA drops it
+    ]
     out = [vi for vi in values if vi.bytes > budget // SHARE]
     if not out and limit is not None and estimate(graph).peak_bytes > limit:
         out = [vi for vi in values if vi.bytes > budget // MANY_SHARE]
