@@ -175,7 +175,6 @@ def test_pipeline_is_the_pass_modules_in_order():
         distribute,
         remat,
         fission,
-        recompute,
         split,
         schedule,
         recompute,
@@ -183,8 +182,8 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "unflatten", "hoist", "distribute", "remat", "fission",
-        "recompute", "split", "schedule", "recompute", "constants",
+        "match_replace", "reorder", "unflatten", "hoist", "distribute", "remat", "fission", "split",
+        "schedule", "recompute", "constants",
     ]  # fmt: skip
 
 

@@ -111,3 +111,37 @@ def test_expensive_or_small_constants_stay():
     closed = inline_calls(jax.make_jaxpr(f)(a, a))
     ctx = PassContext(memory_limit=1, fixed_bytes=0, plan=Plan(1))
     assert recompute.run(closed, ctx) is closed and not ctx.plan.records
+
+
+def _layers_under_a_causal_mask(ws, x):
+    """A scan over layers reading a causal mask broadcast to ``[heads, L, L]`` outside the loop
+    (as JAX hoists it): a constant of the loop, as large as the attention scores."""
+    n = x.shape[1]
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((n, n), bool)), (x.shape[0], n, n))
+
+    def layer(h, w):
+        s = jnp.where(mask, jnp.einsum("hqd,hkd->hqk", h, h @ w), -jnp.inf)
+        return jnp.tanh(jax.nn.softmax(s, -1) @ h), None
+
+    return jnp.sum(jax.lax.scan(layer, x, ws)[0])
+
+
+def test_the_split_makes_large_invariants_inside_the_bodies_it_splits():
+    """Held outside the loop, the mask stays whole beside the split body; the split pass moves
+    its making into the body first (a recompute record), then chunks it with the scores."""
+    rng = np.random.default_rng(0)
+    ws = jnp.asarray(rng.standard_normal((3, 16, 16)) / 4, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((4, 512, 16)), jnp.float32)
+    mask_bytes = 4 * 512 * 512
+    f = memsafe.jit(_layers_under_a_causal_mask, memory_limit=3 * mask_bytes)
+    plan = f.plan(ws, x)
+    records = plan.records
+    last_split = max(k for k, r in enumerate(records) if r in plan.splits)
+    moved = [
+        k
+        for k, r in enumerate(records)
+        if getattr(r, "pass_name", "") == "recompute" and "bool[" in r.description
+    ]
+    assert moved and moved[0] < last_split, plan  # moved by the split pass, before its splits
+    assert plan.after.total <= 3 * mask_bytes, plan
+    np.testing.assert_allclose(f(ws, x), memsafe_jit(_layers_under_a_causal_mask)(ws, x), rtol=2e-5)

@@ -1,9 +1,7 @@
 """The rewriting pipeline, in order: match-and-replace, reorder, unflatten, hoist, distribute,
-remat, fission, recompute, split, schedule, recompute, constants. Each pass is a module with
-``run(closed, ctx) -> closed``; its name is the module's. ``recompute`` runs twice: before the
-split (a loop's body then makes the cheap values it reads, a causal mask among them, where the
-split pass can chunk them) and after it (the chunk loops' own invariants). ``memsafe.lapack_order``
-is applied to every program memsafe compiles."""
+remat, fission, split, schedule, recompute, constants. Each pass is a module with
+``run(closed, ctx) -> closed``; its name is the module's. ``memsafe.lapack_order`` is applied
+to every program memsafe compiles."""
 
 from __future__ import annotations
 
@@ -33,7 +31,6 @@ PIPELINE: tuple[ModuleType, ...] = (
     distribute,
     remat,
     fission,
-    recompute,
     split,
     schedule,
     recompute,

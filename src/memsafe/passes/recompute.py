@@ -16,7 +16,7 @@ compile options on the CPU, XLA already writes it into the output buffer and rep
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,9 @@ MIN_BYTES = 64 * 1024
 
 #: A generator may read values up to this size from outside (scalars, small vectors).
 SMALL_LEAF_BYTES = 64 * 1024
+
+#: Which loops a transform leaves alone.
+Skip = Callable[[JaxprEqn], bool]
 
 #: Longest generator chain recomputed per iteration.
 MAX_CONE = 256
@@ -132,11 +135,13 @@ def _body_jaxprs(eqn: JaxprEqn) -> dict[str, ClosedJaxpr]:
     return {}
 
 
-def _process_body(body: ClosedJaxpr, records: list[PassRecord], depth: int) -> ClosedJaxpr:
+def _process_body(
+    body: ClosedJaxpr, records: list[PassRecord], depth: int, min_bytes: int, skip: Skip
+) -> ClosedJaxpr:
     """``body`` transformed (with nested calls inlined first), or ``body`` itself if unchanged."""
     names = {e.primitive.name for e in body.jaxpr.eqns}
     flat = inline_calls(body) if names & (CALL_PRIMITIVES | CUSTOM_DIFF_PRIMITIVES) else body
-    new = transform(flat, records, depth + 1)
+    new = transform(flat, records, depth + 1, min_bytes, skip)
     return body if new is flat else new
 
 
@@ -201,22 +206,32 @@ def _dead_after(graph: Graph, removed_uses: set[tuple[int, int]], keep: set[Var]
     return dead
 
 
-def transform(closed: ClosedJaxpr, records: list[PassRecord], depth: int = 0) -> ClosedJaxpr:
-    """Move cheap loop constants into loop bodies in ``closed`` and, recursively, its loops."""
+def transform(
+    closed: ClosedJaxpr,
+    records: list[PassRecord],
+    depth: int = 0,
+    min_bytes: int = MIN_BYTES,
+    skip: Skip = lambda eqn: False,
+) -> ClosedJaxpr:
+    """Move cheap loop constants of at least ``min_bytes`` into loop bodies in ``closed`` and,
+    recursively, its loops; loops ``skip`` holds for are left as they are."""
     graph = Graph(closed)
     eqns = graph.eqns
     plans: dict[int, tuple[dict[str, ClosedJaxpr], dict[int, Generator]]] = {}
     removed: set[tuple[int, int]] = set()
     for i, eqn in enumerate(eqns):
-        if eqn.primitive.name not in ("scan", "while"):
+        if eqn.primitive.name not in ("scan", "while") or skip(eqn):
             continue
         positions = loop_const_positions(eqn)
-        bodies = {k: _process_body(b, records, depth) for k, b in _body_jaxprs(eqn).items()}
+        bodies = {
+            k: _process_body(b, records, depth, min_bytes, skip)
+            for k, b in _body_jaxprs(eqn).items()
+        }
         changed = any(bodies[k] is not b for k, b in _body_jaxprs(eqn).items())
         gens: dict[int, Generator] = {}
         for pos in positions:
             var = eqn.invars[pos]
-            if not isinstance(var, Var) or graph.info(var).bytes < MIN_BYTES:
+            if not isinstance(var, Var) or graph.info(var).bytes < min_bytes:
                 continue
             gen = cheap_generator(graph, var)
             if gen is not None:

@@ -16,8 +16,9 @@ from memsafe._jax import LOOP_BODIES, ClosedJaxpr, Var, bind_eqn_with, programs,
 from memsafe.errors import Blocker
 from memsafe.graph import Graph, estimate
 from memsafe.graph.interpret import inline_calls, retrace
+from memsafe.passes import recompute as recompute_pass
 from memsafe.passes.base import PassContext
-from memsafe.plan import SplitRecord
+from memsafe.plan import PassRecord, SplitRecord
 from memsafe.primitives import FUSIBLE
 from memsafe.split import online, recompute
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection
@@ -181,6 +182,7 @@ def _split_bodies(
     """Loops whose body makes a too-large value get their body split, under the budget left once
     the loop's operands and results are placed (each iteration runs the split body); a cond's
     branches likewise. Loops whose bodies' ``id`` are in ``kept`` stay as they are."""
+    closed = _invariants_inside(closed, kept, ctx)
     graph = Graph(closed)
     budget = ctx.temp_budget
     loops = {
@@ -206,6 +208,24 @@ def _split_bodies(
         return bind_eqn_with(eqn, invals, **{loops[i]: held})
 
     return retrace(closed, override)
+
+
+def _invariants_inside(
+    closed: ClosedJaxpr, kept: dict[int, ClosedJaxpr], ctx: PassContext
+) -> ClosedJaxpr:
+    """``closed`` with the loop invariants too large for the budget made inside the loops that
+    read them (the recompute pass's move, for cheap generators: a causal mask broadcast to
+    ``[batch, heads, L, L]``), so that splitting a body chunks them with the rest; held
+    outside, they stay whole beside the split body. Done after the top-level split, which may
+    slice them per chunk instead; kept loops stay as they are."""
+    records: list[PassRecord] = []
+    floor = max(recompute_pass.MIN_BYTES, ctx.temp_budget // SHARE)
+    new = recompute_pass.transform(
+        closed, records, min_bytes=floor, skip=lambda e: any(id(b) in kept for b in programs(e))
+    )
+    for rec in records:
+        ctx.record(rec)
+    return new
 
 
 def _live(graph: Graph, eqn: Any) -> int:
