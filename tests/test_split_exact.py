@@ -52,7 +52,7 @@ def test_a_later_loop_comparing_recomputed_values_computes_them_alike(fun, same)
     region = grow(graph, seed, 1, 1, 10**9)
     split = split_pass.strategy(graph, region)
     assert isinstance(split, StagedSplit) and region.n_stages >= 2
-    assert recompute.decides_on_recomputed(graph, split) is same
+    assert recompute.decides_on_recomputed(graph, region) is same
     assert split.same is same
 
 

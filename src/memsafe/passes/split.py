@@ -94,8 +94,7 @@ def strategy(graph: Graph, region: Region) -> Split:
     try:
         return online.plan(graph, region)
     except online.NotOnline:
-        staged = StagedSplit(region)
-        return StagedSplit(region, same=recompute.decides_on_recomputed(graph, staged))
+        return StagedSplit(region, same=recompute.decides_on_recomputed(graph, region))
 
 
 def _option(
@@ -190,7 +189,7 @@ def _split_bodies(
         for i, e in enumerate(graph.eqns)
         if e.primitive.name in LOOP_BODIES
         and _largest_inside(e) > budget // SHARE
-        and not any(id(b) in kept for b in programs(e))
+        and not _is_kept(e, kept)
     }
     if not loops:
         return closed
@@ -210,6 +209,11 @@ def _split_bodies(
     return retrace(closed, override)
 
 
+def _is_kept(eqn: Any, kept: dict[int, ClosedJaxpr]) -> bool:
+    """Whether a loop's (or cond's) bodies are among ``kept``, not to be touched again."""
+    return any(id(b) in kept for b in programs(eqn))
+
+
 def _invariants_inside(
     closed: ClosedJaxpr, kept: dict[int, ClosedJaxpr], ctx: PassContext
 ) -> ClosedJaxpr:
@@ -221,7 +225,7 @@ def _invariants_inside(
     records: list[PassRecord] = []
     floor = max(recompute_pass.MIN_BYTES, ctx.temp_budget // SHARE)
     new = recompute_pass.transform(
-        closed, records, min_bytes=floor, skip=lambda e: any(id(b) in kept for b in programs(e))
+        closed, records, min_bytes=floor, skip=lambda e: _is_kept(e, kept)
     )
     for rec in records:
         ctx.record(rec)

@@ -25,6 +25,7 @@ from memsafe.graph import Graph
 from memsafe.graph.interpret import any_eqn
 from memsafe.primitives import compares_floats
 from memsafe.split.emit import StagedSplit, plan_loops
+from memsafe.split.region import Region
 
 
 def unwrapped(split: Any) -> Any:
@@ -47,13 +48,10 @@ def cost(graph: Graph, split: Any) -> dict[str, int]:
     return {"stages": len(loops), "recompute_flops": jaxpr_flops(again)}
 
 
-def decides_on_recomputed(graph: Graph, split: Any) -> bool:
-    """Whether a loop of ``split`` recomputes equations of an earlier stage and compares
-    floating-point values (in its own equations or the loops and branches they run)."""
-    split = unwrapped(split)
-    if not isinstance(split, StagedSplit):
-        return False
-    region, eqns = split.region, graph.eqns
+def decides_on_recomputed(graph: Graph, region: Region) -> bool:
+    """Whether a loop of ``region`` run in stages recomputes equations of an earlier stage and
+    compares floating-point values (in its own equations or the loops and branches they run)."""
+    eqns = graph.eqns
     return any(
         any(region.stage[i] < lp.stage for i in lp.eqns)
         and any(_compares(eqns[i]) for i in lp.eqns)
