@@ -230,10 +230,27 @@ def run_one(name: str) -> dict:
     return result
 
 
+def _run_child(name: str, timeout: float | None) -> dict:
+    """One check in its own process: its result, or why it has none (failed, timed out)."""
+    cmd = [sys.executable, "-m", "tools.gpu_checks", "--one", name]
+    try:
+        proc = subprocess.run(
+            cmd, cwd=ROOT, capture_output=True, text=True, check=False, timeout=timeout
+        )
+    except subprocess.TimeoutExpired as err:
+        tail = (err.stderr or b"")[-3000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        return {"check": name, "status": "timeout", "timeout_s": timeout, "stderr": tail}
+    if proc.returncode == 0:
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+    return {"check": name, "status": "failed", "stderr": proc.stderr[-3000:]}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("checks", nargs="*", default=list(CHECKS), help=f"of {list(CHECKS)}")
     parser.add_argument("--out", help="a JSON file for every check's result")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds per check")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one check
     args = parser.parse_args(argv)
     if args.one:
@@ -241,18 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     results, failed = [], 0
     for name in args.checks:
-        cmd = [sys.executable, "-m", "tools.gpu_checks", "--one", name]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False)
-        if proc.returncode == 0:
-            res = json.loads(proc.stdout.strip().splitlines()[-1])
-        else:
-            failed += 1
-            res = {"check": name, "status": "failed", "stderr": proc.stderr[-3000:]}
+        res = _run_child(name, args.timeout)
+        failed += res["status"] != "ok"
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k != "plan"}), flush=True)
-    if args.out:
-        with open(args.out, "w") as fh:
-            json.dump(results, fh, indent=1)
+        if args.out:  # after each check: a run cut short keeps what it measured
+            with open(args.out, "w") as fh:
+                json.dump(results, fh, indent=1)
     return 1 if failed else 0
 
 

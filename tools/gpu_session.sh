@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# One device call's GPU work, most needed first, each step under its own time limit so that a
+# slow step leaves the next its share (see benchmarks/results/gpu/SUMMARY.md):
+#   1. the mesh checks on the one GPU (kNN, attention, training step): answers, footprints, and
+#      the device's peak while planning, the measure of compiling every attempt untuned;
+#   2. the tiled top-k selection against the stored chunk (tools/gpu_selection.py);
+#   3. the GPU benchmark cases not measured before.
+# Results land in $OUT (the device tool's folder; /tmp/gpu-out elsewhere).
+set -u
+export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:-/tmp/gpu-out}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+uptime
+timeout 210 python3 -m tools.gpu_checks --timeout 150 --out "$OUT/checks.json" \
+    knn attention train_step
+timeout 90 python3 -m tools.gpu_selection >"$OUT/selection.json"
+cat "$OUT/selection.json" | grep -v '^   *"  '
+timeout 240 python3 -m benchmarks.run --size gpu --only knn,kernel_matvec,sgpr \
+    --cases "l2 10k x 1M,l2 100k x 1M,n=m=1000000,3droad grad M=10000" \
+    --methods memsafe,chunked_db,chunked --repeats 2 --timeout 120
+uptime
+tar czf "$OUT/results.tgz" benchmarks/results/gpu benchmarks/results/README.md
