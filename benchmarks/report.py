@@ -222,15 +222,19 @@ def _accuracy(res: dict) -> str:
 
 
 def table(record: dict) -> str:
-    """A markdown table of one workload's results."""
+    """A markdown table of one workload's results. A record merged from runs on several devices
+    (a partial rerun, ``benchmarks.run --cases``) names each row's device."""
+    devices = _devices(record)
+    by_device = len(devices) > 1
     lines = [
         f"### {record['workload']} ({record['size']}, {record.get('env', {}).get('backend', '?')}"
-        f", started {record['started']}, load {_load(record)})",
+        f", {'newest run ' if by_device else ''}started {record['started']}, load {_load(record)})",
         "",
         *_gemm_line(record),
         "| case | method | status | min s | median s | x GEMM bound | footprint "
-        "| footprint, YNN off | limit | RSS growth | device peak | accuracy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| footprint, YNN off | limit | RSS growth | device peak | accuracy |"
+        + (" device |" if by_device else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if by_device else ""),
     ]
     for case in record["cases"]:
         for method, res in case["results"].items():
@@ -243,11 +247,25 @@ def table(record: dict) -> str:
                 f"| {_bytes(res.get('limit'))} "
                 f"| {_bytes(res.get('rss_growth_bytes'))} "
                 f"| {_bytes(res.get('device_peak_bytes'))} | {_accuracy(res)} |"
+                + (f" {res.get('env', {}).get('device', '-')} |" if by_device else "")
             )
+    if by_device:
+        lines += ["", "The GEMM rate is the newest run's; compare times only between rows of "
+                  "one device."]  # fmt: skip
     if record.get("targets"):
         lines += ["", "Targets:", ""]
         lines += [f"- {t['text']}" for t in record["targets"]]
     return "\n".join(lines)
+
+
+def _devices(record: dict) -> set[str]:
+    """The devices the record's results ran on."""
+    return {
+        res["env"]["device"]
+        for case in record["cases"]
+        for res in case["results"].values()
+        if res.get("env", {}).get("device")
+    }
 
 
 def _multiple(x: float | None) -> str:
