@@ -5,9 +5,13 @@
 #      the device's peak while planning, the measure of compiling every attempt untuned;
 #   2. the tiled top-k selection against the stored chunk (tools/gpu_selection.py);
 #   3. the GPU benchmark cases not measured before.
-# Results land in $OUT (the device tool's folder; /tmp/gpu-out elsewhere).
+# Results land in $OUT (the device tool's folder; /tmp/gpu-out elsewhere). The device's image
+# lacks the package graphviz: carry its wheel in .whl (pip download --no-deps graphviz -d .whl).
 set -u
-export PYTHONPATH="$PWD/src:$PWD" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$PWD/src:$PWD:/tmp/site" PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
