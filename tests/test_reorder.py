@@ -14,6 +14,7 @@ from memsafe.graph import evaluate, inline_calls
 from memsafe.passes.algebraic import rewritten
 from memsafe.passes.reorder import best_order, reorder_chains
 from memsafe.xla import memsafe_jit
+from tests.agree import assert_like_jit
 
 dims = st.integers(1, 12)
 
@@ -70,7 +71,7 @@ def test_sums_are_products_with_ones():
 )
 def test_random_chains_agree_with_jit(shape, vec_left, vec_right, transpose):
     """Any chain, with vectors at the ends and a transposed factor, gives jax.jit's result; the
-    chosen order never has a larger peak, nor more flops at an equal peak."""
+    chosen order, where one is chosen, has a lower peak."""
     mats = [_rand((shape[i], shape[i + 1]), i) for i in range(len(shape) - 1)]
     if vec_left:
         mats[0] = mats[0][0]
@@ -87,7 +88,7 @@ def test_random_chains_agree_with_jit(shape, vec_left, vec_right, transpose):
 
     args = [m.T if (i == t and m.ndim == 2) else m for i, m in enumerate(mats)]
     for rec in reordered(chain, *args):
-        assert rec.bytes_saved > 0 or (rec.bytes_saved == 0 and rec.flops_saved > 0)
+        assert rec.bytes_saved > 0
 
 
 def test_best_order_minimizes_peak_then_flops():
@@ -174,3 +175,22 @@ def test_a_chain_with_an_inf_keeps_jax_jits_nans():
     assert plan.rules and plan.splits and plan.after.total <= 100_000
     x[3, 2] = 1.0  # finite: the reordered chain runs, and agrees
     np.testing.assert_allclose(g(x, y, v), memsafe_jit(f)(x, y, v), rtol=1e-4, atol=1e-4)
+
+
+def test_a_chain_whose_result_dominates_is_left_for_the_split():
+    """Self-attention's scores ``(x @ wq) @ (x @ wk).T``: the best order ``x @ ((wq @ wk.T) @
+    x.T)`` saves two n x d products beside the n x n result, too little to pay for the cond it
+    runs behind, which kept the scores from being split (refused under 30% of jax.jit's
+    footprint). Left as written, they split along the queries."""
+    n, d = 1024, 64
+    x, wq, wk, wv = _rand((n, d), 0), *(_rand((d, d), i) / 8 for i in (1, 2, 3))
+
+    def attention(x, wq, wk, wv):
+        return jax.nn.softmax((x @ wq) @ (x @ wk).T / 8.0, -1) @ (x @ wv)
+
+    assert reordered(attention, x, wq, wk, wv) == []
+    need = memsafe_jit(attention).lower(x, wq, wk, wv).compile().memory_analysis()
+    limit = int(0.3 * (need.temp_size_in_bytes + need.argument_size_in_bytes))
+    f = memsafe.jit(attention, memory_limit=limit)
+    assert f.plan(x, wq, wk, wv).splits
+    assert_like_jit(f(x, wq, wk, wv), attention, x, wq, wk, wv)
