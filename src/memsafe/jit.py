@@ -465,8 +465,9 @@ class _Search:
 
     def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
         """The first attempt that fits (``first``, made already, or planned now), recorded in
-        ``plan``; raises MemoryLimitError when none does."""
-        scale, best, last, tried, previous = 1.0, None, None, None, None
+        ``plan``; raises MemoryLimitError when none does, with the footprint and blockers of
+        the attempt that came closest."""
+        scale, last, closest, previous = 1.0, None, None, None
         for index in range(MAX_ATTEMPTS):
             if index == 0 and first is not None:
                 last = first
@@ -475,11 +476,11 @@ class _Search:
             if last is None:  # the same program as the last compile: shrink further
                 scale *= 0.5
                 continue
-            tried = last
             after = last.got.footprint
             fits = after.total <= self.limit
             plan.attempts.append(Attempt(scale, after, fits))
-            best = after if best is None or after.total < best.total else best
+            if closest is None or after.total < closest.got.footprint.total:
+                closest = last
             if fits:
                 got = self._tuned(last)
                 plan.records, plan.after = last.plan.records, got.footprint
@@ -491,7 +492,8 @@ class _Search:
             # 431 MiB modelled, 803 MiB compiled, nothing split under 497 MiB of budget)
             previous = last.plan.records
             scale = _next_scale(scale, index, after, self.limit, fixed)
-        blockers = [] if tried is None else tried.blockers
+        best = None if closest is None else closest.got.footprint
+        blockers = [] if closest is None else closest.blockers
         raise _refusal(self.flat, self.name, self.limit, plan.before, best, blockers)
 
 
