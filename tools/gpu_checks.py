@@ -3,6 +3,7 @@ own process so that the device's measured peak memory is the check's own.
 
     python -m tools.gpu_checks --out benchmarks/results/gpu/checks.json   # every check
     python -m tools.gpu_checks knn attention                              # some, printed
+    python -m tools.gpu_checks --untuned --timeout 300 knn                # autotuner off
 
 Each check compares memsafe's answer with plain jax.jit's on the same GPU (or a float64 reference
 where jax.jit does not fit), asserts the compiled per-device footprint is under the limit, and
@@ -39,6 +40,24 @@ def _peak() -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
+#: Set (by ``--untuned``) for every check's process: XLA's GPU autotuner off in every compile.
+UNTUNED = "MEMSAFE_GPU_CHECKS_UNTUNED"
+
+
+def _options() -> dict[str, Any]:
+    """memsafe's compiler options for the checks: the autotuner off where ``--untuned`` asked
+    (planning then allocates nothing beside the footprint; kernels run untuned)."""
+    return {"xla_gpu_autotune_level": 0} if os.environ.get(UNTUNED) else {}
+
+
+def _safe(fun: Callable, limit: int) -> Any:
+    """``memsafe.jit`` of ``fun`` under ``limit`` on the one-device mesh, with the checks'
+    compiler options."""
+    import memsafe
+
+    return memsafe.jit(fun, memory_limit=limit, mesh=_mesh(), compiler_options=_options())
+
+
 def _mesh():
     import jax
     import numpy as np
@@ -52,7 +71,7 @@ def _refusal(fun: Callable, limit: int, *args) -> str:
     import memsafe
 
     try:
-        memsafe.jit(fun, memory_limit=limit, mesh=_mesh())(*args)
+        _safe(fun, limit)(*args)
     except memsafe.MemoryLimitError as err:
         return str(err).splitlines()[0]
     raise AssertionError(f"expected a MemoryLimitError at {limit} bytes")
@@ -113,13 +132,12 @@ def check_knn() -> dict:
     exceeds it), run at 512 MiB: the neighbours equal a float64 reference's."""
     import numpy as np
 
-    import memsafe
     from tests import mesh_checks as mc
 
     x, y = mc.knn_data(256, 1 << 20)
     refusal = _refusal(mc.knn, 96 * MiB, x, y)
     limit = 512 * MiB
-    f = memsafe.jit(mc.knn, memory_limit=limit, mesh=_mesh())
+    f = _safe(mc.knn, limit)
     (_, idx), timing = _timed(f, x, y)
     np.testing.assert_array_equal(np.asarray(idx), _knn_reference(x, y, mc.K))
     footprint = f.plan(x, y).after.total
@@ -134,14 +152,13 @@ def check_attention() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    import memsafe
     from tests import mesh_checks as mc
 
     rng = np.random.default_rng(3)
     h, length, d = 8, 8192, 64
     q, k, v = (rng.standard_normal((h, length, d)).astype(np.float32) for _ in range(3))
     limit = 256 * MiB
-    f = memsafe.jit(mc.attention, memory_limit=limit, mesh=_mesh())
+    f = _safe(mc.attention, limit)
     got, timing = _timed(f, q, k, v)
     want = jax.jit(mc.attention)(q, k, v)
     np.testing.assert_allclose(got, want, rtol=2e-3, atol=2e-4)
@@ -166,7 +183,6 @@ def check_sgpr() -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    import memsafe
     from examples import sgpr
 
     with jax.enable_x64(True):
@@ -174,7 +190,7 @@ def check_sgpr() -> dict:
         params = {"variance": jnp.asarray(1.3), "lengthscales": jnp.full(3, 0.7),
                   "noise": jnp.asarray(0.2), "Z": jnp.asarray(z)}  # fmt: skip
         limit = 256 * MiB
-        f = memsafe.jit(sgpr.sgpr_elbo, memory_limit=limit, mesh=_mesh())
+        f = _safe(sgpr.sgpr_elbo, limit)
         got, timing = _timed(f, params, x, y)
         want = jax.jit(sgpr.sgpr_elbo)(params, x, y)
         np.testing.assert_allclose(got, want, rtol=1e-9)
@@ -194,12 +210,11 @@ def check_train_step() -> dict:
     import jax
     import numpy as np
 
-    import memsafe
     from tests import mesh_checks as mc
 
     params, x, y = mc.mlp_data(65536)
     limit = 32 * MiB
-    step = memsafe.jit(mc.sgd_step, memory_limit=limit, mesh=_mesh())
+    step = _safe(mc.sgd_step, limit)
     got, timing = _timed(step, params, x, y)
     want = jax.jit(mc.sgd_step)(params, x, y)
     for key in params:
@@ -223,7 +238,8 @@ def run_one(name: str) -> dict:
     _setup()
     import jax
 
-    result = {"check": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__}
+    result = {"check": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
+              "compiler_options": _options()}  # fmt: skip
     start = time.perf_counter()
     result.update(CHECKS[name]())
     result.update(status="ok", wall_s=time.perf_counter() - start, device_peak_bytes=_peak())
@@ -251,11 +267,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("checks", nargs="*", default=list(CHECKS), help=f"of {list(CHECKS)}")
     parser.add_argument("--out", help="a JSON file for every check's result")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per check")
+    parser.add_argument("--untuned", action="store_true", help="XLA's GPU autotuner off")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one check
     args = parser.parse_args(argv)
     if args.one:
         print(json.dumps(run_one(args.one)))
         return 0
+    if args.untuned:
+        os.environ[UNTUNED] = "1"  # read by each check's process
     results, failed = [], 0
     for name in args.checks:
         res = _run_child(name, args.timeout)

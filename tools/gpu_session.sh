@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call's GPU work, most needed first, each step under its own time limit so that a
 # slow step leaves the next its share (see benchmarks/results/gpu/SUMMARY.md):
-#   1. the mesh checks on the one GPU (kNN, attention, training step): answers, footprints, and
+#   1. the mesh checks on the one GPU (kNN untuned, attention, training step): answers, footprints, and
 #      the device's peak while planning, the measure of compiling every attempt untuned;
 #   2. the tiled top-k selection against the stored chunk (tools/gpu_selection.py);
 #   3. the GPU benchmark cases not measured before.
@@ -17,8 +17,10 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
 uptime
+# the kNN check first with the autotuner off: tuned, its compile ran past 220 s (H200)
+timeout 210 python3 -m tools.gpu_checks --untuned --timeout 200 --out "$OUT/checks_untuned.json" knn
 timeout 210 python3 -m tools.gpu_checks --timeout 150 --out "$OUT/checks.json" \
-    knn attention train_step
+    attention train_step
 timeout 90 python3 -m tools.gpu_selection >"$OUT/selection.json"
 cat "$OUT/selection.json" | grep -v '^   *"  '
 timeout 240 python3 -m benchmarks.run --size gpu --only knn,kernel_matvec,sgpr \
