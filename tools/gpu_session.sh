@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call's GPU work, most needed first, each step under its own time limit so that a
 # slow step leaves the next its share (see benchmarks/results/gpu/SUMMARY.md):
-#   1. the mesh checks on the one GPU (kNN untuned, attention, training step): answers, footprints, and
-#      the device's peak while planning, the measure of compiling every attempt untuned;
+#   1. the mesh checks on the one GPU (kNN untuned, attention, training step): answers,
+#      footprints, and the device's peak while planning;
 #   2. the tiled top-k selection against the stored chunk (tools/gpu_selection.py);
 #   3. the GPU benchmark cases not measured before.
 # Results land in $OUT (the device tool's folder; /tmp/gpu-out elsewhere). The device's image
