@@ -136,7 +136,7 @@ def test_jit_of_vmap_holds_the_limit_for_batch_8():
 
 
 def _mlp_step(width=256, layers=4):
-    loss, ws, (x,) = models.mlp(batch=4096, width=width, layers=layers)
+    loss, ws, (x,) = models.mlp(batch=2048, width=width, layers=layers)
     return jax.value_and_grad(loss), ws, x
 
 

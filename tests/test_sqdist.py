@@ -72,7 +72,7 @@ def hard_inputs(draw):
     return x, y, g
 
 
-@settings(max_examples=60)
+@settings(max_examples=30)
 @given(hard_inputs())
 def test_sqdist_matches_the_direct_form(args):
     assert_as_jit(*args)
