@@ -281,10 +281,16 @@ def transform(
     return new
 
 
-def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
-    """Recompute cheap loop-invariant values inside loop bodies; records each move."""
+def run(
+    closed: ClosedJaxpr,
+    ctx: PassContext,
+    min_bytes: int = MIN_BYTES,
+    skip: Skip = lambda eqn: False,
+) -> ClosedJaxpr:
+    """Recompute cheap loop-invariant values of at least ``min_bytes`` inside the bodies of the
+    loops ``skip`` does not hold for; records each move."""
     records: list[PassRecord] = []
-    new = transform(closed, records)
+    new = transform(closed, records, min_bytes=min_bytes, skip=skip)
     for rec in records:
         ctx.record(rec)
     return new

@@ -18,7 +18,7 @@ from memsafe.graph import Graph, estimate
 from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.passes import recompute as recompute_pass
 from memsafe.passes.base import PassContext
-from memsafe.plan import PassRecord, SplitRecord
+from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
 from memsafe.split import online, recompute
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection
@@ -222,14 +222,8 @@ def _invariants_inside(
     ``[batch, heads, L, L]``), so that splitting a body chunks them with the rest; held
     outside, they stay whole beside the split body. Done after the top-level split, which may
     slice them per chunk instead; kept loops stay as they are."""
-    records: list[PassRecord] = []
     floor = max(recompute_pass.MIN_BYTES, ctx.temp_budget // SHARE)
-    new = recompute_pass.transform(
-        closed, records, min_bytes=floor, skip=lambda e: _is_kept(e, kept)
-    )
-    for rec in records:
-        ctx.record(rec)
-    return new
+    return recompute_pass.run(closed, ctx, min_bytes=floor, skip=lambda e: _is_kept(e, kept))
 
 
 def _live(graph: Graph, eqn: Any) -> int:
