@@ -7,15 +7,17 @@ from __future__ import annotations
 import json
 import sys
 
-import jax
-import numpy as np
-
-import memsafe
-from tests import mesh_checks as mc
-from tools.gpu_checks import MiB, _mesh, _peak
+from tools.gpu_checks import MiB, _mesh, _peak, _setup
 
 
 def main() -> int:
+    _setup()  # the GPU, allocating as it goes, as tools/gpu_checks runs its checks
+    import jax
+    import numpy as np
+
+    import memsafe
+    from tests import mesh_checks as mc
+
     rng = np.random.default_rng(3)
     q, k, v = (jax.device_put(rng.standard_normal((8, 8192, 64)).astype(np.float32)) for _ in "qkv")
     out = {"inputs": _peak()}
