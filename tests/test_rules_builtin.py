@@ -88,6 +88,7 @@ def test_sqdist_rewrite_is_a_gemm_clamped_at_zero():
     assert float(jnp.min(out)) >= 0.0  # the clamp: cancellation never gives negative distances
 
 
+@pytest.mark.slow  # 38 s of the default suite's 900 s budget; the unbatched forms run by default
 @settings(max_examples=6)
 @given(b=sizes, n=sizes, m=sizes, d=sizes)
 def test_batched_sqdist(b, n, m, d):
