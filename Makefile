@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 LINT := $(wildcard src tests benchmarks examples tools)
 
-.PHONY: demo test test-slow fuzz lint format bench bench-quick docs clean venv
+.PHONY: demo test test-full test-slow fuzz lint format bench bench-quick docs clean venv
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ test: $(STAMP)
 	$(BIN)/ruff check $(LINT)
 	$(BIN)/ruff format --check $(LINT)
 	$(BIN)/python -m pytest -n 2 -q
+
+# Every test, the slow ones included, with every property test's and fuzz seed's full count.
+test-full: $(STAMP)
+	MEMSAFE_FULL_TESTS=1 $(BIN)/python -m pytest -n 2 -q -m "" --timeout=3600
 
 test-slow: $(STAMP)
 	$(BIN)/python -m pytest -q -m slow --timeout=3600

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from tests.budget import FULL
 from tests.fuzz import generate, render
 from tests.fuzz.accuracy import check_leaf, error_scale
 from tests.fuzz.inputs import make_inputs
@@ -25,8 +26,8 @@ from tests.fuzz.runner import run_case, run_seed
 from tests.fuzz.schedule import TimedOut, run_all
 from tests.fuzz.wrappers import WRAPPERS
 
-#: Random programs in the default suite (about a second each).
-DEFAULT_CASES = 110
+#: Random programs run (a few seconds each): 50 in the default suite, 110 in ``make test-full``.
+DEFAULT_CASES = 110 if FULL else 50
 
 
 @pytest.mark.parametrize("seed", range(DEFAULT_CASES))

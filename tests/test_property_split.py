@@ -13,6 +13,7 @@ from jax import lax
 
 import memsafe
 from memsafe.xla import Footprint, memsafe_jit
+from tests.budget import examples
 
 BASES = {
     "dot": lambda x, y: x @ y.T,
@@ -59,7 +60,7 @@ def _values_at(s, idx, axis):
     return np.take_along_axis(s, idx[None, :], axis=0)
 
 
-@settings(max_examples=20)
+@settings(max_examples=examples(20))
 @given(
     n=st.integers(2, 48),
     m=st.integers(16, 3000),

@@ -15,6 +15,7 @@ from memsafe.passes.algebraic import rewritten
 from memsafe.passes.reorder import best_order, reorder_chains
 from memsafe.xla import memsafe_jit
 from tests.agree import assert_like_jit
+from tests.budget import examples
 
 dims = st.integers(1, 12)
 
@@ -62,7 +63,7 @@ def test_sums_are_products_with_ones():
         assert "ones" in rec.detail and rec.bytes_saved > 0
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(
     shape=st.lists(dims, min_size=4, max_size=6),
     vec_left=st.booleans(),

@@ -15,6 +15,7 @@ from memsafe.passes.algebraic import rewritten
 from memsafe.passes.match_replace import apply_rules
 from memsafe.rules import builtin_rules
 from memsafe.xla import memsafe_jit
+from tests.budget import examples
 
 sizes = st.integers(2, 9)
 
@@ -70,7 +71,7 @@ def test_each_sqdist_form_fires():
         assert fired(f, x, y) == ["pairwise_sqdist"], name
 
 
-@settings(max_examples=8)
+@settings(max_examples=examples(8))
 @given(n=sizes, m=sizes, d=sizes, seed=st.integers(0, 100))
 def test_sqdist_forms_agree_over_shapes(n, m, d, seed):
     x, y = _rand((n, d), seed), _rand((m, d), seed + 1)
@@ -104,7 +105,7 @@ def test_batched_sqdist(b, n, m, d):
     assert fired(forms, x, y, y2) == ["pairwise_sqdist"] * 4
 
 
-@settings(max_examples=6)
+@settings(max_examples=examples(6))
 @given(n=sizes, m=sizes, d=sizes)
 def test_l2_distance_and_cosine(n, m, d):
     x, y = _rand((n, d), 3), _rand((m, d), 4)

@@ -23,6 +23,7 @@ from memsafe.passes import schedule
 from memsafe.passes.base import PassContext
 from memsafe.plan import Plan
 from memsafe.xla import memsafe_jit
+from tests.budget import examples
 
 SHAPE = (2, 64, 64, 32)
 
@@ -283,7 +284,7 @@ def _build(spec):
     return f
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(_chain_over_multi_output())
 def test_property_chains_over_multi_output_producers_match_jit(spec):
     """However multi-output equations feed a chain's terms, the pass rewrites without error and

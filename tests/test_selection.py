@@ -14,6 +14,7 @@ from jax import lax
 import memsafe
 from memsafe.split.selection import block_length
 from tests.agree import assert_like_jit
+from tests.budget import examples
 
 SPECIALS = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
 TILED = "top_k in tiles"
@@ -90,7 +91,7 @@ def test_tiled_top_k_equals_jit(name, kind):
     assert_like_jit(out, lambda x, y: f(x, y, 5), x, y)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=examples(25), deadline=None)
 @given(
     n=st.integers(1, 24),
     m=st.integers(2000, 4000),

@@ -15,6 +15,7 @@ from memsafe.passes.algebraic import rewritten
 from memsafe.rules.sqdist import sqdist
 from memsafe.xla import memsafe_jit
 from tests.agree import assert_like_jit
+from tests.budget import examples
 from tests.fuzz.accuracy import check
 
 
@@ -72,7 +73,7 @@ def hard_inputs(draw):
     return x, y, g
 
 
-@settings(max_examples=30)
+@settings(max_examples=examples(30))
 @given(hard_inputs())
 def test_sqdist_matches_the_direct_form(args):
     assert_as_jit(*args)
