@@ -16,6 +16,7 @@ maxima the body reads and rescales its accumulators.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as Mapping_
 from dataclasses import dataclass, field
@@ -42,6 +43,11 @@ class Carry:
     loop visits the chunks last first (a scan from the end along the axis)."""
 
     reverse: bool = False
+
+    @property
+    def reads_state(self) -> bool:
+        """Whether the chunk body reads the running state (see :meth:`feed`)."""
+        return True
 
     def feed(self, state: Any) -> Any:
         """What the chunk body reads of the running state (None: nothing)."""
@@ -77,6 +83,10 @@ class Fold(Carry):
     #: (position in ``running``, equation, its rule) of the scans whose results after the last
     #: chunk (a loop's final carry) are results of this loop.
     finals: tuple[tuple[int, JaxprEqn, Running], ...] = ()
+
+    @property
+    def reads_state(self) -> bool:
+        return bool(self.running)
 
     def feed(self, state: tuple) -> dict[int, Any]:
         return dict(zip(self.running, state[1]))
@@ -189,7 +199,10 @@ def _loop(
     """The ``n_full`` full chunks in one ``lax.scan``: the first starts the carry (a
     ``lax.cond`` on the step), the others fold into it; (final state, written buffers).
 
-    The first chunk runs inside the loop, not before it: two regions that compute the same
+    Where the body reads nothing of the state, it runs once per step and the state is chosen
+    by the step (a cond's branch buffers cost more than the choice in programs whose whole
+    budget is a few hundred bytes). The first chunk runs inside the loop, not before it: two
+    regions that compute the same
     chunk (a forward and the backward that recomputes it) would otherwise each compute it at
     the top level, where XLA's CSE merges them and keeps the forward's chunk alive until the
     backward (the 4-block GPT gradient at L=4096: two 64 MiB values per layer, 889 MiB against
@@ -208,10 +221,19 @@ def _loop(
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state0)
     bufs = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals0, written.axes)]
 
+    def chosen(start: Any, state: Any, i: Any) -> tuple[Any, list[Any]]:
+        """A body that reads nothing of the state runs once; its first state is selected."""
+        parts, vals = full(start, operands, None)
+        pick = functools.partial(jnp.where, i == 0)
+        return jax.tree.map(pick, carry.start(parts), carry.fold(state, parts)), vals
+
     def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
         state, bufs = c
         start = start_of(i)
-        state, vals = lax.cond(i == 0, first, later, start, state)
+        if carry.reads_state:
+            state, vals = lax.cond(i == 0, first, later, start, state)
+        else:
+            state, vals = chosen(start, state, i)
         return (state, written.write(bufs, vals, start)), None
 
     steps = jnp.arange(0, n_full, dtype=jnp.int32)
