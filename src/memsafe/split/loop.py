@@ -1,13 +1,13 @@
 """The chunk loop: one driver for every split region, with a pluggable carry.
 
 A loop runs a *chunk body* (the region's equations at chunk shape) over the split axis: a
-``lax.scan`` over the full chunks, whose first step starts the carry with its partial results (a
-``lax.cond`` on the step, so no identity elements are needed) and whose later steps fold theirs
-in, then one evaluation at the remainder's own static shape (no padding, so nothing foreign
-reaches a max or a top_k). Chunk bodies are wrapped in
-``jax.checkpoint`` so that differentiating the emitted program does not store every chunk's
-intermediates. Values the region hands back along the axis are written into full buffers with
-``dynamic_update_slice``.
+``lax.scan`` over the full chunks, whose first step's partial results start the carry (chosen by
+the step, so no identity elements are needed) and whose later steps fold theirs in, then one
+evaluation at the remainder's own static shape (no padding, so nothing foreign reaches a max or
+a top_k). A body that reads the carry runs its first chunk before the scan (see :func:`_loop`).
+Chunk bodies are wrapped in ``jax.checkpoint`` so that differentiating the emitted program does
+not store every chunk's intermediates. Values the region hands back along the axis are written
+into full buffers with ``dynamic_update_slice``.
 
 What the loop carries between chunks is a :class:`Carry`: :class:`Fold` folds each sink's
 partials with its reducer; the online-softmax carry (``memsafe.split.online``) also keeps running
@@ -174,16 +174,40 @@ def chunked(
         return origin + (size - (i + 1) * chunk if carry.reverse else i * chunk)
 
     full = at(chunk)
-    if n_full > 1:
-        state, bufs = _loop(full, n_full, start_of, operands, carry, written, size)
-    else:
-        parts, vals = full(start_of(0), operands, None)
-        empty = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals, written.axes)]
-        state, bufs = carry.start(parts), written.write(empty, vals, start_of(0))
+    loop = _loop if n_full > 1 and not carry.reads_state else _peeled
+    state, bufs = loop(full, n_full, start_of, operands, carry, written, size)
     if rem:
         start = origin + (0 if carry.reverse else n_full * chunk)
         parts, vals = at(rem)(start, operands, carry.feed(state))
         state, bufs = carry.fold(state, parts), written.write(bufs, vals, start)
+    return state, bufs
+
+
+def _peeled(
+    full: Callable[..., tuple[Any, list[Any]]],
+    n_full: int,
+    start_of: Callable[[Any], Any],
+    operands: list[Any],
+    carry: Carry,
+    written: Written,
+    size: int,
+) -> tuple[Any, list[Any]]:
+    """The first full chunk before the loop (its partials start the carry), then a
+    ``lax.scan`` over the others, each reading the carry; (final state, written buffers)."""
+    parts, vals = full(start_of(0), operands, None)
+    empty = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals, written.axes)]
+    state, bufs = carry.start(parts), written.write(empty, vals, start_of(0))
+    if n_full < 2:
+        return state, bufs
+
+    def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
+        state, bufs = c
+        start = start_of(i)
+        parts, vals = full(start, operands, carry.feed(state))
+        return (carry.fold(state, parts), written.write(bufs, vals, start)), None
+
+    steps = jnp.arange(1, n_full, dtype=jnp.int32)
+    (state, bufs), _ = lax.scan(step, (state, bufs), steps)
     return state, bufs
 
 
@@ -196,44 +220,34 @@ def _loop(
     written: Written,
     size: int,
 ) -> tuple[Any, list[Any]]:
-    """The ``n_full`` full chunks in one ``lax.scan``: the first starts the carry (a
-    ``lax.cond`` on the step), the others fold into it; (final state, written buffers).
+    """The ``n_full`` full chunks of a body that reads nothing of the carry in one
+    ``lax.scan``, every step alike: the first step's state is its partials, chosen by the step,
+    later steps fold theirs in; (final state, written buffers).
 
-    Where the body reads nothing of the state, it runs once per step and the state is chosen
-    by the step (a cond's branch buffers cost more than the choice in programs whose whole
-    budget is a few hundred bytes). The first chunk runs inside the loop, not before it: two
-    regions that compute the same
+    The first chunk runs inside the loop, not before it: two regions that compute the same
     chunk (a forward and the backward that recomputes it) would otherwise each compute it at
     the top level, where XLA's CSE merges them and keeps the forward's chunk alive until the
     backward (the 4-block GPT gradient at L=4096: two 64 MiB values per layer, 889 MiB against
     a 512 MiB limit). ``lax.optimization_barrier`` does not stop that on the CPU (XLA expands
-    it before CSE)."""
+    it before CSE). A body that reads the carry (an online softmax's running maxima, a scan
+    along the axis) reads nothing on its first chunk, which therefore still runs before the
+    loop: the same step under a ``lax.cond`` made the split of gradients of such loops
+    explode (fuzz seed 422: over 400 s and 13 GB against 15 s)."""
 
-    def first(start: Any, state: Any) -> tuple[Any, list[Any]]:
+    def first(start: Any) -> tuple[Any, list[Any]]:
         parts, vals = full(start, operands, None)
         return carry.start(parts), vals
 
-    def later(start: Any, state: Any) -> tuple[Any, list[Any]]:
-        parts, vals = full(start, operands, carry.feed(state))
-        return carry.fold(state, parts), vals
-
-    state0, vals0 = jax.eval_shape(first, start_of(0), None)
+    state0, vals0 = jax.eval_shape(first, start_of(0))
     zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state0)
     bufs = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals0, written.axes)]
-
-    def chosen(start: Any, state: Any, i: Any) -> tuple[Any, list[Any]]:
-        """A body that reads nothing of the state runs once; its first state is selected."""
-        parts, vals = full(start, operands, None)
-        pick = functools.partial(jnp.where, i == 0)
-        return jax.tree.map(pick, carry.start(parts), carry.fold(state, parts)), vals
 
     def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
         state, bufs = c
         start = start_of(i)
-        if carry.reads_state:
-            state, vals = lax.cond(i == 0, first, later, start, state)
-        else:
-            state, vals = chosen(start, state, i)
+        parts, vals = full(start, operands, None)
+        pick = functools.partial(jnp.where, i == 0)
+        state = jax.tree.map(pick, carry.start(parts), carry.fold(state, parts))
         return (state, written.write(bufs, vals, start)), None
 
     steps = jnp.arange(0, n_full, dtype=jnp.int32)
