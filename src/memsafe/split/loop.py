@@ -4,7 +4,7 @@ A loop runs a *chunk body* (the region's equations at chunk shape) over the spli
 ``lax.scan`` over the full chunks, whose first step's partial results start the carry (chosen by
 the step, so no identity elements are needed) and whose later steps fold theirs in, then one
 evaluation at the remainder's own static shape (no padding, so nothing foreign reaches a max or
-a top_k). A body that reads the carry runs its first chunk before the scan (see :func:`_loop`).
+a top_k). A body that reads the carry runs its first chunk before the scan (``_Chunks``).
 Chunk bodies are wrapped in ``jax.checkpoint`` so that differentiating the emitted program does
 not store every chunk's intermediates. Values the region hands back along the axis are written
 into full buffers with ``dynamic_update_slice``.
@@ -173,9 +173,8 @@ def chunked(
         """Where the ``i``-th full chunk the loop visits starts (from the end in reverse)."""
         return origin + (size - (i + 1) * chunk if carry.reverse else i * chunk)
 
-    full = at(chunk)
-    loop = _loop if n_full > 1 and not carry.reads_state else _peeled
-    state, bufs = loop(full, n_full, start_of, operands, carry, written, size)
+    chunks = _Chunks(at(chunk), n_full, start_of, operands, carry, written, size)
+    state, bufs = chunks.in_loop() if n_full > 1 and not carry.reads_state else chunks.peeled()
     if rem:
         start = origin + (0 if carry.reverse else n_full * chunk)
         parts, vals = at(rem)(start, operands, carry.feed(state))
@@ -183,76 +182,77 @@ def chunked(
     return state, bufs
 
 
-def _peeled(
-    full: Callable[..., tuple[Any, list[Any]]],
-    n_full: int,
-    start_of: Callable[[Any], Any],
-    operands: list[Any],
-    carry: Carry,
-    written: Written,
-    size: int,
-) -> tuple[Any, list[Any]]:
-    """The first full chunk before the loop (its partials start the carry), then a
-    ``lax.scan`` over the others, each reading the carry; (final state, written buffers)."""
-    parts, vals = full(start_of(0), operands, None)
-    empty = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals, written.axes)]
-    state, bufs = carry.start(parts), written.write(empty, vals, start_of(0))
-    if n_full < 2:
+@dataclass(frozen=True)
+class _Chunks:
+    """The ``n_full`` full chunks of a loop, run by ``full`` (a chunk body at chunk length)
+    from ``start_of(i)``; each method returns (final state, written buffers of ``size``)."""
+
+    full: Callable[..., tuple[Any, list[Any]]]
+    n_full: int
+    start_of: Callable[[Any], Any]
+    operands: list[Any]
+    carry: Carry
+    written: Written
+    size: int
+
+    def _empty(self, vals: Sequence[Any]) -> list[Any]:
+        axes = self.written.axes
+        return [jnp.zeros(_with_axis(v, ax, self.size), v.dtype) for v, ax in zip(vals, axes)]
+
+    def peeled(self) -> tuple[Any, list[Any]]:
+        """The first chunk before the loop (its partials start the carry), then a
+        ``lax.scan`` over the others, each reading the carry."""
+        carry, written = self.carry, self.written
+        parts, vals = self.full(self.start_of(0), self.operands, None)
+        state = carry.start(parts)
+        bufs = written.write(self._empty(vals), vals, self.start_of(0))
+        if self.n_full < 2:
+            return state, bufs
+
+        def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
+            state, bufs = c
+            start = self.start_of(i)
+            parts, vals = self.full(start, self.operands, carry.feed(state))
+            return (carry.fold(state, parts), written.write(bufs, vals, start)), None
+
+        steps = jnp.arange(1, self.n_full, dtype=jnp.int32)
+        (state, bufs), _ = lax.scan(step, (state, bufs), steps)
         return state, bufs
 
-    def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
-        state, bufs = c
-        start = start_of(i)
-        parts, vals = full(start, operands, carry.feed(state))
-        return (carry.fold(state, parts), written.write(bufs, vals, start)), None
+    def in_loop(self) -> tuple[Any, list[Any]]:
+        """Every chunk of a body that reads nothing of the carry in one ``lax.scan``, each
+        step alike: the first step's state is its partials, chosen by the step, later steps
+        fold theirs in.
 
-    steps = jnp.arange(1, n_full, dtype=jnp.int32)
-    (state, bufs), _ = lax.scan(step, (state, bufs), steps)
-    return state, bufs
+        The first chunk runs inside the loop, not before it: two regions that compute the same
+        chunk (a forward and the backward that recomputes it) would otherwise each compute it
+        at the top level, where XLA's CSE merges them and keeps the forward's chunk alive until
+        the backward (the 4-block GPT gradient at L=4096: two 64 MiB values per layer, 889 MiB
+        against a 512 MiB limit). ``lax.optimization_barrier`` does not stop that on the CPU
+        (XLA expands it before CSE). A body that reads the carry (an online softmax's running
+        maxima, a scan along the axis) reads nothing on its first chunk, which therefore still
+        runs before the loop (:meth:`peeled`): the same step under a ``lax.cond`` made the split
+        of gradients of such loops explode (fuzz seed 422: over 400 s and 13 GB against 15 s)."""
+        carry, written = self.carry, self.written
 
+        def first(start: Any) -> tuple[Any, list[Any]]:
+            parts, vals = self.full(start, self.operands, None)
+            return carry.start(parts), vals
 
-def _loop(
-    full: Callable[..., tuple[Any, list[Any]]],
-    n_full: int,
-    start_of: Callable[[Any], Any],
-    operands: list[Any],
-    carry: Carry,
-    written: Written,
-    size: int,
-) -> tuple[Any, list[Any]]:
-    """The ``n_full`` full chunks of a body that reads nothing of the carry in one
-    ``lax.scan``, every step alike: the first step's state is its partials, chosen by the step,
-    later steps fold theirs in; (final state, written buffers).
+        state0, vals0 = jax.eval_shape(first, self.start_of(0))
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state0)
 
-    The first chunk runs inside the loop, not before it: two regions that compute the same
-    chunk (a forward and the backward that recomputes it) would otherwise each compute it at
-    the top level, where XLA's CSE merges them and keeps the forward's chunk alive until the
-    backward (the 4-block GPT gradient at L=4096: two 64 MiB values per layer, 889 MiB against
-    a 512 MiB limit). ``lax.optimization_barrier`` does not stop that on the CPU (XLA expands
-    it before CSE). A body that reads the carry (an online softmax's running maxima, a scan
-    along the axis) reads nothing on its first chunk, which therefore still runs before the
-    loop: the same step under a ``lax.cond`` made the split of gradients of such loops
-    explode (fuzz seed 422: over 400 s and 13 GB against 15 s)."""
+        def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
+            state, bufs = c
+            start = self.start_of(i)
+            parts, vals = self.full(start, self.operands, None)
+            pick = functools.partial(jnp.where, i == 0)
+            state = jax.tree.map(pick, carry.start(parts), carry.fold(state, parts))
+            return (state, written.write(bufs, vals, start)), None
 
-    def first(start: Any) -> tuple[Any, list[Any]]:
-        parts, vals = full(start, operands, None)
-        return carry.start(parts), vals
-
-    state0, vals0 = jax.eval_shape(first, start_of(0))
-    zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state0)
-    bufs = [jnp.zeros(_with_axis(v, ax, size), v.dtype) for v, ax in zip(vals0, written.axes)]
-
-    def step(c: tuple[Any, list[Any]], i: Any) -> tuple[tuple[Any, list[Any]], None]:
-        state, bufs = c
-        start = start_of(i)
-        parts, vals = full(start, operands, None)
-        pick = functools.partial(jnp.where, i == 0)
-        state = jax.tree.map(pick, carry.start(parts), carry.fold(state, parts))
-        return (state, written.write(bufs, vals, start)), None
-
-    steps = jnp.arange(0, n_full, dtype=jnp.int32)
-    (state, bufs), _ = lax.scan(step, (zeros, bufs), steps)
-    return state, bufs
+        steps = jnp.arange(0, self.n_full, dtype=jnp.int32)
+        (state, bufs), _ = lax.scan(step, (zeros, self._empty(vals0)), steps)
+        return state, bufs
 
 
 def _with_axis(value: Any, axis: int, size: int) -> tuple[int, ...]:
