@@ -1,4 +1,5 @@
-"""The chunk loop's emission (memsafe.split.loop): every full chunk runs inside the loop.
+"""The chunk loop's emission (memsafe.split.loop): where the chunk body reads nothing of the
+carry, every full chunk runs inside the loop.
 
 A forward region and the backward region that recomputes it compute the same first chunk from the
 same operands. Computed before each loop, at the program's top level, XLA's CSE merges the two and
