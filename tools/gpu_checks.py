@@ -4,6 +4,7 @@ own process so that the device's measured peak memory is the check's own.
     python -m tools.gpu_checks --out benchmarks/results/gpu/checks.json   # every check
     python -m tools.gpu_checks knn attention                              # some, printed
     python -m tools.gpu_checks --untuned --timeout 300 knn                # autotuner off
+    python -m tools.gpu_checks --verbose knn                              # with memsafe's log
 
 Each check compares memsafe's answer with plain jax.jit's on the same GPU (or a float64 reference
 where jax.jit does not fit), asserts the compiled per-device footprint is under the limit, and
@@ -42,6 +43,9 @@ def _peak() -> int | None:
 
 #: Set (by ``--untuned``) for every check's process: XLA's GPU autotuner off in every compile.
 UNTUNED = "MEMSAFE_GPU_CHECKS_UNTUNED"
+#: Set (by ``--verbose``) for every check's process: memsafe's log at INFO (each compile attempt
+#: and its seconds), kept in the check's result.
+VERBOSE = "MEMSAFE_GPU_CHECKS_VERBOSE"
 
 
 def _options() -> dict[str, Any]:
@@ -238,6 +242,10 @@ def run_one(name: str) -> dict:
     _setup()
     import jax
 
+    if os.environ.get(VERBOSE):
+        import memsafe
+
+        memsafe.set_verbosity("info")
     result = {"check": name, "device": jax.devices()[0].device_kind, "jax": jax.__version__,
               "compiler_options": _options()}  # fmt: skip
     start = time.perf_counter()
@@ -258,7 +266,10 @@ def _run_child(name: str, timeout: float | None) -> dict:
         tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
         return {"check": name, "status": "timeout", "timeout_s": timeout, "stderr": tail}
     if proc.returncode == 0:
-        return json.loads(proc.stdout.strip().splitlines()[-1])
+        result = json.loads(proc.stdout.strip().splitlines()[-1])
+        if os.environ.get(VERBOSE):
+            result["log"] = proc.stderr[-3000:]
+        return result
     return {"check": name, "status": "failed", "stderr": proc.stderr[-3000:]}
 
 
@@ -268,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", help="a JSON file for every check's result")
     parser.add_argument("--timeout", type=float, default=None, help="seconds per check")
     parser.add_argument("--untuned", action="store_true", help="XLA's GPU autotuner off")
+    parser.add_argument("--verbose", action="store_true", help="memsafe's log in each result")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # the child process: one check
     args = parser.parse_args(argv)
     if args.one:
@@ -275,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.untuned:
         os.environ[UNTUNED] = "1"  # read by each check's process
+    if args.verbose:
+        os.environ[VERBOSE] = "1"
     results, failed = [], 0
     for name in args.checks:
         res = _run_child(name, args.timeout)
