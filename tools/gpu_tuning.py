@@ -86,7 +86,7 @@ def _report(variants: dict[str, dict]) -> dict:
     return report
 
 
-def speed_cap(n: int, limit: int, rounds: int) -> dict:
+def speed_cap(n: int, limit: int, rounds: int, caps: dict[str, int]) -> dict:
     """The kernel matvec at n=m, d=3, under ``limit``: memsafe at several speed caps."""
     import jax
     import numpy as np
@@ -98,7 +98,6 @@ def speed_cap(n: int, limit: int, rounds: int) -> dict:
     x, y, v = (jax.device_put(a) for a in ex.make_inputs(n, n, 3))
     ls = jax.device_put(np.float32(0.5))
     args = (x, y, v, ls)
-    caps = {"32MiB": 32 * MiB, "128MiB": 128 * MiB, "512MiB": 512 * MiB, "off": 1 << 62}
     variants = {
         f"memsafe cap {name}": _planned(
             ex.gaussian_kernel_matvec,
@@ -123,7 +122,7 @@ def speed_cap(n: int, limit: int, rounds: int) -> dict:
     return {"n": n, "limit": limit, "variants": _report(variants)}
 
 
-def tile_width(n: int, m: int, limit: int, rounds: int) -> dict:
+def tile_width(n: int, m: int, limit: int, rounds: int, tiles: dict[str, int]) -> dict:
     """The L2 kNN (expanded) n x m x 64, k=10, under ``limit``: tiles of several widths."""
     import jax
 
@@ -132,7 +131,6 @@ def tile_width(n: int, m: int, limit: int, rounds: int) -> dict:
 
     x, y = (jax.device_put(a) for a in ex.make_inputs(n, m, 64))
     fun = functools.partial(ex.FUNCTIONS["l2_expanded"], k=10)
-    tiles = {"10MiB": 10 * MiB, "40MiB": 40 * MiB, "160MiB": 160 * MiB, "640MiB": 640 * MiB}
     variants = {
         f"tiles {name}": _planned(
             fun, (x, y), limit - i, functools.partial(_constant, selection, "TILE_BYTES", tile)
@@ -143,10 +141,16 @@ def tile_width(n: int, m: int, limit: int, rounds: int) -> dict:
     variants["stored chunks"] = _planned(fun, (x, y), limit - len(tiles), no_tiles)
     _timed_rounds(variants, rounds)
     report = _report(variants)
-    base = variants["tiles 10MiB"]["out"][1]
+    base = next(iter(variants.values()))["out"][1]
     for name, v in variants.items():  # near-ties fall either way at TF32 (see gpu_selection)
         report[name]["same_indices"] = float((v["out"][1] == base).mean())
     return {"n": n, "m": m, "limit": limit, "variants": report}
+
+
+def _mib(values: str) -> dict[str, int]:
+    """``"32,128,off"`` as {"32MiB": 32 MiB, ..., "off": no cap}."""
+    return {(f"{v}MiB" if v != "off" else v): (int(v) * MiB if v != "off" else 1 << 62)
+            for v in values.split(",")}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -154,6 +158,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--small", action="store_true", help="CPU-sized smoke run")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--only", choices=("cap", "tiles"), default=None)
+    parser.add_argument("--caps", default="32,128,512", help="speed caps, MiB (off: none)")
+    parser.add_argument("--tiles", default="10,40,160,640", help="tile widths, MiB")
+    parser.add_argument("--matvec", default="100000,1000000", help="kernel matvec sizes n=m")
     args = parser.parse_args(argv)
 
     import jax
@@ -161,12 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     result: dict[str, Any] = {"device": jax.devices()[0].device_kind, "jax": jax.__version__}
     if args.only in (None, "tiles"):
         sizes = (2_000, 65_536, 64 * MiB) if args.small else (10_000, 1_000_000, 1 << 30)
-        result["tile_width"] = tile_width(*sizes, args.rounds)
+        result["tile_width"] = tile_width(*sizes, args.rounds, _mib(args.tiles))
         print(json.dumps(result["tile_width"]), file=sys.stderr, flush=True)
     if args.only in (None, "cap"):
-        for n in (5_000,) if args.small else (100_000, 1_000_000):
+        for n in (5_000,) if args.small else map(int, args.matvec.split(",")):
             limit = 64 * MiB if args.small else 1 << 30
-            result.setdefault("speed_cap", []).append(speed_cap(n, limit, args.rounds))
+            run = speed_cap(n, limit, args.rounds, _mib(args.caps))
+            result.setdefault("speed_cap", []).append(run)
             print(json.dumps(result["speed_cap"][-1]), file=sys.stderr, flush=True)
     print(json.dumps(result, indent=1))
     return 0

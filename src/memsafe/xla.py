@@ -48,7 +48,13 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
 #: over the limit would then allocate its largest intermediates on the device (measured on an
 #: H100 with jax 0.11.2: 32 GiB, attention's whole scores at L=32,768, while planning under a
 #: 2 GiB limit). memsafe compiles a program it expects over the limit with autotuning off.
-GPU_MEASURE_OPTIONS: dict[str, Any] = {"xla_gpu_autotune_level": 0}
+#: XLA's fusion autotuner, which compares its own emitters with Triton's for each fusion, is
+#: another option: with it on, and the kernel autotuner off, the compile of a broadcast kNN's
+#: original program (256 x 1M x 64 differences) ran past 200 s on an H100, compiling one fusion.
+GPU_MEASURE_OPTIONS: dict[str, Any] = {
+    "xla_gpu_autotune_level": 0,
+    "xla_gpu_experimental_enable_fusion_autotuner": False,
+}
 
 
 #: XLA's while-loop invariant code motion moves a loop's invariant operations out of the loop,
