@@ -280,3 +280,16 @@ def test_compiling_the_original_beside_the_first_attempt_changes_no_plan(fun, mo
     assert str(sequential.plan(*args)) == str(plan)
     for a, b in zip(jax.tree_util.tree_leaves(out), jax.tree_util.tree_leaves(expected)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_arguments_over_the_limit_are_refused_after_one_compile(caplog):
+    """Where the arguments alone exceed the limit, no attempt is made beside the original: its
+    compile ends in the refusal (an attempt without room can be slow to compile on a GPU)."""
+    x, y, _ = _inputs()
+    caplog.set_level(logging.INFO, logger="memsafe")
+    small = memsafe.jit(_knn, memory_limit=x.nbytes + y.nbytes - 1)
+    with pytest.raises(memsafe.MemoryLimitError, match="arguments and outputs alone"):
+        small(x, y)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("original program compiled" in m for m in messages), messages
+    assert not any("attempt 1" in m for m in messages), messages

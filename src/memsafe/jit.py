@@ -374,13 +374,18 @@ def _speculative_fixed(
 ) -> int | None:
     """The arguments' and outputs' bytes as XLA counts them on this backend (a tuple of
     outputs adds a pointer each), when the original's estimated ``peak`` is over
-    SPECULATE_ABOVE times the limit and nothing is donated; else None (no speculation)."""
+    SPECULATE_ABOVE times the limit, nothing is donated and those bytes fit the limit; else None
+    (no speculation: where they exceed it, the original's compile ends in a refusal, and an
+    attempt planned without room can be a program XLA is slow to compile: on an H100, the
+    one-GPU kNN check's first attempt under 96 MiB, with its 256 MiB database, compiled for
+    over 190 s where the original compiled in 0.2 s)."""
     if donate or peak <= SPECULATE_ABOVE * memory_limit:
         return None
     arguments = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars)
     outs = closed.jaxpr.outvars
     table = 8 * len(outs) if len(outs) > 1 else 0
-    return arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
+    fixed = arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
+    return fixed if fixed <= memory_limit else None
 
 
 @dataclass
