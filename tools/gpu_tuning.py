@@ -1,9 +1,10 @@
-"""Two of the planner's speed constants measured on one device, to set them per backend:
+"""The planner's speed constants (:mod:`memsafe.split.speed`) measured on one device, to set
+them per backend:
 
-- ``memsafe.split.size.SPEED_CHUNK_BYTES``, the cap on a memory-bound chunk's modelled bytes, on
-  the Gaussian-kernel matvec (beside the hand-chunked ``lax.map`` peer);
-- ``memsafe.split.selection.TILE_BYTES``, the width of the tiled top-k selection's tiles, on the
-  L2 kNN (beside the stored chunk, no tiles).
+- ``chunk_bytes``, the cap on a memory-bound chunk's modelled bytes, on the Gaussian-kernel
+  matvec (beside the hand-chunked ``lax.map`` peer);
+- ``tile_bytes``, the width of the tiled top-k selection's tiles, on the L2 kNN (beside the
+  stored chunk, no tiles).
 
     python -m tools.gpu_tuning > tuning.json         # the GPU sizes
     python -m tools.gpu_tuning --small               # a smoke run on the CPU
@@ -18,6 +19,7 @@ against the first variant (the current constant).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import sys
@@ -37,6 +39,14 @@ def _constant(module: Any, name: str, value: Any) -> Iterator[None]:
         yield
     finally:
         setattr(module, name, saved)
+
+
+def _speed(**changes: int) -> Any:
+    """A context in which the planner's speed constants are this backend's with ``changes``."""
+    from memsafe.split import speed
+
+    changed = dataclasses.replace(speed.current(), **changes)
+    return _constant(speed, "current", lambda: changed)
 
 
 def _planned(fun: Callable, args: tuple, limit: int, setting: Callable[[], Any]) -> dict:
@@ -93,7 +103,6 @@ def speed_cap(n: int, limit: int, rounds: int, caps: dict[str, int]) -> dict:
 
     from benchmarks.peers import chunked_jax
     from examples import kernel_matvec as ex
-    from memsafe.split import size
 
     x, y, v = (jax.device_put(a) for a in ex.make_inputs(n, n, 3))
     ls = jax.device_put(np.float32(0.5))
@@ -103,7 +112,7 @@ def speed_cap(n: int, limit: int, rounds: int, caps: dict[str, int]) -> dict:
             ex.gaussian_kernel_matvec,
             args,
             limit - i,
-            functools.partial(_constant, size, "SPEED_CHUNK_BYTES", cap),
+            functools.partial(_speed, chunk_bytes=cap),
         )
         for i, (name, cap) in enumerate(caps.items())
     }
@@ -133,7 +142,7 @@ def tile_width(n: int, m: int, limit: int, rounds: int, tiles: dict[str, int]) -
     fun = functools.partial(ex.FUNCTIONS["l2_expanded"], k=10)
     variants = {
         f"tiles {name}": _planned(
-            fun, (x, y), limit - i, functools.partial(_constant, selection, "TILE_BYTES", tile)
+            fun, (x, y), limit - i, functools.partial(_speed, tile_bytes=tile)
         )
         for i, (name, tile) in enumerate(tiles.items())
     }

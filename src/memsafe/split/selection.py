@@ -41,7 +41,7 @@ from jax import lax
 from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import body as body_split
-from memsafe.split import peephole, sinks, topk
+from memsafe.split import peephole, sinks, speed, topk
 from memsafe.split.loop import ChunkEnv, Fold, Runner, Written, operand_axes
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, NoRule, running_along
@@ -59,9 +59,6 @@ class Loop(Protocol):
     surviving: tuple[Var, ...]
 
 
-#: Bytes of one tile of the operand. First pass of a 10,000 x 131,072 x 64 L2 kNN on this CPU
-#: (2 cores, YNNPACK off), by tile width: 256 positions (10 MiB) 1.20 s, 512 1.25 s, 1,024 1.34 s.
-TILE_BYTES = 10 << 20
 #: Positions per block (memsafe.split.topk's longest): in the same pass blocks of 32 reduce at
 #: 135-139 GFLOP/s, 64 at 82-88 and 16 at 115.
 BLOCK = topk.MAX_BLOCK
@@ -275,7 +272,8 @@ def plan(graph: Graph, region: Region, loop: Loop, chunk: int) -> FusedTopK | No
     row_body = body_split.chunk_body(cone, reached, 1, [v.aval for v in cone.jaxpr.invars])
     itemsize = operand_var.aval.dtype.itemsize
     budget = rows * chunk * itemsize // SHARE
-    tile = min(max(g, TILE_BYTES // (rows * itemsize) // g * g), chunk - chunk % g)
+    tile_bytes = speed.current().tile_bytes  # per backend (memsafe.split.speed)
+    tile = min(max(g, tile_bytes // (rows * itemsize) // g * g), chunk - chunk % g)
     step = min(max(budget // (rows * itemsize) * g // tile * tile, k * g), size - size % g)
     per_row = k * g * (_column_bytes(region, loop.sliced, row_axes, rows) + 4 * itemsize)
     batch = int(min(rows, ROW_BATCH, max(1, budget // max(per_row, 1))))

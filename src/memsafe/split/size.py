@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from memsafe._jax import Var
 from memsafe.graph import Graph
 from memsafe.primitives import FUSIBLE
+from memsafe.split import speed
 from memsafe.split.emit import Split
 from memsafe.split.region import Region, SplitFailure
 from memsafe.split.sinks import TOP_K, Sink
@@ -194,14 +195,6 @@ def two_chunks(graph: Graph, split: Split, plan: ChunkPlan) -> ChunkPlan | None:
     return dataclasses.replace(plan, chunk=chunk, loops=loops, halved=True)
 
 
-#: Modelled bytes per chunk above which a larger chunk no longer runs faster, for memory-bound
-#: regions, whose chunk values run fastest while they stay near the caches: the Gaussian-kernel
-#: matvec at n=m=100k (1 GiB budget, one process, 3 interleaved runs) took 4.10 s with this cap
-#: (20-row chunks), 4.30 s at 64 MiB, 4.62 s at 128 MiB, 4.86 s at 256 MiB, 5.01 s at 640 MiB
-#: and 4.57 s at 16 MiB; lax.map in batches of 256 took 4.87 s. Regions with a matrix-matrix
-#: product are exempt (the SGPR gradient at N=200k ran 14.3 s capped, 12.1 s not), and so are
-#: chunks feeding a top_k sink, which pays a top_k call per row and chunk.
-SPEED_CHUNK_BYTES = 32 * 2**20
 #: Free size on each side from which a dot_general counts as a matrix-matrix product.
 GEMM_SIDE = 64
 
@@ -225,10 +218,15 @@ def _has_gemm(graph: Graph, region: Region) -> bool:
 
 
 def speed_cap(graph: Graph, region: Region, plan: ChunkPlan) -> ChunkPlan:
-    """``plan`` with its chunk lowered to SPEED_CHUNK_BYTES of modelled values, where that helps."""
+    """``plan`` with its chunk lowered to the backend's speed cap of modelled values
+    (``chunk_bytes`` of :mod:`memsafe.split.speed`), where that helps: a memory-bound region's
+    chunks run fastest near the caches (CPU) or in few long iterations (GPU). Regions with a
+    matrix-matrix product are exempt (the SGPR gradient at N=200k ran 14.3 s capped, 12.1 s not,
+    on a CPU), and so are chunks feeding a top_k sink, which pays a top_k call per row and
+    chunk."""
     if any(s.reducer is TOP_K for s in region.sinks.values()) or _has_gemm(graph, region):
         return plan
-    cap = max(SPEED_CHUNK_BYTES // max(plan.per_unit, 1), 1)
+    cap = max(speed.current().chunk_bytes // max(plan.per_unit, 1), 1)
     if plan.chunk <= cap:
         return plan
     chunk, loops = _evened(plan.share, cap, _lowest(graph, region))
