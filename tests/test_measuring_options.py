@@ -17,7 +17,11 @@ jit_module = importlib.import_module("memsafe.jit")  # memsafe.jit is also the f
 
 def test_gpu_measuring_compiles_turn_autotuning_off(monkeypatch):
     monkeypatch.setattr(xla.jax, "default_backend", lambda: "gpu")
-    assert xla.measuring_options({"user": 1}) == {"user": 1, "xla_gpu_autotune_level": 0}
+    assert xla.measuring_options({"user": 1}) == {
+        "user": 1,
+        "xla_gpu_autotune_level": 0,
+        "xla_gpu_experimental_enable_fusion_autotuner": False,
+    }
 
 
 def test_cpu_measuring_options_are_memsafes_options():
