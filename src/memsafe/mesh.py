@@ -24,7 +24,7 @@ device), verified against the limit like a one-device program.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -283,10 +283,14 @@ class Sharded:
 
 @dataclass(frozen=True)
 class ShardedRun:
-    """A chunk-loop runner (memsafe.split.loop.Runner) over the devices of a mesh: manual over
-    the layout's manual axes, its batch axes left to XLA's partitioner."""
+    """A chunk-loop runner (memsafe.split.loop.DevicesRunner) over the devices of a mesh:
+    manual over the layout's manual axes, its batch axes left to XLA's partitioner."""
 
     layout: mesh_layout.Layout
+
+    @property
+    def devices(self) -> int:
+        return self.layout.devices
 
     def __call__(
         self,
@@ -298,33 +302,66 @@ class ShardedRun:
         written: Written,
         axes: Sequence[int | None] = (),
     ) -> tuple[list[Any], list[Any]]:
-        devices, names = self.layout.devices, self.layout.manual
-        share, rest = divmod(size, devices)
+        share = size // self.devices
+        out_bufs = [
+            _spec(ax, len(v.aval.shape), self.layout.manual)
+            for v, ax in zip(written.values, written.axes)
+        ]
+
+        def per_device(ops: list[Any], origin: Any) -> tuple[Any, list[Any]]:
+            state, bufs = chunk_loop.chunked(body, share, chunk, ops, carry, written, origin)
+            return carry.across(state, self.layout.manual, ops), bufs
+
+        state, bufs = self._on_shares(per_device, share, operands, axes, (P(), out_bufs))
+        if size % self.devices:
+            rest = size % self.devices
+            state, bufs = _last(body, size - rest, rest, operands, carry, written, state, bufs)
+        return carry.results(state), bufs
+
+    def each(
+        self,
+        local: Callable[[list[Any], Any, int], Any],
+        size: int,
+        operands: list[Any],
+        axes: Sequence[int | None],
+        carry: Carry,
+    ) -> Any:
+        share = size // self.devices
+
+        def per_device(ops: list[Any], origin: Any) -> Any:
+            return carry.across(local(ops, origin, share), self.layout.manual, ops)
+
+        return self._on_shares(per_device, share, operands, axes, P())
+
+    def _on_shares(
+        self,
+        per_device: Callable[[list[Any], Any], Any],
+        share: int,
+        operands: list[Any],
+        axes: Sequence[int | None],
+        out_specs: Any,
+    ) -> Any:
+        """``per_device(operands on this device, origin)`` under ``jax.shard_map``: the operands
+        sliced along the axis cut to the devices' equal shares of ``share`` and sharded, the
+        others read whole (split over the batch mesh axes by XLA)."""
+        names = self.layout.manual
         main = [
-            self._batched(op) if ax is None else _cut(op, ax, share * devices, rest)
+            self._batched(op) if ax is None else _cut(op, ax, share * self.devices)
             for op, ax in zip(operands, axes)
         ]
         in_specs = tuple(_spec(ax, jnp.ndim(op), names) for op, ax in zip(operands, axes))
-        out_bufs = [
-            _spec(ax, len(v.aval.shape), names) for v, ax in zip(written.values, written.axes)
-        ]
 
-        def per_device(*ops: Any) -> tuple[Any, list[Any]]:
-            origin = lax.axis_index(names) * share
-            state, bufs = chunk_loop.chunked(body, share, chunk, list(ops), carry, written, origin)
-            return carry.across(state, names, list(ops)), bufs
+        def run(*ops: Any) -> Any:
+            return per_device(list(ops), lax.axis_index(names) * share)
 
-        state, bufs = jax.shard_map(
-            per_device,
+        return jax.shard_map(
+            run,
             mesh=self.layout.mesh,
             in_specs=in_specs,
-            out_specs=(P(), out_bufs),
+            out_specs=out_specs,
             axis_names=frozenset(names),
             check_vma=False,
         )(*main)
-        if rest:
-            state, bufs = _last(body, share * devices, rest, operands, carry, written, state, bufs)
-        return carry.results(state), bufs
 
     def _batched(self, op: Any) -> Any:
         """An operand the loop reads whole, split over the layout's batch mesh axes along its
@@ -336,9 +373,9 @@ class ShardedRun:
         return lax.with_sharding_constraint(op, NamedSharding(self.layout.mesh, spec))
 
 
-def _cut(op: Any, axis: int, n: int, rest: int) -> Any:
+def _cut(op: Any, axis: int, n: int) -> Any:
     """The first ``n`` positions of ``op`` along ``axis`` (the devices' equal shares)."""
-    return lax.slice_in_dim(op, 0, n, axis=axis) if rest else op
+    return op if jnp.shape(op)[axis] == n else lax.slice_in_dim(op, 0, n, axis=axis)
 
 
 def _last(

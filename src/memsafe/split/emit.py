@@ -90,11 +90,12 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
 
 def tiled_selection(graph: Graph, split: Split, chunk: int) -> selection.FusedTopK | None:
     """The loop of ``split`` that runs its ``top_k`` in tiles (memsafe.split.selection), if any:
-    a staged split on one device (the loops :func:`_loop_group` runs with the plain runner)."""
-    if not isinstance(split, StagedSplit) or split.same:
+    a staged split, on one device or sharded over a mesh (``.inner``: memsafe.mesh)."""
+    inner = getattr(split, "inner", split)
+    if not isinstance(inner, StagedSplit) or inner.same:
         return None
     for lp in plan_loops(graph, split.region):
-        fused = selection.plan(graph, split.region, lp, chunk)
+        fused = selection.plan(graph, split.region, lp, chunk, split.devices)
         if fused is not None:
             return fused
     return None
@@ -110,11 +111,12 @@ def _loop_group(
     same: bool = False,
 ):
     """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``
-    (a lone ``top_k`` along the axis on one device: in tiles, memsafe.split.selection). With
-    ``same``, the values are computed as in every other loop of the region (no peephole moves,
-    no tiles)."""
-    tiled = runner is chunk_loop.run and not same
-    fused = selection.plan(graph, region, loop, chunk) if tiled else None
+    (a lone ``top_k`` along the axis: in tiles, memsafe.split.selection). With ``same``, the
+    values are computed as in every other loop of the region (no peephole moves, no tiles)."""
+    sharded = isinstance(runner, chunk_loop.DevicesRunner)
+    tiled = (runner is chunk_loop.run or sharded) and not same
+    devices = runner.devices if sharded else 1
+    fused = selection.plan(graph, region, loop, chunk, devices) if tiled else None
     if fused is not None:
         return loop.group(dead, functools.partial(fused.run, runner=runner))
     eqns = graph.eqns

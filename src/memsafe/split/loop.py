@@ -20,7 +20,7 @@ import functools
 from collections.abc import Callable, Sequence
 from collections.abc import Mapping as Mapping_
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -141,6 +141,35 @@ def local_start(start: Any, length: int) -> Any:
 #: the split axis of each operand or None where it is read whole) -> (sink results, buffers).
 #: :func:`run` runs it on one device; memsafe.mesh shards the axis over devices.
 Runner = Callable[..., tuple[list[Any], list[Any]]]
+
+
+@runtime_checkable
+class DevicesRunner(Protocol):
+    """A :data:`Runner` over the devices of a mesh (memsafe.mesh.ShardedRun) that also runs any
+    computation over each device's share of the axis."""
+
+    @property
+    def devices(self) -> int:
+        """Devices sharing the axis, each over an equal share."""
+        ...
+
+    def __call__(
+        self, body: Body, size: int, chunk: int, operands: list[Any], carry: Carry,
+        written: Written, axes: Sequence[int | None] = (),
+    ) -> tuple[list[Any], list[Any]]: ...  # fmt: skip
+
+    def each(
+        self,
+        local: Callable[[list[Any], Any, int], Any],
+        size: int,
+        operands: list[Any],
+        axes: Sequence[int | None],
+        carry: Carry,
+    ) -> Any:
+        """``local(operands on this device, origin, share)``, a state of ``carry``, on every
+        device over its share of positions ``[0, size)`` (``size`` a multiple of
+        :attr:`devices`), combined across devices by ``carry.across``."""
+        ...
 
 
 def operand_axes(

@@ -42,7 +42,15 @@ from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import body as body_split
 from memsafe.split import peephole, sinks, speed, topk
-from memsafe.split.loop import ChunkEnv, Fold, Runner, Written, operand_axes
+from memsafe.split.loop import (
+    ChunkEnv,
+    DevicesRunner,
+    Fold,
+    Runner,
+    Written,
+    chunked,
+    operand_axes,
+)
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, NoRule, running_along
 from memsafe.split.sinks import Sink
@@ -131,16 +139,23 @@ class FusedTopK:
     rows_per_batch: int
     row_axes: tuple[int | None, ...]  # the row axis of each sliced, then whole, operand
     row_body: ClosedJaxpr  # the operand of one row: (row, start, *sliced cut, *whole cut)
+    devices: int = 1  # devices sharing the axis (memsafe.mesh), each over an equal share
+
+    @property
+    def share(self) -> int:
+        """Positions each device selects from (one device: the whole axis); on a mesh the last
+        ``size % devices`` positions come after the devices' results are merged."""
+        return self.operand.region.size // self.devices
 
     @property
     def blocked(self) -> int:
-        """Positions in whole blocks: the loop runs over them, the rest come after it."""
-        size = self.operand.region.size
-        return size - size % self.block
+        """Positions of a share in whole blocks: the loop runs over them, the rest of the share
+        joins the candidates after it."""
+        return self.share - self.share % self.block
 
     @property
     def loops(self) -> int:
-        """Chunks the loop runs."""
+        """Chunks the loop runs (on each device)."""
         return -(-self.blocked // self.step)
 
     def describe(self) -> str:
@@ -152,24 +167,59 @@ class FusedTopK:
 
     def run(self, operands: list[Any], runner: Runner) -> list[Any]:
         """The ``top_k``'s values and indices from the loop's operands (sliced, then whole), its
-        chunks run by ``runner``."""
-        eqn = self.operand.graph.eqns[self.operand.sink]
-        carry = Fold(((eqn, Sink(sinks.TOP_K, (1,))),))
+        chunks run by ``runner`` (on a mesh: :meth:`_run_sharded`)."""
+        if self.devices > 1:
+            return self._run_sharded(operands, runner)
         op = self.operand
         n_sliced = len(op.sliced)
         axes = operand_axes(op.region.axis_of, op.sliced, op.whole)
-
-        def chunk_body(start: Any, n: int, ops: list[Any], fed: Any) -> tuple[Any, list[Any]]:
-            del fed
-            maxima = self._maxima(start, n, ops[:n_sliced], ops[n_sliced:])
-            vals, ids = topk.top_k(maxima, min(self.k, n // self.block))
-            first = lax.div(start, jnp.int32(self.block)).astype(ids.dtype)
-            return ([(vals, ids + first)], []), []
-
         (_, ids), _ = runner(
-            chunk_body, self.blocked, self.step, operands, carry, Written((), ()), axes
-        )
-        return self._finish(ids, operands[:n_sliced], operands[n_sliced:], eqn)
+            self._chunk_body, self.blocked, self.step, operands, self._carry(), Written((), ()),
+            axes,
+        )  # fmt: skip
+        vals, idx = self._finish(ids, operands[:n_sliced], operands[n_sliced:])
+        return [vals, idx]
+
+    @property
+    def _eqn(self) -> Any:
+        return self.operand.graph.eqns[self.operand.sink]
+
+    def _carry(self) -> Fold:
+        return Fold(((self._eqn, Sink(sinks.TOP_K, (1,))),))
+
+    def _chunk_body(self, start: Any, n: int, ops: list[Any], fed: Any) -> tuple[Any, list[Any]]:
+        """First pass over one chunk: each row's k best blocks (global block numbers)."""
+        del fed
+        n_sliced = len(self.operand.sliced)
+        maxima = self._maxima(start, n, ops[:n_sliced], ops[n_sliced:])
+        vals, ids = topk.top_k(maxima, min(self.k, n // self.block))
+        first = lax.div(start, jnp.int32(self.block)).astype(ids.dtype)
+        return ([(vals, ids + first)], []), []
+
+    def _run_sharded(self, operands: list[Any], runner: DevicesRunner) -> list[Any]:
+        """Both passes on every device over its share, as on one device (``runner.each``,
+        memsafe.mesh), the devices' k best merged in device order, then the positions after
+        the equal shares (as the plain sharded loop runs them)."""
+        op, eqn, carry = self.operand, self._eqn, self._carry()
+        n_sliced = len(op.sliced)
+        axes = operand_axes(op.region.axis_of, op.sliced, op.whole)
+
+        def local(ops: list[Any], origin: Any, share: int) -> tuple:
+            # positions from 0 in the device's own share: its block numbers, then shifted
+            state, _ = chunked(self._chunk_body, self.blocked, self.step, ops, carry,
+                               Written((), ()))  # fmt: skip
+            _, ids = carry.results(state)
+            return [self._finish(ids, ops[:n_sliced], ops[n_sliced:], origin)], []
+
+        devices = self.devices
+        state = runner.each(local, self.share * devices, operands, axes, carry)
+        size, start = op.region.size, self.share * devices
+        if start < size:
+            tail = op.at(jnp.int32(start), size - start, operands[:n_sliced],
+                         operands[n_sliced:])  # fmt: skip
+            part = sinks.TOP_K.partial(eqn, [tail], 1, jnp.int32(start), size - start)
+            state = carry.fold(state, ([part], []))
+        return carry.results(state)
 
     def _maxima(self, start: Any, n: int, sliced: list[Any], whole: list[Any]) -> Any:
         """Block maxima of positions ``[start, start + n)``, tile by tile: (rows, n // block)."""
@@ -188,8 +238,24 @@ class FusedTopK:
             parts.append(tile(start + n_tiles * self.tile, rest))
         return jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
 
-    def _finish(self, ids: Any, sliced: list[Any], whole: list[Any], eqn: Any) -> list[Any]:
-        """``top_k`` of the chosen blocks' candidates, recomputed row by row, and of the tail."""
+    def _finish(self, ids: Any, sliced: list[Any], whole: list[Any], origin: Any = 0) -> tuple:
+        """``top_k`` of the chosen blocks' candidates, recomputed row by row, and of the share's
+        positions after its whole blocks; ``ids`` and the operands are one share's, whose
+        first position is ``origin`` on the axis."""
+        cands, pos = self._candidates(ids, sliced, whole)
+        share, blocked = self.share, self.blocked
+        if blocked < share:
+            tail = self.operand.at(jnp.int32(blocked), share - blocked, sliced, whole)
+            tail_pos = jnp.broadcast_to(jnp.arange(blocked, share, dtype=pos.dtype), tail.shape)
+            cands = jnp.concatenate([cands, tail], axis=1)
+            pos = jnp.concatenate([pos, tail_pos], axis=1)
+        vals, at = lax.top_k(cands, self.k)
+        idx = jnp.take_along_axis(pos, at, axis=1) + jnp.asarray(origin, pos.dtype)
+        return vals, idx.astype(self._eqn.outvars[1].aval.dtype)
+
+    def _candidates(self, ids: Any, sliced: list[Any], whole: list[Any]) -> tuple[Any, Any]:
+        """The operand at the chosen blocks ``ids`` of each row (block numbers in ``sliced``),
+        recomputed row by row, and their positions in ``sliced``, in their original order."""
         rows, g = ids.shape[0], self.block
         ids = lax.sort(ids, dimension=1)  # candidates in their original order
         pos = (ids[:, :, None] * g + jnp.arange(g, dtype=ids.dtype)).reshape(rows, -1)
@@ -212,15 +278,7 @@ class FusedTopK:
         cands = lax.map(
             row, (jnp.arange(rows, dtype=jnp.int32), ids), batch_size=self.rows_per_batch
         )
-        size, blocked = self.operand.region.size, self.blocked
-        if blocked < size:
-            tail = self.operand.at(jnp.int32(blocked), size - blocked, sliced, whole)
-            tail_pos = jnp.broadcast_to(jnp.arange(blocked, size, dtype=pos.dtype), tail.shape)
-            cands = jnp.concatenate([cands, tail], axis=1)
-            pos = jnp.concatenate([pos, tail_pos], axis=1)
-        vals, at = lax.top_k(cands, self.k)
-        idx = jnp.take_along_axis(pos, at, axis=1)
-        return [vals, idx.astype(eqn.outvars[1].aval.dtype)]
+        return cands, pos
 
 
 def _windows(value: Any, chosen: Any, g: int, axis: int, r: Any, row_axis: int | None) -> Any:
@@ -246,9 +304,12 @@ def _row_of(value: Any, axis: int | None, r: Any) -> Any:
     return value if axis is None else lax.dynamic_slice_in_dim(value, r, 1, axis)
 
 
-def plan(graph: Graph, region: Region, loop: Loop, chunk: int) -> FusedTopK | None:
-    """The fused form of ``loop`` (a stage of ``region`` run in chunks of ``chunk``), or None
-    where it does not qualify (see the module doc) or cannot pay."""
+def plan(
+    graph: Graph, region: Region, loop: Loop, chunk: int, devices: int = 1
+) -> FusedTopK | None:
+    """The fused form of ``loop`` (a stage of ``region`` run in chunks of ``chunk``, on each of
+    ``devices`` sharing the axis), or None where it does not qualify (see the module doc) or
+    cannot pay."""
     sink = _lone_top_k(graph, region, loop)
     if sink is None:
         return None
@@ -256,7 +317,7 @@ def plan(graph: Graph, region: Region, loop: Loop, chunk: int) -> FusedTopK | No
     operand_var = eqn.invars[0]
     rows, size = operand_var.aval.shape
     k = int(eqn.params["k"])
-    g = block_length(size, k)
+    g = block_length(size // devices, k)  # every device selects from its own share
     if g is None or rows < 1 or chunk < g or operand_var.aval.dtype == jnp.bool_:
         return None
     operand = _Operand(graph, region, loop.eqns, sink, loop.sliced, loop.whole)
@@ -274,10 +335,11 @@ def plan(graph: Graph, region: Region, loop: Loop, chunk: int) -> FusedTopK | No
     budget = rows * chunk * itemsize // SHARE
     tile_bytes = speed.current().tile_bytes  # per backend (memsafe.split.speed)
     tile = min(max(g, tile_bytes // (rows * itemsize) // g * g), chunk - chunk % g)
-    step = min(max(budget // (rows * itemsize) * g // tile * tile, k * g), size - size % g)
+    share = size // devices
+    step = min(max(budget // (rows * itemsize) * g // tile * tile, k * g), share - share % g)
     per_row = k * g * (_column_bytes(region, loop.sliced, row_axes, rows) + 4 * itemsize)
     batch = int(min(rows, ROW_BATCH, max(1, budget // max(per_row, 1))))
-    return FusedTopK(operand, k, g, tile, step, batch, row_axes, row_body)
+    return FusedTopK(operand, k, g, tile, step, batch, row_axes, row_body, devices)
 
 
 def _lone_top_k(graph: Graph, region: Region, loop: Loop) -> int | None:
