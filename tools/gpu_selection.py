@@ -1,8 +1,9 @@
 """The tiled top-k selection (:mod:`memsafe.split.selection`) against the stored chunk, on one
-device: the same L2 kNN under the same limit, planned once with the tiled selection and once
-without it, timed alternately in one process.
+device or a mesh: the same L2 kNN under the same limit, planned once with the tiled selection
+and once without it, timed in one process.
 
     python -m tools.gpu_selection                       # 10k x 1M x 64, k=10, 1 GiB
+    python -m tools.gpu_selection --n 2000 --m 262144 --limit 64MiB --mesh 8   # 8 CPU devices
     python -m tools.gpu_selection --n 2000 --m 65536    # smaller, for a CPU smoke run
 
 Prints one JSON object: per variant its first call (planning and compiling), the fastest and
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import statistics
 import sys
 import time
@@ -35,13 +37,13 @@ def _without_tiles():
         selection.plan = saved
 
 
-def _variant(fun, x, y, limit: str, repeats: int) -> tuple[Any, dict]:
+def _variant(fun, x, y, limit: str, repeats: int, mesh: Any = None) -> tuple[Any, dict]:
     import jax
 
     import memsafe
 
     memsafe.cache.clear()
-    safe = memsafe.jit(fun, memory_limit=limit)
+    safe = memsafe.jit(fun, memory_limit=limit, mesh=mesh)
     start = time.perf_counter()
     out = jax.block_until_ready(safe(x, y))
     first = time.perf_counter() - start
@@ -68,26 +70,34 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--k", type=int, default=10)
     parser.add_argument("--limit", default="1GiB")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--mesh", type=int, default=0, help="devices of a 1-D mesh (CPU: host)")
     args = parser.parse_args(argv)
+    if args.mesh:  # before JAX starts: on the CPU, that many host devices
+        flags = os.environ.get("XLA_FLAGS", "")
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.mesh}"
 
     import jax
     import numpy as np
+    from jax.sharding import Mesh
 
     from examples import knn as ex
 
     x, y = (jax.device_put(a) for a in ex.make_inputs(args.n, args.m, args.d))
     fun = functools.partial(ex.FUNCTIONS["l2_expanded"], k=args.k)
+    mesh = Mesh(np.array(jax.devices()[: args.mesh]), ("d",)) if args.mesh else None
     result: dict[str, Any] = {
         "device": jax.devices()[0].device_kind,
         "jax": jax.__version__,
         "shape": [args.n, args.m, args.d, args.k],
         "limit": args.limit,
+        "mesh_devices": args.mesh or None,
     }
-    (_, tiled_idx), result["tiled"] = _variant(fun, x, y, args.limit, args.repeats)
+    (_, tiled_idx), result["tiled"] = _variant(fun, x, y, args.limit, args.repeats, mesh)
     with _without_tiles():
-        (_, stored_idx), result["stored"] = _variant(fun, x, y, args.limit, args.repeats)
+        (_, stored_idx), result["stored"] = _variant(fun, x, y, args.limit, args.repeats, mesh)
     result["same_indices"] = float(np.mean(np.asarray(tiled_idx) == np.asarray(stored_idx)))
     result["stored_over_tiled"] = result["stored"]["min_s"] / result["tiled"]["min_s"]
+    result["load_average"] = os.getloadavg()
     print(json.dumps(result, indent=1))
     return 0
 
