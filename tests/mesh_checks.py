@@ -276,6 +276,50 @@ def check_train_step() -> None:
           f"{grad:.2f} MiB")  # fmt: skip
 
 
+def accumulate(x, a, ws, c0):
+    """A scan whose body sums over the rows of ``h`` into its carry (a gradient accumulated
+    over a batch, layer after layer), from a carry that does not start at zero."""
+    h = jnp.tanh(x @ a)
+
+    def body(c, w):
+        return c + jnp.sum(jnp.tanh(h * w), 0), None
+
+    return lax.scan(body, c0, ws)[0]
+
+
+def layered_loss(ws, x, y):
+    """An MLP whose layers run as a ``lax.scan`` over their stacked weights (flax ``nn.scan``)."""
+    h, _ = lax.scan(lambda h, w: (jnp.tanh(h @ w), None), x, ws)
+    return jnp.mean((h - y) ** 2)
+
+
+def check_summed_scan() -> None:
+    """Loop bodies that sum over the split axis, sharded over 8 devices (each device's shares,
+    then a psum): the gradient of an MLP written as a scan over its layers, data parallel, and
+    a scan accumulating into a carry that starts at 1000 (counted once: the first device starts
+    from it, the others from zero), an axis 8 divides and one it does not."""
+    rng = np.random.default_rng(6)
+    ws = (rng.standard_normal((6, 256, 256)) / 32).astype(np.float32)
+    x, y = (rng.standard_normal((16384, 256)).astype(np.float32) for _ in range(2))
+    grad = jax.grad(layered_loss)
+    want = memsafe_jit(grad)(ws, x, y)
+    f = memsafe.jit(grad, memory_limit=12 * MiB, mesh=mesh8())  # jax.jit: 371 MiB
+    np.testing.assert_allclose(f(ws, x, y), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
+    split = f.plan(ws, x, y).splits[0]
+    assert split.devices == 8 and footprint(f, ws, x, y) <= 12 * MiB, f.plan(ws, x, y)
+    for n in (8 * 4096, 8 * 4096 + 3):
+        x = rng.standard_normal((n, 64)).astype(np.float32)
+        a = (rng.standard_normal((64, 256)) / 8).astype(np.float32)
+        ws = rng.standard_normal((5, 256)).astype(np.float32)
+        c0 = np.full(256, 1000.0, np.float32)
+        f = memsafe.jit(accumulate, memory_limit=6 * MiB, mesh=mesh8())
+        want = memsafe_jit(accumulate)(x, a, ws, c0)
+        np.testing.assert_allclose(f(x, a, ws, c0), want, rtol=1e-5)
+        assert f.plan(x, a, ws, c0).splits[0].devices == 8
+        assert footprint(f, x, a, ws, c0) <= 6 * MiB
+    print("summed scans: sharded, equal to jax.jit")
+
+
 CHECKS = {
     "knn": check_knn,
     "uneven": check_knn_uneven,
@@ -284,6 +328,7 @@ CHECKS = {
     "sgpr": check_sgpr,
     "mesh_2d": check_mesh_2d,
     "train_step": check_train_step,
+    "summed_scan": check_summed_scan,
     "knn_1m": lambda: check_knn(1 << 20, 96 * MiB),
 }
 

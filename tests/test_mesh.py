@@ -42,6 +42,12 @@ def test_knn_database_over_the_per_device_limit_and_uneven_axes():
     assert "uneven: equal to jax.jit" in out
 
 
+def test_loop_bodies_summing_over_the_sharded_axis():
+    """A scan over layers whose body sums over the batch (parameter gradients), data parallel
+    over 8 devices, and a carry accumulated from a non-zero start, counted once."""
+    assert "summed scans: sharded" in run_checks("summed_scan")
+
+
 @pytest.mark.slow
 def test_placements_and_attention():
     """Inputs on one device, sharded along another axis, the mesh carried by the arguments or

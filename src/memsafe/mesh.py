@@ -192,7 +192,8 @@ class Sharding:
         if region.size < layout.devices:
             raise SplitFailure(f"the axis ({region.size}) is shorter than the mesh")
         for i, m in region.maps.items():
-            if isinstance(m, Mapping) and running_along(graph.eqns[i], m) is not None:
+            run = running_along(graph.eqns[i], m) if isinstance(m, Mapping) else None
+            if run is not None and not run.shardable:
                 raise SplitFailure(
                     "a scan along the axis cannot be sharded over devices", graph.eqns[i]
                 )
@@ -309,7 +310,8 @@ class ShardedRun:
         ]
 
         def per_device(ops: list[Any], origin: Any) -> tuple[Any, list[Any]]:
-            state, bufs = chunk_loop.chunked(body, share, chunk, ops, carry, written, origin)
+            fed = carry.first_feed(origin == 0)  # the first device starts from the loop's start
+            state, bufs = chunk_loop.chunked(body, share, chunk, ops, carry, written, origin, fed)
             return carry.across(state, self.layout.manual, ops), bufs
 
         state, bufs = self._on_shares(per_device, share, operands, axes, (P(), out_bufs))

@@ -131,7 +131,10 @@ def _loop_group(
     finals = tuple(
         (k, eqns[i], run) for k, (i, run) in enumerate(zip(running, rules)) if i in loop.threads
     )
-    carry = Fold(tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse, finals)
+    carry = Fold(
+        tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse, finals,
+        tuple(zip((eqns[i] for i in running), rules)),
+    )  # fmt: skip
     written = Written.of(loop.surviving, region.axis_of)
     n_sliced = len(loop.sliced)
 

@@ -53,6 +53,11 @@ class Carry:
         """What the chunk body reads of the running state (None: nothing)."""
         return None
 
+    def first_feed(self, first: Any) -> Any:
+        """What a device's first chunk reads, where the loop runs over devices (``first``: a
+        traced bool, whether the device holds the axis's first positions); None: nothing."""
+        return None
+
     def start(self, parts: Any) -> Any:
         """The state after the first chunk."""
         return parts
@@ -83,6 +88,8 @@ class Fold(Carry):
     #: (position in ``running``, equation, its rule) of the scans whose results after the last
     #: chunk (a loop's final carry) are results of this loop.
     finals: tuple[tuple[int, JaxprEqn, Running], ...] = ()
+    #: (equation, its rule) of each of ``running`` (to combine their carries across devices).
+    rules: tuple[tuple[JaxprEqn, Running], ...] = ()
 
     @property
     def reads_state(self) -> bool:
@@ -104,11 +111,24 @@ class Fold(Carry):
         sunk = [r for (_, s), a in zip(self.sinks, state[0]) for r in s.reducer.finish(a)]
         return sunk + [r for k, eqn, run in self.finals for r in run.finals(eqn, state[1][k])]
 
+    def first_feed(self, first: Any) -> dict[int, Any] | None:
+        """Each running equation's :class:`DeviceStart` (shardable rules only, memsafe.mesh)."""
+        return {i: DeviceStart(first) for i in self.running} if self.running else None
+
     def across(self, state: tuple, axis_name: Any, operands: list[Any]) -> tuple:
-        if self.running:
-            raise NotImplementedError("a scan along the axis cannot combine across devices")
         parts = [s.reducer.across(e, p, axis_name) for (e, s), p in zip(self.sinks, state[0])]
-        return parts, state[1]
+        carried = [run.across(e, c, axis_name) for (e, run), c in zip(self.rules, state[1])]
+        return parts, carried
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["first"], meta_fields=[])
+@dataclass(frozen=True)
+class DeviceStart:
+    """What a running equation reads on a device's first chunk, where the loop runs over
+    devices (:meth:`memsafe.split.registry.Running.device_start`); a pytree (chunk bodies are
+    traced under ``jax.checkpoint``)."""
+
+    first: Any  # traced bool: the device holds the axis's first positions
 
 
 @dataclass(frozen=True)
@@ -188,9 +208,11 @@ def chunked(
     carry: Carry,
     written: Written,
     origin: Any = 0,
+    first_fed: Any = None,
 ) -> tuple[Any, list[Any]]:
     """Run ``body`` over positions ``[origin, origin + size)`` of the axis in chunks of
-    ``chunk``; (the carry's final state, written buffers of length ``size``)."""
+    ``chunk``, the first chunk reading ``first_fed`` (:meth:`Carry.first_feed`); (the carry's
+    final state, written buffers of length ``size``)."""
 
     def at(n: int) -> Callable[..., tuple[Any, list[Any]]]:
         return jax.checkpoint(lambda start, ops, fed: body(start, n, ops, fed))
@@ -202,7 +224,7 @@ def chunked(
         """Where the ``i``-th full chunk the loop visits starts (from the end in reverse)."""
         return origin + (size - (i + 1) * chunk if carry.reverse else i * chunk)
 
-    chunks = _Chunks(at(chunk), n_full, start_of, operands, carry, written, size)
+    chunks = _Chunks(at(chunk), n_full, start_of, operands, carry, written, size, first_fed)
     state, bufs = chunks.in_loop() if n_full > 1 and not carry.reads_state else chunks.peeled()
     if rem:
         start = origin + (0 if carry.reverse else n_full * chunk)
@@ -223,6 +245,7 @@ class _Chunks:
     carry: Carry
     written: Written
     size: int
+    first_fed: Any = None  # what the first chunk reads (a device's first: Carry.first_feed)
 
     def _empty(self, vals: Sequence[Any]) -> list[Any]:
         axes = self.written.axes
@@ -232,7 +255,7 @@ class _Chunks:
         """The first chunk before the loop (its partials start the carry), then a
         ``lax.scan`` over the others, each reading the carry."""
         carry, written = self.carry, self.written
-        parts, vals = self.full(self.start_of(0), self.operands, None)
+        parts, vals = self.full(self.start_of(0), self.operands, self.first_fed)
         state = carry.start(parts)
         bufs = written.write(self._empty(vals), vals, self.start_of(0))
         if self.n_full < 2:
@@ -371,6 +394,8 @@ class ChunkEnv:
         run = running_along(eqn, m)
         prev = None if run is None or self.carried is None else self.carried.get(i)
         invals = self.invals(i)
+        if isinstance(prev, DeviceStart):  # a device's first chunk (memsafe.mesh)
+            invals, prev = run.device_start(eqn, invals, m, prev.first), None
         if prev is not None:
             invals = run.feed(eqn, invals, prev)
         outs = peephole.bind_mapped(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 from jax import lax
@@ -94,6 +94,21 @@ class Running:
         """The results that exist only after the last chunk (those ``mapping.outs`` marks
         None), from the value carried out of it."""
         return []
+
+    #: Whether a loop with this equation can run over devices, each over its share of the axis
+    #: (memsafe.mesh): a device's chunks then depend on its own earlier chunks only.
+    shardable: ClassVar[bool] = False
+
+    def device_start(
+        self, eqn: JaxprEqn, invals: list[Any], mapping: Mapping, first: Any
+    ) -> list[Any]:
+        """The operands of a device's first chunk, where the loop runs over devices (``first``:
+        a traced bool, whether this device holds the axis's first positions)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run over devices")
+
+    def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
+        """The values every device carried out of its share, combined (inside ``shard_map``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot run over devices")
 
 
 @dataclass(frozen=True)

@@ -100,6 +100,23 @@ class Summed(Running):
     def finals(self, eqn: JaxprEqn, carried: Any) -> list[Any]:
         return [carried[k] for k in sorted(carried)]
 
+    shardable = True  # each device's shares add up like a chunk's
+
+    def device_start(
+        self, eqn: JaxprEqn, invals: list[Any], mapping: Mapping, first: Any
+    ) -> list[Any]:
+        """A device's first chunk starts its summed carries from the initial carry on the first
+        device and from zero on the others (the initial value is then counted once)."""
+        consts, carry = scan_counts(eqn.params)
+        fed = list(invals)
+        for k in (k for k, a in enumerate(mapping.outs[:carry]) if a is None):
+            v = fed[consts + k]
+            fed[consts + k] = jnp.where(first, v, jnp.full(v.shape, additive_identity(v.dtype)))
+        return fed
+
+    def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
+        return {k: lax.psum(v, axis_name) for k, v in carried.items()}
+
 
 def _body_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[dict[int, int], dict[int, int]]:
     """(body input seeds, body output seeds) for the axis at ``side``: scanned inputs and stacked
