@@ -7,8 +7,10 @@ reads whole are replicated, each device runs the ordinary chunk loop over its sh
 chosen from the per-device budget), and the sinks' running results are combined across devices
 by their reducers' ``across`` (sums and contractions with ``psum``; max, min, argmax, argmin,
 top-k and picks gathered and folded in device order, so ties and NaN keep the one-device answer;
-online-softmax accumulators rescaled to the merged maxima). Values the region writes along the
-axis come back sharded. An axis that does not divide evenly runs its last ``size % devices``
+online-softmax accumulators rescaled to the merged maxima; a loop body's sums over the axis, such
+as a scan over layers accumulating parameter gradients over the batch, with ``psum``, the first
+device starting them from the loop's initial carry and the others from zero). Values the region
+writes along the axis come back sharded. An axis that does not divide evenly runs its last ``size % devices``
 positions as one more chunk after the devices' results are combined (replicated; no padding
 reaches a max or a top-k). Program inputs the sharded loops slice are placed sharded along the
 axis; others are replicated.

@@ -16,6 +16,10 @@ such a loop runs in two passes:
    operands and the blocks' positions of the others, and ``top_k`` of those ``k * block``
    candidates and of the last ``size % block`` positions, computed directly.
 
+On a mesh (memsafe.mesh) each device runs both passes over its own share of the axis and keeps
+its k best; the devices' results are merged in device order, then the positions after the equal
+shares, as the sharded chunk loop merges a ``top_k``.
+
 The argument of :mod:`memsafe.split.topk` makes this exact, ties included: only the k blocks with
 the best maxima can hold a top-k element, and candidates keep their original order. The passes
 compute the operand in different products (a tile's GEMM, a row's product with its gathered
@@ -177,8 +181,7 @@ class FusedTopK:
             self._chunk_body, self.blocked, self.step, operands, self._carry(), Written((), ()),
             axes,
         )  # fmt: skip
-        vals, idx = self._finish(ids, operands[:n_sliced], operands[n_sliced:])
-        return [vals, idx]
+        return list(self._finish(ids, operands[:n_sliced], operands[n_sliced:]))
 
     @property
     def _eqn(self) -> Any:
@@ -205,15 +208,15 @@ class FusedTopK:
         axes = operand_axes(op.region.axis_of, op.sliced, op.whole)
 
         def local(ops: list[Any], origin: Any, share: int) -> tuple:
+            del share  # self.share
             # positions from 0 in the device's own share: its block numbers, then shifted
             state, _ = chunked(self._chunk_body, self.blocked, self.step, ops, carry,
                                Written((), ()))  # fmt: skip
             _, ids = carry.results(state)
             return [self._finish(ids, ops[:n_sliced], ops[n_sliced:], origin)], []
 
-        devices = self.devices
-        state = runner.each(local, self.share * devices, operands, axes, carry)
-        size, start = op.region.size, self.share * devices
+        size, start = op.region.size, self.share * self.devices
+        state = runner.each(local, start, operands, axes, carry)
         if start < size:
             tail = op.at(jnp.int32(start), size - start, operands[:n_sliced],
                          operands[n_sliced:])  # fmt: skip
