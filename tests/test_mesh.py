@@ -49,6 +49,12 @@ def test_loop_bodies_summing_over_the_sharded_axis():
 
 
 @pytest.mark.slow
+def test_flax_nn_scan_transformer_data_parallel():
+    """A flax transformer over ``nn.scan`` layers: loss and gradient with the batch sharded."""
+    assert "flax nn.scan" in run_checks("flax_scan")
+
+
+@pytest.mark.slow
 def test_placements_and_attention():
     """Inputs on one device, sharded along another axis, the mesh carried by the arguments or
     set with jax.set_mesh; attention with the keys sharded, forward and gradient."""
