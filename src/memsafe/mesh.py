@@ -10,10 +10,10 @@ top-k and picks gathered and folded in device order, so ties and NaN keep the on
 online-softmax accumulators rescaled to the merged maxima; a loop body's sums over the axis, such
 as a scan over layers accumulating parameter gradients over the batch, with ``psum``, the first
 device starting them from the loop's initial carry and the others from zero). Values the region
-writes along the axis come back sharded. An axis that does not divide evenly runs its last ``size % devices``
-positions as one more chunk after the devices' results are combined (replicated; no padding
-reaches a max or a top-k). Program inputs the sharded loops slice are placed sharded along the
-axis; others are replicated.
+writes along the axis come back sharded. An axis that does not divide evenly runs its last
+``size % devices`` positions as one more chunk after the devices' results are combined
+(replicated; no padding reaches a max or a top-k). Program inputs the sharded loops slice are
+placed sharded along the axis; others are replicated.
 
 On a mesh with several axes the loop may run over some of them only (memsafe.mesh_layout): the
 others split an input the loop reads whole (a kNN's queries while its database runs over the
