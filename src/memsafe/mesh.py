@@ -317,25 +317,23 @@ class ShardedRun:
             return carry.across(state, self.layout.manual, ops), bufs
 
         state, bufs = self._on_shares(per_device, share, operands, axes, (P(), out_bufs))
-        if size % self.devices:
-            rest = size % self.devices
+        rest = size % self.devices
+        if rest:
             state, bufs = _last(body, size - rest, rest, operands, carry, written, state, bufs)
         return carry.results(state), bufs
 
     def each(
         self,
-        local: Callable[[list[Any], Any, int], Any],
+        local: Callable[[list[Any], Any], Any],
         size: int,
         operands: list[Any],
         axes: Sequence[int | None],
         carry: Carry,
     ) -> Any:
-        share = size // self.devices
-
         def per_device(ops: list[Any], origin: Any) -> Any:
-            return carry.across(local(ops, origin, share), self.layout.manual, ops)
+            return carry.across(local(ops, origin), self.layout.manual, ops)
 
-        return self._on_shares(per_device, share, operands, axes, P())
+        return self._on_shares(per_device, size // self.devices, operands, axes, P())
 
     def _on_shares(
         self,

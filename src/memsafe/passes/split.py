@@ -21,7 +21,7 @@ from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
 from memsafe.split import online, recompute
-from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection
+from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, speed_cap, two_chunks
 
@@ -284,7 +284,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
         if chunk.floored:
             ctx.block(_floor_blocker(graph, var, region.seed_axis, chunk))
         new = emit(closed, graph, split, chunk.chunk)
-        inner = recompute.unwrapped(split)
+        inner = unwrapped(split)
         if isinstance(inner, StagedSplit) and inner.same:
             old = _loop_bodies(closed)
             kept |= {k: b for k, b in _loop_bodies(new).items() if k not in old}

@@ -88,10 +88,17 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
     return loops
 
 
+def unwrapped(split: Any) -> Any:
+    """The split a mesh wrapper (``.inner``) shards, or ``split`` itself."""
+    while hasattr(split, "inner"):
+        split = split.inner
+    return split
+
+
 def tiled_selection(graph: Graph, split: Split, chunk: int) -> selection.FusedTopK | None:
     """The loop of ``split`` that runs its ``top_k`` in tiles (memsafe.split.selection), if any:
-    a staged split, on one device or sharded over a mesh (``.inner``: memsafe.mesh)."""
-    inner = getattr(split, "inner", split)
+    a staged split, on one device or sharded over a mesh (memsafe.mesh)."""
+    inner = unwrapped(split)
     if not isinstance(inner, StagedSplit) or inner.same:
         return None
     for lp in plan_loops(graph, split.region):

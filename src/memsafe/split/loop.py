@@ -180,15 +180,15 @@ class DevicesRunner(Protocol):
 
     def each(
         self,
-        local: Callable[[list[Any], Any, int], Any],
+        local: Callable[[list[Any], Any], Any],
         size: int,
         operands: list[Any],
         axes: Sequence[int | None],
         carry: Carry,
     ) -> Any:
-        """``local(operands on this device, origin, share)``, a state of ``carry``, on every
-        device over its share of positions ``[0, size)`` (``size`` a multiple of
-        :attr:`devices`), combined across devices by ``carry.across``."""
+        """``local(operands on this device, origin)``, a state of ``carry``, on every device
+        over its share of positions ``[0, size)`` (``size`` a multiple of :attr:`devices`),
+        combined across devices by ``carry.across``."""
         ...
 
 

@@ -24,15 +24,8 @@ from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
 from memsafe.graph.interpret import any_eqn
 from memsafe.primitives import compares_floats
-from memsafe.split.emit import StagedSplit, plan_loops
+from memsafe.split.emit import StagedSplit, plan_loops, unwrapped
 from memsafe.split.region import Region
-
-
-def unwrapped(split: Any) -> Any:
-    """The split a mesh wrapper (``.inner``) shards, or ``split`` itself."""
-    while hasattr(split, "inner"):
-        split = split.inner
-    return split
 
 
 def cost(graph: Graph, split: Any) -> dict[str, int]:

@@ -207,8 +207,7 @@ class FusedTopK:
         n_sliced = len(op.sliced)
         axes = operand_axes(op.region.axis_of, op.sliced, op.whole)
 
-        def local(ops: list[Any], origin: Any, share: int) -> tuple:
-            del share  # self.share
+        def local(ops: list[Any], origin: Any) -> tuple:
             # positions from 0 in the device's own share: its block numbers, then shifted
             state, _ = chunked(self._chunk_body, self.blocked, self.step, ops, carry,
                                Written((), ()))  # fmt: skip
