@@ -293,20 +293,30 @@ def layered_loss(ws, x, y):
     return jnp.mean((h - y) ** 2)
 
 
+def fori_layered_loss(ws, x, y):
+    """:func:`layered_loss` as a ``fori_loop``: its counter is a carry the same on every device."""
+    h = lax.fori_loop(0, len(ws), lambda i, h: jnp.tanh(h @ ws[i]), x)
+    return jnp.mean((h - y) ** 2)
+
+
 def check_summed_scan() -> None:
     """Loop bodies that sum over the split axis, sharded over 8 devices (each device's shares,
     then a psum): the gradient of an MLP written as a scan over its layers, data parallel, and
+    the same as a ``fori_loop`` (its counter, read whole, taken from each device as it is), and
     a scan accumulating into a carry that starts at 1000 (counted once: the first device starts
     from it, the others from zero), an axis 8 divides and one it does not."""
     rng = np.random.default_rng(6)
     ws = (rng.standard_normal((6, 256, 256)) / 32).astype(np.float32)
     x, y = (rng.standard_normal((16384, 256)).astype(np.float32) for _ in range(2))
-    grad = jax.grad(layered_loss)
-    want = memsafe_jit(grad)(ws, x, y)
-    f = memsafe.jit(grad, memory_limit=12 * MiB, mesh=mesh8())  # jax.jit: 371 MiB
-    np.testing.assert_allclose(f(ws, x, y), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max()))
-    split = f.plan(ws, x, y).splits[0]
-    assert split.devices == 8 and footprint(f, ws, x, y) <= 12 * MiB, f.plan(ws, x, y)
+    for loss in (layered_loss, fori_layered_loss):
+        grad = jax.grad(loss)
+        want = memsafe_jit(grad)(ws, x, y)
+        f = memsafe.jit(grad, memory_limit=12 * MiB, mesh=mesh8())  # jax.jit: 371 MiB
+        np.testing.assert_allclose(
+            f(ws, x, y), want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max())
+        )
+        split = f.plan(ws, x, y).splits[0]
+        assert split.devices == 8 and footprint(f, ws, x, y) <= 12 * MiB, f.plan(ws, x, y)
     for n in (8 * 4096, 8 * 4096 + 3):
         x = rng.standard_normal((n, 64)).astype(np.float32)
         a = (rng.standard_normal((64, 256)) / 8).astype(np.float32)

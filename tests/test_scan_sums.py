@@ -195,3 +195,56 @@ def test_answers_equal_jax_jit_with_nan_and_inf():
     want = memsafe_jit(fun)(ws, x)
     np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
     assert_like_jit(got, fun, ws, x)
+
+
+def test_a_fori_loop_over_layers_gives_its_counter_from_any_chunk():
+    """``fori_loop`` over layers carries its counter beside the rows: the counter reads nothing
+    of the batch, every chunk's loop gives the same one, and the batch still splits (the
+    weights' gradient summed over the chunks, the counter's final value taken once)."""
+
+    def fun(ws, x):
+        def loss(ws, x):
+            h = lax.fori_loop(0, T, lambda i, h: jnp.tanh(h @ ws[i]), x)
+            return jnp.sum(h**2)
+
+        return jax.grad(loss, argnums=(0, 1))(ws, x)
+
+    _fits(fun, _inputs())
+
+
+def test_results_the_same_on_every_chunk_are_not_summed():
+    """A carry started at 10 and a stacked output that read nothing of the rows come out once,
+    not once per chunk; the rows' own results split as before."""
+
+    def fun(ws, x):
+        def step(carry, w):
+            h, k = carry
+            wide = jnp.tile(w, (1, 16))
+            z = jnp.tanh(h @ wide)  # [B, 16 D]
+            return (jnp.tanh(z @ wide.T / 16), k + jnp.sum(w)), k * 2.0
+
+        (h, k), ks = lax.scan(step, (x, jnp.full((), 10.0, x.dtype)), ws)
+        return h, k, ks
+
+    ws, x = _inputs()
+    scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
+    inner = scan.params["jaxpr"].jaxpr
+    got = body.propagate(inner, {0: 0}, [(0, 0), (1, 1)], sums=True)
+    assert inner.outvars[1] not in got.axes and not got.result_shares(inner)
+    limit = limit_between(fun, (ws, x), 1 / 4)
+    f = memsafe.jit(fun, memory_limit=limit)
+    assert f.plan(ws, x).splits
+    assert_like_jit(f(ws, x), fun, ws, x)
+
+
+def test_a_call_result_without_the_axis_is_refused():
+    """Only loops take such results from a chunk: a call's body must give each result the
+    axis (the calls the pipeline meets are a split's own chunk calls)."""
+
+    def fun(x):
+        return x * 2.0, jnp.float32(3.0)
+
+    x = jnp.ones((8, 4))
+    inner = jax.make_jaxpr(fun)(x).jaxpr
+    with pytest.raises(NoRule, match="does not carry the split axis"):
+        body.propagate(inner, {0: 0})

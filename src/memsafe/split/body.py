@@ -5,11 +5,13 @@ over time or layers) runs chunk by chunk like any other equation: each chunk run
 on its rows. :func:`propagate` finds where the axis sits in each body value from where it sits in
 some of the body's inputs, growing that set to a fixed point (a loop carry that takes the axis in
 must give it back, and one that gives it back must take it in). It refuses a body that reads a
-chunked value whole, and one with a result that does not carry the axis, except a *share*: a sum
+chunked value whole. A loop's result that does not carry the axis is either a *share*: a sum
 over the axis (a layer's parameter gradient, summed over the batch) that reaches the result
 only through operations linear in it (:mod:`memsafe.split.linear`), so that the chunks' shares
-add up to the result. A carry may be such a sum too (an accumulated gradient), when the body is
-linear in it. :func:`chunk_body` is the body re-traced on chunk-shaped operands.
+add up to the result; or it reads nothing of the axis (a loop counter) and is the same on every
+chunk. A carry may be such a sum too (an accumulated gradient), when the body is linear in it.
+Other bodies (calls) must give every result the axis. :func:`chunk_body` is the body re-traced
+on chunk-shaped operands.
 """
 
 from __future__ import annotations
@@ -57,8 +59,10 @@ def propagate(
         jaxpr: the loop body.
         seeds: body input position -> axis, where the chunked operands enter.
         tied: (input position, output position) pairs that must agree (a loop's carry).
-        sums: whether the body may sum over the axis into shares (a loop, whose runner adds
-            the chunks' shares); otherwise a sum over the axis stops it.
+        sums: whether the body is a loop's, whose runner adds the chunks' shares and takes
+            the results that read nothing of the axis from any chunk (a ``fori_loop``'s
+            counter: every chunk runs the whole loop, so each gives the same); otherwise a sum
+            over the axis stops it, and so does a result without the axis.
 
     Returns:
         The split of the body. Raises :class:`NoRule` naming what stops the axis.
@@ -74,7 +78,8 @@ def propagate(
             continue
         grown = _tie(jaxpr, got, pulled, tied)
         if grown == seeds:
-            _check_outputs(jaxpr, got)
+            if not sums:
+                _check_outputs(jaxpr, got)
             return got
         seeds = grown
     raise NoRule("the loop carry never settles on the split axis")
@@ -333,8 +338,8 @@ def _tie(jaxpr: Jaxpr, got: Reached, seeds: dict[Any, int], tied: Sequence[tuple
 
 
 def _check_outputs(jaxpr: Jaxpr, got: Reached) -> None:
-    """Every result must carry the axis or be a share: one that is neither would be the same
-    on every chunk, which a chunked loop cannot give back."""
+    """Every result of a call's body must carry the axis: one that does not is the same on
+    every chunk, which only a loop's runner takes from a chunk (a share is no call's result)."""
     for k, v in enumerate(jaxpr.outvars):
         if not (isinstance(v, Var) and (v in got.axes or v in got.shares)):
             raise NoRule(f"the loop's result {k} does not carry the split axis")

@@ -71,34 +71,37 @@ class Threaded(Running):
 
 
 class Summed(Running):
-    """A scan split through its body, whose body sums over the split axis into some results:
-    those results exist after the loop over chunks, as the sum of each chunk's share (the
-    chunk's scan gives its share, earlier chunks' shares first in the sum). A carry that is
-    such a sum (an accumulated gradient) starts each chunk after the first from zero: the body
-    is linear in it (:mod:`memsafe.split.linear`), so the chunks' shares add up to the loop's."""
+    """A scan split through its body, some of whose results lack the split axis: those exist
+    after the loop over chunks.
+
+    - Results the body sums over the split axis into (each layer's parameter gradient, summed
+      over the batch) are the sum of each chunk's share (earlier chunks' shares first). A carry
+      that is such a sum (an accumulated gradient) starts each chunk after the first from zero:
+      the body is linear in it (:mod:`memsafe.split.linear`), so the chunks' shares add up.
+    - Results that read nothing of the split axis (a ``fori_loop``'s counter) are the same on
+      every chunk, which runs the whole scan: the last chunk's is the result.
+
+    The carried value is (the shares summed so far, the last chunk's same results), each a
+    dict keyed by result position."""
 
     def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return not _along_length_mapped(eqn, mapping) and None in mapping.outs
 
     def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
-        consts, carry = scan_counts(eqn.params)
-        fed = list(invals)
-        for k in carried:
-            if k < carry:
-                v = fed[consts + k]
-                fed[consts + k] = jnp.full(v.shape, additive_identity(v.dtype))
-        return fed
+        return _zero_sums(eqn, invals, carried[0])
 
     def record(
         self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
     ) -> tuple[list[Any], Any]:
-        summed = [k for k, a in enumerate(mapping.outs) if a is None]
+        sums = _summed(eqn, mapping)
+        same = {k: outs[k] for k, a in enumerate(mapping.outs) if a is None and k not in sums}
         if carried is None:
-            return outs, {k: outs[k] for k in summed}
-        return outs, {k: lax.add(carried[k], outs[k]) for k in summed}
+            return outs, ({k: outs[k] for k in sums}, same)
+        return outs, ({k: lax.add(carried[0][k], outs[k]) for k in sums}, same)
 
     def finals(self, eqn: JaxprEqn, carried: Any) -> list[Any]:
-        return [carried[k] for k in sorted(carried)]
+        every = {**carried[0], **carried[1]}
+        return [every[k] for k in sorted(every)]
 
     shardable = True  # each device's shares add up like a chunk's
 
@@ -107,15 +110,30 @@ class Summed(Running):
     ) -> list[Any]:
         """A device's first chunk starts its summed carries from the initial carry on the first
         device and from zero on the others (the initial value is then counted once)."""
-        consts, carry = scan_counts(eqn.params)
-        fed = list(invals)
-        for k in (k for k, a in enumerate(mapping.outs[:carry]) if a is None):
-            v = fed[consts + k]
-            fed[consts + k] = jnp.where(first, v, jnp.full(v.shape, additive_identity(v.dtype)))
-        return fed
+        zeroed = _zero_sums(eqn, invals, _summed(eqn, mapping))
+        return [jnp.where(first, v, z) if v is not z else v for v, z in zip(invals, zeroed)]
 
     def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
-        return {k: lax.psum(v, axis_name) for k, v in carried.items()}
+        """Shares add up over the devices; the same results are every device's own."""
+        return {k: lax.psum(v, axis_name) for k, v in carried[0].items()}, carried[1]
+
+
+def _zero_sums(eqn: JaxprEqn, invals: list[Any], sums: Any) -> list[Any]:
+    """The scan's operands with the initial carries of the summed results ``sums`` (result
+    positions) at zero."""
+    consts, carry = scan_counts(eqn.params)
+    fed = list(invals)
+    for k in (k for k in sums if k < carry):
+        v = fed[consts + k]
+        fed[consts + k] = jnp.full(v.shape, additive_identity(v.dtype))
+    return fed
+
+
+def _summed(eqn: JaxprEqn, m: Mapping) -> frozenset[int]:
+    """Positions of the results the body of a scan mapped through it as ``m`` sums over the
+    split axis into."""
+    body, got = _split_body(eqn, m)
+    return frozenset(got.result_shares(body.jaxpr))
 
 
 def _body_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -146,6 +164,12 @@ def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, loop_body.Rea
         if o < carry:
             ins.setdefault(consts + o, a)
     return body, loop_body.reach(body.jaxpr, ins, outs, tied, sums=True)
+
+
+def _split_body(eqn: JaxprEqn, m: Mapping) -> tuple[Any, loop_body.Reached]:
+    """The inlined body and its split, for a scan mapped through its body as ``m``."""
+    side, axis = next((("in", k), a) for k, a in enumerate(m.ins) if a is not None)
+    return _body_axes(eqn, side, axis)
 
 
 def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
@@ -185,8 +209,7 @@ def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     consts, carry = scan_counts(eqn.params)
     if _along_length_mapped(eqn, m):
         return bind_eqn_with(eqn, invals, length=n)
-    side, axis = next((("in", k), a) for k, a in enumerate(m.ins) if a is not None)
-    body, got = _body_axes(eqn, side, axis)
+    body, got = _split_body(eqn, m)
     in_avals = [v.aval for v in body.jaxpr.invars]
     new = loop_body.chunk_body(body, got, n, in_avals)
     layout = scan_layout(eqn.params, consts + 1, carry, len(invals) + 1, len(eqn.outvars))
