@@ -248,3 +248,24 @@ def test_a_call_result_without_the_axis_is_refused():
     inner = jax.make_jaxpr(fun)(x).jaxpr
     with pytest.raises(NoRule, match="does not carry the split axis"):
         body.propagate(inner, {0: 0})
+
+
+def test_a_costly_result_the_same_on_every_chunk_is_refused():
+    """A result without the rows' axis that only heavy work gives (a product of a weight read
+    whole) would be computed again by every chunk: the body split is refused."""
+    big = jnp.ones((256, 256))
+
+    def fun(ws, x):
+        def step(carry, w):
+            h, acc = carry
+            return (jnp.tanh(h @ w), acc + jnp.tanh(big @ big)), None
+
+        return lax.scan(step, (x, jnp.zeros_like(big)), ws)[0]
+
+    ws, x = _inputs()
+    scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
+    inner = scan.params["jaxpr"].jaxpr
+    n_consts = scan.params["num_consts"]
+    tied = [(n_consts, 0), (n_consts + 1, 1)]
+    with pytest.raises(NoRule, match="each chunk would compute it again"):
+        body.propagate(inner, {n_consts: 0}, tied, sums=True)

@@ -47,7 +47,6 @@ from memsafe.split import loop as chunk_loop
 from memsafe.split.emit import Split
 from memsafe.split.loop import Body, Carry, Written
 from memsafe.split.region import SplitFailure
-from memsafe.split.registry import Mapping, running_along
 from memsafe.xla import Footprint
 
 
@@ -193,8 +192,8 @@ class Sharding:
         layout = mesh_layout.choose(graph, region, self.mesh)
         if region.size < layout.devices:
             raise SplitFailure(f"the axis ({region.size}) is shorter than the mesh")
-        for i, m in region.maps.items():
-            run = running_along(graph.eqns[i], m) if isinstance(m, Mapping) else None
+        for i in region.maps:
+            run = region.running(graph, i)
             if run is not None and not run.shardable:
                 raise SplitFailure(
                     "a scan along the axis cannot be sharded over devices", graph.eqns[i]

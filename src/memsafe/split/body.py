@@ -24,6 +24,7 @@ import jax
 import numpy as np
 
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
+from memsafe.flops import jaxpr_flops
 from memsafe.primitives import Scaling, facts
 from memsafe.split import registry, sinks
 from memsafe.split.linear import Role, keeps_sums
@@ -78,8 +79,7 @@ def propagate(
             continue
         grown = _tie(jaxpr, got, pulled, tied)
         if grown == seeds:
-            if not sums:
-                _check_outputs(jaxpr, got)
+            (_check_same if sums else _check_outputs)(jaxpr, got)
             return got
         seeds = grown
     raise NoRule("the loop carry never settles on the split axis")
@@ -343,6 +343,48 @@ def _check_outputs(jaxpr: Jaxpr, got: Reached) -> None:
     for k, v in enumerate(jaxpr.outvars):
         if not (isinstance(v, Var) and (v in got.axes or v in got.shares)):
             raise NoRule(f"the loop's result {k} does not carry the split axis")
+
+
+#: Most work a loop's results that are the same on every chunk may add, as a share of the
+#: body's: each chunk computes them again (a counter costs nothing; a gradient summed over
+#: another axis would repeat the whole loop's work once per chunk).
+SAME_WORK_SHARE = 0.01
+
+
+def _check_same(jaxpr: Jaxpr, got: Reached) -> None:
+    """A loop's results without the axis that are no shares read nothing of it: every chunk
+    computes them again. Refuse them where the work only they need is more than a sliver of
+    the body's."""
+    split = [v for v in jaxpr.outvars if _is_var(v) and (v in got.axes or v in got.shares)]
+    same = [v for v in jaxpr.outvars if _is_var(v) and v not in split]
+    if not same:
+        return
+    extra = _cone(jaxpr, same) - _cone(jaxpr, split)
+    work = jaxpr_flops(jaxpr.eqns[i] for i in extra)
+    if work > SAME_WORK_SHARE * jaxpr_flops(jaxpr.eqns):
+        k = jaxpr.outvars.index(same[0])
+        raise NoRule(
+            f"the loop's result {k} does not carry the split axis, and each chunk would compute "
+            "it again"
+        )
+
+
+def _is_var(atom: Any) -> bool:
+    return isinstance(atom, Var) and not isinstance(atom, Literal)
+
+
+def _cone(jaxpr: Jaxpr, values: Sequence[Var]) -> set[int]:
+    """Indices of the body equations ``values`` are computed from."""
+    producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
+    found: set[int] = set()
+    stack = [producer[v] for v in values if v in producer]
+    while stack:
+        i = stack.pop()
+        if i in found:
+            continue
+        found.add(i)
+        stack.extend(producer[a] for a in jaxpr.eqns[i].invars if _is_var(a) and a in producer)
+    return found
 
 
 def chunk_body(body: ClosedJaxpr, got: Reached, size: int, in_avals: Sequence[Any]) -> ClosedJaxpr:

@@ -8,7 +8,7 @@ in a dependency order that keeps the original program order wherever it can.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -21,7 +21,7 @@ from memsafe.split import loop as chunk_loop
 from memsafe.split import peephole, selection
 from memsafe.split.loop import ChunkEnv, Fold, Written
 from memsafe.split.region import Region
-from memsafe.split.registry import Mapping, running_along
+from memsafe.split.registry import Mapping
 from memsafe.split.sinks import Sink
 
 
@@ -128,15 +128,13 @@ def _loop_group(
         return loop.group(dead, functools.partial(fused.run, runner=runner))
     eqns = graph.eqns
     peep = peephole.plan(graph, region, () if same else loop.eqns, chunk)  # () plans none
-    running = tuple(
-        i
-        for i in loop.eqns
-        if isinstance(region.maps[i], Mapping) and running_along(eqns[i], region.maps[i])
-    )
-    rules = [running_along(eqns[i], region.maps[i]) for i in running]
-    reverse = any(run.reverse(eqns[i]) for i, run in zip(running, rules))
+    kept = {i: run for i in loop.eqns if (run := region.running(graph, i)) is not None}
+    running, rules = tuple(kept), list(kept.values())
+    reverse = any(run.reverse(eqns[i]) for i, run in kept.items())
     finals = tuple(
-        (k, eqns[i], run) for k, (i, run) in enumerate(zip(running, rules)) if i in loop.threads
+        (k, eqns[i], run, _positions(eqns[i].outvars, region.after_loop(graph, i)))
+        for k, (i, run) in enumerate(kept.items())
+        if i in loop.threads
     )
     carry = Fold(
         tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse, finals,
@@ -166,6 +164,11 @@ def _loop_group(
         return results + bufs
 
     return loop.group(dead, run_loop)
+
+
+def _positions(outvars: Sequence[Var], chosen: Sequence[Var]) -> tuple[int, ...]:
+    """Positions of the ``chosen`` results among ``outvars``."""
+    return tuple(k for k, o in enumerate(outvars) if o in chosen)
 
 
 class OneDevice:

@@ -30,7 +30,7 @@ from memsafe._jax import JaxprEqn, Literal, Var
 from memsafe.graph import Graph
 from memsafe.split import peephole
 from memsafe.split.region import Region
-from memsafe.split.registry import Mapping, Running, running_along
+from memsafe.split.registry import Mapping, Running
 from memsafe.split.sinks import Partial, Sink
 
 #: A chunk body: (chunk start, chunk length, operands, what it reads of the carry) ->
@@ -85,9 +85,10 @@ class Fold(Carry):
     sinks: tuple[tuple[JaxprEqn, Sink], ...]
     running: tuple[int, ...] = ()  # region equations scanning along the axis
     reverse: bool = False
-    #: (position in ``running``, equation, its rule) of the scans whose results after the last
-    #: chunk (a loop's final carry) are results of this loop.
-    finals: tuple[tuple[int, JaxprEqn, Running], ...] = ()
+    #: (position in ``running``, equation, its rule, result positions) of the scans whose
+    #: results after the last chunk (a loop's final carry) at those positions are results of
+    #: this loop.
+    finals: tuple[tuple[int, JaxprEqn, Running, tuple[int, ...]], ...] = ()
     #: (equation, its rule) of each of ``running`` (to combine their carries across devices).
     rules: tuple[tuple[JaxprEqn, Running], ...] = ()
 
@@ -109,7 +110,11 @@ class Fold(Carry):
 
     def results(self, state: tuple) -> list[Any]:
         sunk = [r for (_, s), a in zip(self.sinks, state[0]) for r in s.reducer.finish(a)]
-        return sunk + [r for k, eqn, run in self.finals for r in run.finals(eqn, state[1][k])]
+        after = [
+            run.finals(eqn, state[1][k])[p] for k, eqn, run, positions in self.finals
+            for p in positions
+        ]  # fmt: skip
+        return sunk + after
 
     def first_feed(self, first: Any) -> dict[int, Any] | None:
         """Each running equation's :class:`DeviceStart` (shardable rules only, memsafe.mesh)."""
@@ -400,7 +405,7 @@ class ChunkEnv:
         reads what the chunks before it carried and records what it carries on."""
         eqn, m = self.graph.eqns[i], self.region.maps[i]
         assert isinstance(m, Mapping)
-        run = running_along(eqn, m)
+        run = self.region.running(self.graph, i)
         prev = None if run is None or self.carried is None else self.carried.get(i)
         invals = self.invals(i)
         if isinstance(prev, DeviceStart):  # a device's first chunk (memsafe.mesh)

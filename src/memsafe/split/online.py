@@ -42,7 +42,6 @@ from memsafe.split import sinks as sink_ops
 from memsafe.split.emit import OneDevice
 from memsafe.split.loop import Carry, ChunkEnv, Written
 from memsafe.split.region import Region, region_depends
-from memsafe.split.registry import Mapping, running_along
 from memsafe.split.sinks import Sink
 
 #: Weight of an online loop's iterations when choosing between axes: it rescales and rewrites
@@ -650,8 +649,8 @@ def plan(graph: Graph, region: Region) -> OnlineSplit:
     """The region as one online loop; raises :class:`NotOnline` where it does not apply."""
     if region.n_stages < 2:
         raise NotOnline("the region runs in one stage already")
-    for i, m in region.maps.items():
-        if isinstance(m, Mapping) and running_along(graph.eqns[i], m) is not None:
+    for i in region.maps:
+        if region.running(graph, i) is not None:
             raise NotOnline(f"{graph.eqns[i].primitive.name} scans along the axis")
     online = analyse(graph, region)
     return OnlineSplit(region.one_stage(), online)

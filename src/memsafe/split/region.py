@@ -22,8 +22,11 @@ from typing import Any
 from memsafe._jax import JaxprEqn, Literal, Var, source_line
 from memsafe.graph import Graph
 from memsafe.primitives import CHEAP
-from memsafe.split.registry import Mapping, NoRule, axis_map, running_along
+from memsafe.split.registry import Mapping, NoRule, Running, axis_map, running_along
 from memsafe.split.sinks import Sink
+
+#: Most equations :func:`grow` leaves out of a region for reading a large value whole.
+MAX_LEFT_OUT = 4
 
 #: Most loops a region may be staged into (each stage recomputes the region's shared prefix):
 #: a ResNet gradient with three batch-norms needs 13 (statistics, then what reads them, forward
@@ -84,11 +87,29 @@ class Region:
 
     def after_loop(self, graph: Graph, i: int) -> tuple[Var, ...]:
         """Results of mapped equation ``i`` that exist only after the loop (a scan's final
-        carry, threaded through the chunks)."""
+        carry, threaded through the chunks) and are read (a dead one, such as a loop's counter,
+        is not carried)."""
+        return tuple(graph.eqns[i].outvars[k] for k in self._live_after(graph, i))
+
+    def _live_after(self, graph: Graph, i: int) -> tuple[int, ...]:
         m = self.maps[i]
         if not isinstance(m, Mapping):
             return ()
-        return tuple(o for o, ax in zip(graph.eqns[i].outvars, m.outs) if ax is None)
+        outs = graph.eqns[i].outvars
+        return tuple(
+            k
+            for k, (o, ax) in enumerate(zip(outs, m.outs))
+            if ax is None and (graph.info(o).consumers or graph.info(o).is_output)
+        )
+
+    def running(self, graph: Graph, i: int) -> Running | None:
+        """The rule of mapped equation ``i`` if it carries a value from chunk to chunk: it
+        scans along the axis, or has results after the loop that are read."""
+        m = self.maps[i]
+        run = running_along(graph.eqns[i], m) if isinstance(m, Mapping) else None
+        if run is None:
+            return None
+        return run.keeping(graph.eqns[i], m, frozenset(self._live_after(graph, i)))
 
     def one_stage(self) -> Region:
         """The same region evaluated by a single loop."""
@@ -141,6 +162,8 @@ class _Growth:
     stopped_back: dict[Var, SplitFailure] = field(default_factory=dict)
     stopped_fwd: dict[Var, SplitFailure] = field(default_factory=dict)
     reverse: bool | None = None  # the direction of the region's scans along the axis
+    #: Equations that stop the axis, each with why (see :func:`grow`).
+    left_out: dict[int, SplitFailure] = field(default_factory=dict)
 
     def assign(self, atom: Any, ax: int | None, user: int) -> None:
         """``atom`` carries the axis at ``ax`` (None: ``user`` reads it whole)."""
@@ -215,6 +238,9 @@ class _Growth:
 
     def _try(self, i: int, side: tuple[str, int], ax: int, stopped: dict, var: Var) -> None:
         eqn = self.graph.eqns[i]
+        if i in self.left_out:
+            stopped[var] = self.left_out[i]
+            return
         try:
             self.add(i, axis_map(eqn, side, ax))
         except NoRule as err:
@@ -253,8 +279,32 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
     cheap to recompute; values the region reads or writes in full must stay under ``large``.
     Every consumer of a sliced input joins the region when the axis can pass through it, so
     values that read the same input along the same axis share one loop.
+
+    An equation the axis passes through may still read another large value whole (a loop over
+    layers whose body reads a large constant). Such a region cannot run; it is grown again with
+    those equations left out, where the axis then stops (at most :data:`MAX_LEFT_OUT`).
     """
-    g = _Growth(graph, graph.info(seed).shape[axis], small)
+    left_out: dict[int, SplitFailure] = {}
+    while True:
+        try:
+            return _grow(graph, seed, axis, small, large, left_out)
+        except _ReadsWhole as err:
+            if err.users <= left_out.keys() or len(left_out.keys() | err.users) > MAX_LEFT_OUT:
+                raise err.failure from None
+            left_out.update(dict.fromkeys(err.users, err.failure))
+
+
+class _ReadsWhole(Exception):
+    """Region equations ``users`` read a large value whole (``failure`` says which)."""
+
+    def __init__(self, failure: SplitFailure, users: frozenset[int]) -> None:
+        self.failure, self.users = failure, users
+
+
+def _grow(
+    graph: Graph, seed: Var, axis: int, small: int, large: int, left_out: dict[int, SplitFailure]
+) -> Region:
+    g = _Growth(graph, graph.info(seed).shape[axis], small, left_out=dict(left_out))
     g.assign(seed, axis, graph.info(seed).producer or 0)
     g.propagate()
     produced = g.hand_back(large)
@@ -282,9 +332,10 @@ def _check_inputs(g: _Growth, sliced: set[Var], whole: set[Var], large: int) -> 
     for var in whole:
         info = g.graph.info(var)
         if info.producer is not None and info.bytes > large:
-            raise SplitFailure(
+            failure = SplitFailure(
                 f"needs a large value whole ({info.bytes} bytes)", eqns[info.producer]
             )
+            raise _ReadsWhole(failure, frozenset(u for v, u in g.whole_uses if v is var))
 
 
 def _surviving(g: _Growth, produced: set[Var], large: int) -> list[Var]:

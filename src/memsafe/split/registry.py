@@ -90,10 +90,15 @@ class Running:
         results on the chunk and the value carried into it (None on the first chunk)."""
         raise NotImplementedError
 
-    def finals(self, eqn: JaxprEqn, carried: Any) -> list[Any]:
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
         """The results that exist only after the last chunk (those ``mapping.outs`` marks
-        None), from the value carried out of it."""
-        return []
+        None), from the value carried out of it, keyed by result position."""
+        return {}
+
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Running | None:
+        """The rule where only the results after the loop at positions ``live`` are read (the
+        others are dead); None where the chunks then need nothing carried between them."""
+        return self
 
     #: Whether a loop with this equation can run over devices, each over its share of the axis
     #: (memsafe.mesh): a device's chunks then depend on its own earlier chunks only.

@@ -56,7 +56,7 @@ from memsafe.split.loop import (
     operand_axes,
 )
 from memsafe.split.region import Region
-from memsafe.split.registry import Mapping, NoRule, running_along
+from memsafe.split.registry import NoRule
 from memsafe.split.sinks import Sink
 
 
@@ -356,10 +356,7 @@ def _lone_top_k(graph: Graph, region: Region, loop: Loop) -> int | None:
     eqn = graph.eqns[sink]
     if len(eqn.invars[0].aval.shape) != 2 or m.ins[0] != 1:
         return None
-    if any(
-        isinstance(region.maps[i], Mapping) and running_along(graph.eqns[i], region.maps[i])
-        for i in loop.eqns
-    ):
+    if any(region.running(graph, i) is not None for i in loop.eqns):
         return None
     return sink
 

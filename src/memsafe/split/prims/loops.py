@@ -7,6 +7,7 @@ layers), the chunks' shares of those results are added up (:class:`Summed`)."""
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
@@ -66,10 +67,11 @@ class Threaded(Running):
     ) -> tuple[list[Any], Any]:
         return outs, tuple(outs[: scan_counts(eqn.params)[1]])
 
-    def finals(self, eqn: JaxprEqn, carried: Any) -> list[Any]:
-        return list(carried)
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return dict(enumerate(carried))
 
 
+@dataclass(frozen=True)
 class Summed(Running):
     """A scan split through its body, some of whose results lack the split axis: those exist
     after the loop over chunks.
@@ -82,10 +84,16 @@ class Summed(Running):
       every chunk, which runs the whole scan: the last chunk's is the result.
 
     The carried value is (the shares summed so far, the last chunk's same results), each a
-    dict keyed by result position."""
+    dict keyed by result position, of the results in ``kept`` (None: all; the others are dead).
+    """
+
+    kept: frozenset[int] | None = None
 
     def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return not _along_length_mapped(eqn, mapping) and None in mapping.outs
+
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Summed | None:
+        return Summed(live) if live else None
 
     def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
         return _zero_sums(eqn, invals, carried[0])
@@ -93,15 +101,15 @@ class Summed(Running):
     def record(
         self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
     ) -> tuple[list[Any], Any]:
-        sums = _summed(eqn, mapping)
-        same = {k: outs[k] for k, a in enumerate(mapping.outs) if a is None and k not in sums}
+        kept = range(len(outs)) if self.kept is None else self.kept
+        sums = _summed(eqn, mapping) & frozenset(kept)
+        same = {k: outs[k] for k in kept if mapping.outs[k] is None and k not in sums}
         if carried is None:
             return outs, ({k: outs[k] for k in sums}, same)
         return outs, ({k: lax.add(carried[0][k], outs[k]) for k in sums}, same)
 
-    def finals(self, eqn: JaxprEqn, carried: Any) -> list[Any]:
-        every = {**carried[0], **carried[1]}
-        return [every[k] for k in sorted(every)]
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return {**carried[0], **carried[1]}
 
     shardable = True  # each device's shares add up like a chunk's
 
@@ -124,8 +132,8 @@ def _zero_sums(eqn: JaxprEqn, invals: list[Any], sums: Any) -> list[Any]:
     consts, carry = scan_counts(eqn.params)
     fed = list(invals)
     for k in (k for k in sums if k < carry):
-        v = fed[consts + k]
-        fed[consts + k] = jnp.full(v.shape, additive_identity(v.dtype))
+        aval = eqn.invars[consts + k].aval  # a sum has no split axis: the whole shape
+        fed[consts + k] = jnp.full(aval.shape, additive_identity(aval.dtype))
     return fed
 
 
