@@ -174,6 +174,21 @@ def test_tiles_store_less_than_chunks():
     assert plan.after.temps < 0.6 * plan_old.after.temps  # measured 53.7 MiB against 105.6 MiB
 
 
+def test_each_split_plans_its_tiles_once(monkeypatch):
+    """The split pass asks for the tiled form to emit the split and again to record it: the
+    second answer is the first one kept, not planned again."""
+    from memsafe.split import selection
+
+    calls = []
+    original = selection._cone  # built once per planning of the tiles
+    monkeypatch.setattr(selection, "_cone", lambda *a: calls.append(a) or original(*a))
+    x, y = _inputs("normal", 40, 3001, 3, seed=8)
+    memsafe.cache.clear()
+    plan = memsafe.jit(lambda x, y: l2(x, y, 4), memory_limit="256KiB").plan(x, y)
+    tiled = [s for s in plan.splits if TILED in " ".join(s.sinks)]
+    assert tiled and len(calls) == len(plan.attempts) * len(plan.splits), (len(calls), plan)
+
+
 def test_block_length():
     assert block_length(1_000_000, 10) == 32
     assert block_length(1_000, 10) == 16  # 31 blocks of 32 are too few for 10

@@ -311,7 +311,24 @@ def plan(
 ) -> FusedTopK | None:
     """The fused form of ``loop`` (a stage of ``region`` run in chunks of ``chunk``, on each of
     ``devices`` sharing the axis), or None where it does not qualify (see the module doc) or
-    cannot pay."""
+    cannot pay.
+
+    The split pass asks twice for each split, to emit it and to record it: the last answer is
+    kept (for the same graph and region objects: a new graph never reads an old answer)."""
+    global _last
+    last, asked = _last, (loop, chunk, devices)
+    if last is not None and last[0] is graph and last[1] is region and last[2] == asked:
+        return last[3]
+    answer = _plan(graph, region, loop, chunk, devices)
+    _last = (graph, region, asked, answer)  # one reference, swapped whole (compile threads)
+    return answer
+
+
+#: (graph, region, (loop, chunk, devices), answer) of the last :func:`plan`.
+_last: tuple[Graph, Region, tuple, FusedTopK | None] | None = None
+
+
+def _plan(graph: Graph, region: Region, loop: Loop, chunk: int, devices: int) -> FusedTopK | None:
     sink = _lone_top_k(graph, region, loop)
     if sink is None:
         return None
