@@ -46,6 +46,13 @@ MAX_ATTEMPTS = 6
 #: FIRST_SHRINK); later ones at least halve it, so that six rounds reach small chunks.
 FIRST_SHRINK = 0.8
 SHRINK_MARGIN = 0.9
+#: An attempt that fits with its splits at the smallest chunk (the size model, conservative,
+#: expected no chunk to fit) is tried again at a larger chunk scale where its temporaries used
+#: under GROW_BELOW of the room, by the room left (at most GROW_MAX times): the model's
+#: margin costs speed, not memory (a fori_loop MLP's gradient ran 4096 chunks of 1 row in
+#: 1.8 MiB of 5 MiB room, 12x slower than jax.jit).
+GROW_BELOW = 0.5
+GROW_MAX = 8.0
 
 #: Passes that rewrite expressions into cheaper equivalents whatever the limit. The gradient is
 #: taken of the program they produce (custom derivative rules kept), so the backward program
@@ -468,6 +475,34 @@ class _Search:
 
         return _tuned(tried.got, tried.options, self.limit, compile_with)
 
+    def _grown(self, index: int, scale: float, fixed: int, tried: _Tried, plan: Plan) -> _Tried:
+        """``tried`` (which fits), or an attempt at a larger chunk scale that fits too, where
+        ``tried`` split at the smallest chunks with most of the room unused (GROW_BELOW).
+
+        The first larger scale assumes the temporaries grow with the scale; where that attempt
+        is over the limit, a second one interpolates between the two footprints measured."""
+        room = self.limit - fixed
+        used = tried.got.footprint.total - fixed
+        if not any(s.floored for s in tried.plan.splits) or used >= GROW_BELOW * room:
+            return tried
+        low, high = (scale, used), None
+        up = scale * min(GROW_MAX, SHRINK_MARGIN * room / max(used, 1))
+        for step in range(2):
+            if index + 1 + step >= MAX_ATTEMPTS:
+                break
+            bigger = self.attempt(index + 1 + step, up, fixed, tried.plan.records)
+            if bigger is None:  # the passes did the same at the larger scale
+                break
+            after = bigger.got.footprint
+            fits = after.total <= self.limit
+            plan.attempts.append(Attempt(up, after, fits, "grown: the smallest chunks fit"))
+            if fits:
+                return bigger
+            high = (up, after.total - fixed)
+            target = SHRINK_MARGIN * room  # the temporaries, linear between the two scales
+            up = low[0] + (high[0] - low[0]) * (target - low[1]) / max(high[1] - low[1], 1)
+        return tried
+
     def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
         """The first attempt that fits (``first``, made already, or planned now), recorded in
         ``plan``; raises MemoryLimitError when none does, with the footprint and blockers of
@@ -487,6 +522,7 @@ class _Search:
             if closest is None or after.total < closest.got.footprint.total:
                 closest = last
             if fits:
+                last = self._grown(index, scale, fixed, last, plan)
                 got = self._tuned(last)
                 plan.records, plan.after = last.plan.records, got.footprint
                 return Program(

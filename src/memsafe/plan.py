@@ -63,6 +63,7 @@ class SplitRecord:
     stages: int = 1  # loops over the axis (a staged region runs one per stage)
     recompute_flops: int = 0  # estimated flops later stages spend re-evaluating earlier ones
     batch_mesh_axes: tuple[str, ...] = ()  # other mesh axes, splitting inputs read whole
+    floored: bool = False  # the size model expected even the smallest chunk over the budget
 
     def _staging(self) -> str:
         """``; 3 stages recomputing ~2.1e+09 flops`` (nothing for a single loop)."""

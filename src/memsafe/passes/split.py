@@ -309,6 +309,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
                 share=chunk.share,
                 mesh_axes=split.mesh_axes,
                 batch_mesh_axes=getattr(split, "batch_mesh_axes", ()),
+                floored=chunk.floored,
                 ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
                 sinks=tuple(sinks),
                 where=source_line(eqns[graph.info(var).producer]),
