@@ -98,6 +98,42 @@ def test_an_infinite_coordinate_is_an_infinite_distance():
     assert float(f(x, y)[5]) == 0.0
 
 
+#: Rows of 3 coordinates, each kind of pair sqdist treats apart: finite (one with an exact zero
+#: after centring is likely: 0.0 sits at the median), huge (its squared norm overflows the frame
+#: of ordinary rows), +inf and -inf at the same or other coordinates, both signs in one row, NaN.
+SPECIAL_ROWS = np.array(
+    [
+        [0.0, 0.0, 0.0],
+        [1.0, -2.0, 0.5],
+        [1e20, -1e20, 1.0],
+        [np.inf, 0.0, 1.0],
+        [np.inf, np.inf, 0.0],
+        [-np.inf, 0.0, 1.0],
+        [np.inf, -np.inf, 2.0],
+        [0.0, np.inf, -np.inf],
+        [np.nan, 0.0, 1.0],
+        [np.nan, np.inf, 0.0],
+    ],
+    np.float32,
+)
+
+
+def test_every_pair_of_special_rows_is_the_direct_forms():
+    """Each pair of rows above, either way round: NaN and infinities where the direct form has
+    them (a finite row against an infinite one is +inf though their product is NaN; two
+    infinite rows are NaN exactly where they share a signed infinity; a huge row against a
+    frame it overflows is +inf), finite values close."""
+    x = np.concatenate([SPECIAL_ROWS, np.full((4, 3), 0.25, np.float32)])
+    ordinary = np.delete(SPECIAL_ROWS, 2, axis=0)  # the huge row overflows this frame
+    for a, b in ((x, SPECIAL_ROWS), (SPECIAL_ROWS, x), (ordinary, SPECIAL_ROWS)):
+        got = np.asarray(memsafe_jit(sqdist)(a, b))
+        want = np.asarray(memsafe_jit(naive)(a, b))
+        np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+        np.testing.assert_array_equal(np.isposinf(got), np.isposinf(want))
+        finite = np.isfinite(want)
+        np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
+
+
 def test_an_infinite_point_is_nobodys_nearest_neighbour():
     x, y = _points(500, 2000, 8, seed=1)
     y = y.at[7, 3].set(-jnp.inf)

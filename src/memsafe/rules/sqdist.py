@@ -97,18 +97,43 @@ def frame(x: jnp.ndarray) -> Frame:
     return Frame(scale, unscale, _centre(x * scale, jnp.abs(x) < bound))
 
 
-def _operands(x: jnp.ndarray, y: jnp.ndarray, fr: Frame) -> tuple[jnp.ndarray, jnp.ndarray]:
-    """The GEMM's operands: finite rows in the frame; rows with a non-finite value encoded so that
-    ``x~_i . y~_j`` is NaN exactly where ``x_i - y_j`` has ``inf - inf`` (x: +inf -> inf,
-    -inf -> 0, else 1; y: +inf -> 0, -inf -> inf, else 1: every product is then NaN for a
-    same-signed pair of infinities, else 0, 1 or +inf, and a sum of those is never NaN)."""
+class _Rows(NamedTuple):
+    """Per-row facts of one side: finite rows, rows holding a NaN, and a code for the pairs
+    (finite 0, infinite 1, NaN ``nan_code``: a pair's codes add up to 1 exactly where one row
+    is finite and the other infinite)."""
+
+    finite: jnp.ndarray
+    nan: jnp.ndarray
+    code: jnp.ndarray
+
+    @classmethod
+    def of(cls, v: jnp.ndarray, nan_code: int) -> _Rows:
+        finite = jnp.all(jnp.isfinite(v), axis=-1)
+        nan = jnp.any(jnp.isnan(v), axis=-1)
+        code = jnp.where(nan, nan_code, jnp.where(finite, 0, 1)).astype(jnp.int32)
+        return cls(finite, nan, code)
+
+    def norms(self, squares: jnp.ndarray) -> jnp.ndarray:
+        """The rows' squared norms in the frame, NaN for a row with a NaN and +inf for one
+        with an infinity: added to every pair of the row, they give it that value."""
+        special = jnp.where(self.nan, jnp.nan, jnp.inf).astype(squares.dtype)
+        return jnp.where(self.finite, squares, special)
+
+
+def _operands(x: jnp.ndarray, y: jnp.ndarray, fr: Frame, too_large: jnp.ndarray) -> tuple:
+    """The GEMM's operands: finite rows in the frame (a row of ``y`` whose squared norm
+    overflows the frame, ``too_large``, at zero); rows with a non-finite value encoded so that
+    ``x~_i . y~_j`` of two such rows is NaN exactly where ``x_i - y_j`` has ``inf - inf`` (x:
+    +inf -> inf, -inf -> 0, else 1; y: +inf -> 0, -inf -> -inf, else -1: a same-signed pair of
+    infinities gives ``inf * 0``, every other product is 0, -1 or -inf, and a sum of those is
+    never NaN nor +inf)."""
     inf = jnp.asarray(jnp.inf, x.dtype)
     enc_x = jnp.where(x == inf, inf, jnp.where(x == -inf, 0, 1)).astype(x.dtype)
-    enc_y = jnp.where(y == inf, 0, jnp.where(y == -inf, inf, 1)).astype(y.dtype)
+    enc_y = jnp.where(y == inf, 0, jnp.where(y == -inf, -inf, -1)).astype(y.dtype)
     rows_x = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
     rows_y = jnp.all(jnp.isfinite(y), axis=-1, keepdims=True)
     xt = jnp.where(rows_x, x * fr.scale - fr.centre, enc_x)
-    yt = jnp.where(rows_y, y * fr.scale - fr.centre, enc_y)
+    yt = jnp.where(rows_y, jnp.where(too_large[:, None], 0, y * fr.scale - fr.centre), enc_y)
     return xt, yt
 
 
@@ -118,20 +143,22 @@ def gram(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
 
 
 def _forward(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
+    """``max(|x_i|^2 + |y_j|^2 - 2 x_i.y_j, 0)`` in the frame, scaled back, where each row's
+    non-finite values ride on its norm (NaN, +inf) and one select per pair covers the pairs
+    the GEMM cannot: a finite row against an infinite one (+inf; their product may be NaN).
+    Two infinite rows give NaN through the GEMM exactly where they share an infinity."""
     fr = frame(x)
-    xt, yt = _operands(x, y, fr)
-    rows_x, rows_y = jnp.all(jnp.isfinite(x), -1), jnp.all(jnp.isfinite(y), -1)
-    xx = jnp.where(rows_x, jnp.sum(xt * xt, -1), 0)
-    yy = jnp.where(rows_y, jnp.sum(yt * yt, -1), 0)
+    rx, ry = _Rows.of(x, nan_code=10), _Rows.of(y, nan_code=20)
+    centred_y = y * fr.scale - fr.centre
+    yy_finite = jnp.sum(centred_y * centred_y, -1)
+    too_large = ry.finite & jnp.isinf(yy_finite)  # farther from every x than overflow allows
+    xt, yt = _operands(x, y, fr, too_large)
+    xx = rx.norms(jnp.sum(xt * xt, -1))
+    yy = ry.norms(yy_finite)
     g = gram(xt, yt)
     d2 = jnp.maximum(xx[:, None] + yy[None, :] - 2 * g, 0) * fr.unscale * fr.unscale
-    # A row of y too large for x's frame is farther from every x than overflow allows.
-    d2 = jnp.where(jnp.isinf(yy)[None, :], jnp.inf, d2)
-    nan_x, nan_y = jnp.any(jnp.isnan(x), -1), jnp.any(jnp.isnan(y), -1)
-    finite = rows_x[:, None] & rows_y[None, :]
-    encoded = ~rows_x[:, None] & ~rows_y[None, :]  # g says whether an inf - inf occurs
-    nan = nan_x[:, None] | nan_y[None, :] | (encoded & jnp.isnan(g))
-    return jnp.where(finite, d2, jnp.where(nan, jnp.nan, jnp.inf).astype(d2.dtype))
+    mixed = rx.code[:, None] + ry.code[None, :] == 1
+    return jnp.where(mixed, jnp.asarray(jnp.inf, d2.dtype), d2)
 
 
 def _grad_rows(a: jnp.ndarray, b: jnp.ndarray, g: jnp.ndarray, fr: Frame) -> jnp.ndarray:
