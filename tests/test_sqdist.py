@@ -134,6 +134,23 @@ def test_every_pair_of_special_rows_is_the_direct_forms():
         np.testing.assert_allclose(got[finite], want[finite], rtol=1e-5, atol=1e-6)
 
 
+def test_a_nan_row_ranks_as_jax_jits_nan():
+    """top_k orders NaN by its sign bit: the distance to a row holding a NaN is the direct
+    form's NaN (sign clear), which ``-d2`` puts last, not an arithmetic's default NaN (sign set
+    on x86), which it would put first."""
+    x, y = _points(500, 2000, 8, seed=2)
+    y = y.at[17, 2].set(jnp.nan)
+    got = np.asarray(memsafe_jit(sqdist)(x, y))
+    assert np.isnan(got[:, 17]).all() and not np.signbit(got[:, 17]).any()
+
+    def knn(x, y):
+        return jax.lax.top_k(-jnp.sum((x[:, None, :] - y[None, :, :]) ** 2, -1), 5)[1]
+
+    f = memsafe.jit(knn, memory_limit="1MiB")
+    assert f.plan(x, y).rules
+    np.testing.assert_array_equal(f(x, y), memsafe_jit(knn)(x, y))
+
+
 def test_an_infinite_point_is_nobodys_nearest_neighbour():
     x, y = _points(500, 2000, 8, seed=1)
     y = y.at[7, 3].set(-jnp.inf)

@@ -164,7 +164,9 @@ def _forward(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
     g = gram(xt, yt)
     d2 = jnp.maximum(xx[:, None] + yy[None, :] - 2 * g, 0) * fr.unscale * fr.unscale
     mixed = rx.code[:, None] + ry.code[None, :] == 1
-    return jnp.where(mixed, jnp.asarray(jnp.inf, d2.dtype), d2)
+    # abs: a NaN of the arithmetic may come out with its sign bit set (x86's default NaN),
+    # which top_k ranks apart from the direct form's NaN of a NaN input
+    return jnp.abs(jnp.where(mixed, jnp.asarray(jnp.inf, d2.dtype), d2))
 
 
 def _grad_rows(a: jnp.ndarray, b: jnp.ndarray, g: jnp.ndarray, fr: Frame) -> jnp.ndarray:
