@@ -485,7 +485,7 @@ class _Search:
         used = tried.got.footprint.total - fixed
         if not any(s.floored for s in tried.plan.splits) or used >= GROW_BELOW * room:
             return tried
-        low, high = (scale, used), None
+        low = (scale, used)
         up = scale * min(GROW_MAX, SHRINK_MARGIN * room / max(used, 1))
         for step in range(2):
             if index + 1 + step >= MAX_ATTEMPTS:

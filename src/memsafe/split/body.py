@@ -342,7 +342,7 @@ def _check_outputs(jaxpr: Jaxpr, got: Reached) -> None:
     every chunk, which only a loop's runner takes from a chunk (a share is no call's result)."""
     for k, v in enumerate(jaxpr.outvars):
         if not (isinstance(v, Var) and (v in got.axes or v in got.shares)):
-            raise NoRule(f"the loop's result {k} does not carry the split axis")
+            raise NoRule(f"the body's result {k} does not carry the split axis")
 
 
 #: Most work a loop's results that are the same on every chunk may add, as a share of the

@@ -83,7 +83,7 @@ class Fold(Carry):
     handed to the next chunk (the plain loop). The state is (partials, scan carries)."""
 
     sinks: tuple[tuple[JaxprEqn, Sink], ...]
-    running: tuple[int, ...] = ()  # region equations scanning along the axis
+    running: tuple[int, ...] = ()  # region equations carrying a value from chunk to chunk
     reverse: bool = False
     #: (position in ``running``, equation, its rule, result positions) of the scans whose
     #: results after the last chunk (a loop's final carry) at those positions are results of
@@ -309,9 +309,9 @@ class _Chunks:
 
 
 def _counted_scan(step: Callable[[Any, Any], Any], init: Any, first: int, last: int) -> Any:
-    """``carry = step(carry, i)`` for ``i`` in ``[first, last)`` as one ``lax.scan``, the step
-    number carried: scanned over ``arange(first, last)``, XLA stores that index array for the
-    whole loop (fuzz seed 542: 196 bytes of a 1.8 KB budget, over it by 93)."""
+    """``carry = step(carry, i)`` for ``i`` in ``[first, last)`` as one ``lax.scan`` that carries
+    the step number. Scanned over ``arange(first, last)`` instead, XLA stores that index array
+    for the whole loop (fuzz seed 542: 196 bytes of a 1.8 KB budget, over it by 93)."""
 
     def counted(c: tuple[Any, Any], _: None) -> tuple[tuple[Any, Any], None]:
         i, inner = c
