@@ -132,6 +132,11 @@ def make_closed_jaxpr(fun: Callable[..., Any], avals: Sequence[Any]) -> tuple[Cl
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
+def is_var(atom: Any) -> bool:
+    """Whether ``atom`` (an equation's operand) is a variable, not a literal."""
+    return isinstance(atom, Var) and not isinstance(atom, Literal)
+
+
 def is_tracer(x: Any) -> bool:
     return isinstance(x, _public_core.Tracer)
 

@@ -32,6 +32,7 @@ from memsafe._jax import (
     Literal,
     Var,
     dce,
+    is_var,
     make_closed_jaxpr,
     nbytes_of_aval,
 )
@@ -114,10 +115,6 @@ class Dynamic(Window):
         return self.size
 
 
-def _is_var(atom: Any) -> bool:
-    return isinstance(atom, Var) and not isinstance(atom, Literal)
-
-
 def _only(axes: list[int]) -> int | None:
     return axes[0] if len(axes) == 1 else None
 
@@ -154,9 +151,9 @@ class _Hoist:
         self.users: dict[Var, set[int]] = {}
         for i, e in enumerate(jaxpr.eqns):
             for a in e.invars:
-                if _is_var(a):
+                if is_var(a):
                     self.users.setdefault(a, set()).add(i)
-        self.outputs = {a for a in jaxpr.outvars if _is_var(a)}
+        self.outputs = {a for a in jaxpr.outvars if is_var(a)}
         self.producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
         self.env: dict[Any, Any] = {}
 
@@ -178,7 +175,7 @@ class _Hoist:
 
     def _large(self, atom: Any) -> bool:
         """A value computed by the program, larger than what fits as it is."""
-        return _is_var(atom) and atom in self.producer and nbytes_of_aval(atom.aval) > self.large
+        return is_var(atom) and atom in self.producer and nbytes_of_aval(atom.aval) > self.large
 
     def _read_elsewhere(self, var: Var, inside: set[int]) -> bool:
         """Whether ``var`` is an output or read by an equation not in ``inside``."""

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn
+from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, is_var
 from memsafe.flops import jaxpr_flops
 from memsafe.primitives import Scaling, facts
 from memsafe.split import registry, sinks
@@ -355,8 +355,8 @@ def _check_same(jaxpr: Jaxpr, got: Reached) -> None:
     """A loop's results without the axis that are no shares read nothing of it: every chunk
     computes them again. Refuse them where the work only they need is more than a sliver of
     the body's."""
-    split = [v for v in jaxpr.outvars if _is_var(v) and (v in got.axes or v in got.shares)]
-    same = [v for v in jaxpr.outvars if _is_var(v) and v not in split]
+    split = [v for v in jaxpr.outvars if is_var(v) and (v in got.axes or v in got.shares)]
+    same = [v for v in jaxpr.outvars if is_var(v) and v not in split]
     if not same:
         return
     extra = _cone(jaxpr, same) - _cone(jaxpr, split)
@@ -369,10 +369,6 @@ def _check_same(jaxpr: Jaxpr, got: Reached) -> None:
         )
 
 
-def _is_var(atom: Any) -> bool:
-    return isinstance(atom, Var) and not isinstance(atom, Literal)
-
-
 def _cone(jaxpr: Jaxpr, values: Sequence[Var]) -> set[int]:
     """Indices of the body equations ``values`` are computed from."""
     producer = {o: i for i, e in enumerate(jaxpr.eqns) for o in e.outvars}
@@ -383,7 +379,7 @@ def _cone(jaxpr: Jaxpr, values: Sequence[Var]) -> set[int]:
         if i in found:
             continue
         found.add(i)
-        stack.extend(producer[a] for a in jaxpr.eqns[i].invars if _is_var(a) and a in producer)
+        stack.extend(producer[a] for a in jaxpr.eqns[i].invars if is_var(a) and a in producer)
     return found
 
 

@@ -8,7 +8,7 @@ in a dependency order that keeps the original program order wherever it can.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
@@ -129,16 +129,16 @@ def _loop_group(
     eqns = graph.eqns
     peep = peephole.plan(graph, region, () if same else loop.eqns, chunk)  # () plans none
     kept = {i: run for i in loop.eqns if (run := region.running(graph, i)) is not None}
-    running, rules = tuple(kept), list(kept.values())
+    running = tuple(kept)
     reverse = any(run.reverse(eqns[i]) for i, run in kept.items())
     finals = tuple(
-        (k, eqns[i], run, _positions(eqns[i].outvars, region.after_loop(graph, i)))
+        (k, eqns[i], run, region.after_loop_positions(graph, i))
         for k, (i, run) in enumerate(kept.items())
         if i in loop.threads
     )
     carry = Fold(
         tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse, finals,
-        tuple(zip((eqns[i] for i in running), rules)),
+        tuple((eqns[i], run) for i, run in kept.items()),
     )  # fmt: skip
     written = Written.of(loop.surviving, region.axis_of)
     n_sliced = len(loop.sliced)
@@ -164,11 +164,6 @@ def _loop_group(
         return results + bufs
 
     return loop.group(dead, run_loop)
-
-
-def _positions(outvars: Sequence[Var], chosen: Sequence[Var]) -> tuple[int, ...]:
-    """Positions of the ``chosen`` results among ``outvars``."""
-    return tuple(k for k, o in enumerate(outvars) if o in chosen)
 
 
 class OneDevice:

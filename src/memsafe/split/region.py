@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from memsafe._jax import JaxprEqn, Literal, Var, source_line
+from memsafe._jax import JaxprEqn, Var, is_var, source_line
 from memsafe.graph import Graph
 from memsafe.primitives import CHEAP
 from memsafe.split.registry import Mapping, NoRule, Running, axis_map, running_along
@@ -89,9 +89,10 @@ class Region:
         """Results of mapped equation ``i`` that exist only after the loop (a scan's final
         carry, threaded through the chunks) and are read (a dead one, such as a loop's counter,
         is not carried)."""
-        return tuple(graph.eqns[i].outvars[k] for k in self._live_after(graph, i))
+        return tuple(graph.eqns[i].outvars[k] for k in self.after_loop_positions(graph, i))
 
-    def _live_after(self, graph: Graph, i: int) -> tuple[int, ...]:
+    def after_loop_positions(self, graph: Graph, i: int) -> tuple[int, ...]:
+        """Positions of :meth:`after_loop`'s results among equation ``i``'s results."""
         m = self.maps[i]
         if not isinstance(m, Mapping):
             return ()
@@ -109,7 +110,7 @@ class Region:
         run = running_along(graph.eqns[i], m) if isinstance(m, Mapping) else None
         if run is None:
             return None
-        return run.keeping(graph.eqns[i], m, frozenset(self._live_after(graph, i)))
+        return run.keeping(graph.eqns[i], m, frozenset(self.after_loop_positions(graph, i)))
 
     def one_stage(self) -> Region:
         """The same region evaluated by a single loop."""
@@ -144,10 +145,6 @@ class Region:
         return sorted(need)
 
 
-def _is_var(atom: Any) -> bool:
-    return isinstance(atom, Var) and not isinstance(atom, Literal)
-
-
 @dataclass
 class _Growth:
     """The state of :func:`grow` while the axis propagates (one region's worth of dicts)."""
@@ -168,7 +165,7 @@ class _Growth:
     def assign(self, atom: Any, ax: int | None, user: int) -> None:
         """``atom`` carries the axis at ``ax`` (None: ``user`` reads it whole)."""
         eqn = self.graph.eqns[user]
-        if not _is_var(atom):
+        if not is_var(atom):
             if ax is not None:
                 raise SplitFailure("a literal cannot carry the split axis", eqn)
             return
@@ -386,7 +383,7 @@ def _hand_back(
         if isinstance(maps[p], Sink) or graph.info(v).bytes > large:
             return None
         chain.add(p)
-        stack.extend(a for a in graph.eqns[p].invars if _is_var(a))
+        stack.extend(a for a in graph.eqns[p].invars if is_var(a))
     return chain
 
 
@@ -401,7 +398,7 @@ def region_depends(graph: Graph, maps: dict[int, Any]) -> dict[Var, set[int]]:
             continue
         acc: set[int] = set()
         for atom in eqn.invars:
-            if _is_var(atom):
+            if is_var(atom):
                 acc |= depends.get(atom, set())
         for o in eqn.outvars:
             depends[o] = acc
@@ -418,7 +415,7 @@ def _assign_stages(
     for i in sorted(maps):
         s = 0
         for atom in eqns[i].invars:
-            if not _is_var(atom):
+            if not is_var(atom):
                 continue
             if atom in produced:
                 p = graph.info(atom).producer
