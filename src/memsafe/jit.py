@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, cache, log, mesh, passes, stages
+from memsafe import _jax, cache, log, mesh, passes, stages, tuning
 from memsafe.arguments import ArgSpec, Call
 from memsafe.batching import BatchedProgram, planning
 from memsafe.dispatch import MISS, FastPath
@@ -73,6 +73,12 @@ class Program:
     compiled: Any = None  # the verified executable, called directly to avoid a second compile
     source: Any = None  # the flat function planned, where it differs from the user's (backward)
     on_mesh: mesh.MeshPlan | None = None  # the mesh it runs on (limit per device), if any
+    trial: tuning.Trial | None = None  # compile options being timed over the first calls
+
+    @property
+    def settled(self) -> bool:
+        """Whether every call runs :attr:`compiled` (no trial of compile options under way)."""
+        return self.trial is None or self.trial.settled
 
     def run(self, flat: Sequence[Any]) -> Any:
         """Run on concrete arrays: the verified executable, or jit's path for odd argument types.
@@ -81,10 +87,41 @@ class Program:
             flat = mesh.place(flat, self.avals)
         if self.compiled is not None:
             try:
-                return self.compiled(*flat)
+                return self.compiled(*flat) if self.settled else self._tried(flat)
             except (TypeError, ValueError):
                 pass  # e.g. Python scalars or arrays on another device: let jit convert them
         return self.jitted(*flat)
+
+    def _tried(self, flat: Sequence[Any]) -> Any:
+        """A call of the trial, keeping the executable it chose once it has."""
+        outs = self.trial.run(flat)
+        if self.trial.settled:
+            self.compiled = self.trial.chosen
+        return outs
+
+
+def _with_trial(
+    program: Program,
+    compile_with: Callable[[Mapping[str, Any] | None], _Compiled],
+    options: Mapping[str, Any] | None,
+    user: Mapping[str, Any] | None,
+    name: str,
+) -> Program:
+    """``program`` with a trial of :data:`memsafe.tuning.CANDIDATE` over its first calls, where
+    worth it: compiled by ``compile_with`` with ``options`` (the program's) updated."""
+    merged = merged_options(options)
+    if program.compiled is None or not tuning.worth_tuning(program.closed, merged, user or {}):
+        return program
+
+    def candidate(extra: dict[str, Any]) -> tuple[Any, Footprint] | None:
+        try:
+            got = compile_with({**dict(options or {}), **extra})
+        except Exception:  # an option this jaxlib rejects: the verified executable stays
+            return None
+        return got.compiled, got.footprint
+
+    program.trial = tuning.Trial(program.compiled, candidate, program.plan, name)
+    return program
 
 
 def _emit(closed: _jax.ClosedJaxpr) -> Callable[..., list[Any]]:
@@ -361,9 +398,15 @@ def _search(
         plan.fits_unchanged = True
         plan.after = original.footprint
         plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
-        return Program(
+        program = Program(
             original.jitted, flat_fun, tuple(avals), out_tree, plan, closed, original.compiled
         )
+        candidate_what = (name, "original program, candidate options", memory_limit)
+
+        def compile_candidate(o: Mapping[str, Any] | None) -> _Compiled:
+            return _compile(flat_fun, avals, o, donate, hidden, candidate_what)
+
+        return _with_trial(program, compile_candidate, compiler_options, compiler_options, name)
     if on_mesh is None:
         fixed = _check_fixed(original.footprint, memory_limit, name)
     else:
@@ -475,6 +518,18 @@ class _Search:
 
         return _tuned(tried.got, tried.options, self.limit, compile_with)
 
+    def _with_trial(self, program: Program, tried: _Tried) -> Program:
+        """``program`` (of ``tried``) with a trial of other compile options (see
+        :func:`_with_trial`)."""
+        hidden = hidden_constant_bytes(tried.program.consts)
+        name, description, limit = tried.what
+        what = (name, f"{description}, candidate options", limit)
+
+        def compile_candidate(options: Mapping[str, Any] | None) -> _Compiled:
+            return _compile(tried.emitted, tried.placed, options, self.donate, hidden, what)
+
+        return _with_trial(program, compile_candidate, tried.options, self.options, self.name)
+
     def _grown(self, index: int, scale: float, fixed: int, tried: _Tried, plan: Plan) -> _Tried:
         """``tried`` (which fits), or an attempt at a larger chunk scale that fits too, where
         ``tried`` split at the smallest chunks with most of the room unused (GROW_BELOW).
@@ -525,9 +580,10 @@ class _Search:
                 last = self._grown(index, scale, fixed, last, plan)
                 got = self._tuned(last)
                 plan.records, plan.after = last.plan.records, got.footprint
-                return Program(
+                program = Program(
                     got.jitted, last.emitted, last.placed, None, plan, last.program, got.compiled
                 )
+                return self._with_trial(program, last)
             # even where nothing was split, a smaller budget may make the passes act: their
             # size model can count less than XLA keeps (the 4-block GPT gradient at L=2048:
             # 431 MiB modelled, 803 MiB compiled, nothing split under 497 MiB of budget)
@@ -633,8 +689,8 @@ class MemsafeFunction:
             outs = self._differentiable(program, rebuild, key)(*flat)
         else:
             outs = program.run(flat)
-            if self._fast is not None and program.on_mesh is None:  # a mesh places arguments
-                self._fast.remember(args, kwargs, program)
+            if self._fast is not None and program.on_mesh is None and program.settled:
+                self._fast.remember(args, kwargs, program)  # (a mesh places arguments)
         return jax.tree_util.tree_unflatten(program.out_tree, list(outs))
 
     def __repr__(self) -> str:

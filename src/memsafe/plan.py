@@ -138,6 +138,7 @@ class Plan:
     records: list[Record] = field(default_factory=list)
     attempts: list[Attempt] = field(default_factory=list)
     backward: Plan | None = None
+    tuning: str = ""  # how the first calls chose between compile options (memsafe.tuning)
 
     @property
     def rules(self) -> list[RuleRecord]:
@@ -174,6 +175,8 @@ class Plan:
             lines.append(f"  after:  {self.after.describe()}")
         if len(self.attempts) > 1:
             lines.append(f"  verified after {len(self.attempts)} compile attempts")
+        if self.tuning:
+            lines.append(f"  tuned: {self.tuning}")
         lines.append(f"  {DIFFERENTIATION}")
         return shorten_paths("\n".join(lines))
 

@@ -1,0 +1,117 @@
+"""Compile options chosen by timing a program's first calls: the CPU's YNNPACK products.
+
+memsafe compiles with every YNNPACK fusion off on the CPU (:mod:`memsafe.xla`): most of them store
+buffers ``memory_analysis()`` does not count. One type is trusted,
+``LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT``, a matrix product alone, whose output XLA counts in the
+program's temporaries (``benchmarks/results/ynn-types.md``), and whose NaN and infinities are
+XLA's own product's (``tests/test_tuning.py``). Whether it is faster depends on the program:
+measured on 2 cores, a GPT training step ran 10% faster with it and attention's forward 16%,
+while a 10k x 1M kNN ran 6-8% slower and attention's backward 5% (``ynn-individual-dot.md``).
+So it is timed, not guessed, over the first calls of a program whose products are worth it
+(:data:`TUNE_ABOVE_FLOPS`), each of which returns its result as usual:
+
+1. the verified executable, untimed (first touches of its buffers);
+2. the same, timed;
+3. the candidate, compiled and checked against the limit (else the trial ends), untimed;
+4. the candidate, timed; from then on the faster, the candidate only when faster by
+   :data:`MARGIN`.
+
+A timed call waits for its results. The two executables differ only in how XLA runs each
+product: their results agree to the accuracy rule, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from memsafe import log
+from memsafe._jax import ClosedJaxpr
+from memsafe.flops import jaxpr_flops
+from memsafe.plan import Plan
+from memsafe.xla import Footprint
+
+#: The option value that turns on the one YNNPACK fusion type memsafe trusts.
+YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
+CANDIDATE: dict[str, str] = {YNN_OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
+
+#: Programs with less floating-point work than this (about 10 ms on 2 cores) are not tuned: the
+#: second compile would cost more than the calls could gain.
+TUNE_ABOVE_FLOPS = 2e9
+
+#: The candidate replaces the verified executable only when its timed call is this much faster.
+MARGIN = 0.03
+
+#: A second executable compiled with the given options, and its footprint; None where it does
+#: not compile.
+Compile = Callable[[dict[str, Any]], "tuple[Any, Footprint] | None"]
+
+
+def worth_tuning(program: ClosedJaxpr, options: Mapping[str, Any], user: Mapping[str, Any]) -> bool:
+    """Whether to time :data:`CANDIDATE` against ``options`` (as compiled): on the CPU, where
+    memsafe turned YNNPACK off and the user did not set it, for enough work."""
+    if jax.default_backend() != "cpu" or YNN_OPTION in user or options.get(YNN_OPTION) != "":
+        return False
+    return jaxpr_flops(program.jaxpr.eqns) >= TUNE_ABOVE_FLOPS
+
+
+class Trial:
+    """Which executable runs each of a program's first calls, and the one kept after
+    (:attr:`chosen`), recorded in the program's ``plan`` (its ``tuning``, and its ``after``
+    where the candidate is kept)."""
+
+    def __init__(self, verified: Any, compile_candidate: Compile, plan: Plan, name: str) -> None:
+        self._verified, self._compile = verified, compile_candidate
+        self._plan, self._name = plan, name
+        self._candidate: tuple[Any, Footprint] | None = None
+        self._seconds: list[float] = []
+        self._calls = 0
+        self.chosen: Any = None  # the executable kept, once settled
+
+    @property
+    def settled(self) -> bool:
+        return self.chosen is not None
+
+    def run(self, flat: Sequence[Any]) -> Any:
+        """This call's outputs, from the executable its place in the trial names (timed on
+        the second and fourth calls)."""
+        self._calls += 1
+        if self._calls > 4 and not self.settled:  # a timed call raised (memsafe.jit.Program.run)
+            self.chosen = self._verified
+        if self._calls == 3:
+            self._candidate = self._compiled_candidate()
+        if self.settled:
+            return self.chosen(*flat)
+        executable = self._verified if self._calls <= 2 else self._candidate[0]
+        if self._calls % 2:
+            return executable(*flat)
+        start = time.perf_counter()
+        outs = jax.block_until_ready(executable(*flat))
+        self._seconds.append(time.perf_counter() - start)
+        if self._calls == 4:
+            self._settle(*self._seconds)
+        return outs
+
+    def _compiled_candidate(self) -> tuple[Any, Footprint] | None:
+        got = self._compile(dict(CANDIDATE))
+        if got is None or got[1].total > self._plan.memory_limit:
+            self.chosen = self._verified
+            self._plan.tuning = f"{CANDIDATE[YNN_OPTION]} not used: over the limit or no compile"
+            return None
+        return got
+
+    def _settle(self, verified: float, candidate: float) -> None:
+        faster = candidate < (1 - MARGIN) * verified
+        self.chosen = self._candidate[0] if faster else self._verified
+        if faster:
+            self._plan.after = self._candidate[1]
+        kept = CANDIDATE[YNN_OPTION] if faster else "YNNPACK off"
+        self._plan.tuning = (
+            f"a call took {verified:.3g} s with YNNPACK off, {candidate:.3g} s with "
+            f"{CANDIDATE[YNN_OPTION]}: runs with {kept}"
+        )
+        log.note(logging.INFO, "%s: %s", self._name, self._plan.tuning)
