@@ -53,11 +53,17 @@ def block(x: Any) -> Any:
     return jax.block_until_ready(x)
 
 
+#: Calls before the timed ones: a memsafe program times compile options over its first four
+#: calls and keeps the faster from the fifth on (memsafe.tuning); every method gets the same.
+WARM_UP_CALLS = 4
+
+
 def timed(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[Any, dict]:
-    """Call ``fn`` once (warm-up: compilation, caches), then up to ``repeats`` more times while the
-    repeats so far plus one more fit in ``budget_s``; at least one repeat is made unless
-    ``repeats`` is 0 (then the single call's time, compilation included, is reported).
-    Returns the last result and {first_s, times_s, min_s, median_s}."""
+    """Call ``fn`` :data:`WARM_UP_CALLS` times (compilation, caches, memsafe's trial of compile
+    options), then up to ``repeats`` more times while the repeats so far plus one more fit in
+    ``budget_s``; at least one repeat is made unless ``repeats`` is 0 (then the single call's
+    time, compilation included, is reported). Returns the last result and {first_s (the first
+    call's time), times_s, min_s, median_s}."""
     start = time.perf_counter()
     out = block(fn())
     first = time.perf_counter() - start
@@ -69,6 +75,8 @@ def timed(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[Any, di
             "median_s": first,
             "includes_compile": True,
         }
+    for _ in range(WARM_UP_CALLS - 1):
+        out = block(fn())
     times: list[float] = []
     while len(times) < max(1, repeats):
         expected = times[-1] if times else first

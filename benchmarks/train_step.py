@@ -62,12 +62,17 @@ def _footprint(jitted: Any, *args: Any) -> int:
 
 
 def _timed(fun: Callable[..., Any], *args: Any, repeats: int = 3) -> tuple[float, float, Any]:
-    """The first call's seconds, the median of ``repeats`` later calls, the last result."""
+    """The first call's seconds, the median of ``repeats`` calls after ``WARM_UP_CALLS``
+    (benchmarks.measure), the last result."""
     import jax
+
+    from benchmarks.measure import WARM_UP_CALLS
 
     start = time.perf_counter()
     out = jax.block_until_ready(fun(*args))
     first = time.perf_counter() - start
+    for _ in range(WARM_UP_CALLS - 1):  # memsafe's trial of compile options
+        out = jax.block_until_ready(fun(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -139,6 +144,7 @@ def speed_worker(batch: int, length: int, written: str = "loop") -> dict[str, An
     out["memsafe_first_s"], out["memsafe_step_s"], got = _timed(safe, params, ids)
     plan = safe.plan(params, ids)
     out.update(memsafe_mib=plan.after.total / MiB, attempts=len(plan.attempts))
+    out["tuning"] = plan.tuning
     out["recompute_flops"] = plan.recompute_flops
     out["remat"] = any(r.pass_name == "remat" for r in plan.passes)
     out["loss_rel_diff"] = float(abs(got[0] - want[0]) / abs(want[0]))
@@ -276,6 +282,8 @@ def _speed_table(s: dict[str, Any]) -> list[str]:
         f"{s['grad_max_abs_diff']:.1e}; load average {s['loadavg'][0]:.1f} at the start.",
         "",
     ]
+    if s.get("tuning"):
+        lines += [f"memsafe's trial of compile options (memsafe.tuning): {s['tuning']}.", ""]
     return lines
 
 
@@ -341,13 +349,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", nargs=4, metavar=("KIND", "BATCH", "LENGTH", "WRITTEN"))
     parser.add_argument("--render", action="store_true", help="redraw md and png from the JSON")
+    parser.add_argument(
+        "--speed-only", action="store_true", help="measure the times per step again, keep the rest"
+    )
     args = parser.parse_args()
     if args.worker:
         kind, batch, length, written = args.worker
         print(json.dumps(WORKERS[kind](int(batch), int(length), written)))
         return
     path = RESULTS / "train-step.json"
-    run = json.loads(path.read_text()) if args.render else measure()
+    if args.render or args.speed_only:
+        run = json.loads(path.read_text())
+        if args.speed_only:
+            run.update(speed=_run("speed", 4, 1024), speed_scan=_run("speed", 4, 1024, "scan"))
+    else:
+        run = measure()
     path.write_text(json.dumps(run, indent=1) + "\n")
     (RESULTS / "train-step.md").write_text(render(run))
     plot(run, RESULTS / "train-step.png")

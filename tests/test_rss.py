@@ -8,6 +8,10 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
+from memsafe.tuning import CANDIDATE
+
 LIMIT_MIB = 64
 #: Slack for what memory_analysis() cannot see: XLA's thread-pool scratch, allocator rounding and
 #: fragmentation, the Python objects of the result.
@@ -34,7 +38,7 @@ SCRIPT = textwrap.dedent(
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((1000, 64), dtype=np.float32))
     y = jnp.asarray(rng.standard_normal((50_000, 64), dtype=np.float32))
-    f = memsafe.jit(knn, memory_limit="LIMIT")
+    f = memsafe.jit(knn, memory_limit="LIMIT", compiler_options=OPTIONS)
     plan = f.plan(x, y)  # compiles; the run below measures execution only
     f(x, y[:]).block_until_ready()  # warm: allocator pools, thread pools
     with open("/proc/self/clear_refs", "w") as fh:
@@ -53,9 +57,12 @@ SCRIPT = textwrap.dedent(
 ).replace("LIMIT", f"{LIMIT_MIB}MiB")
 
 
-def test_split_knn_real_peak_rss_stays_under_limit():
+@pytest.mark.parametrize("options", [None, CANDIDATE], ids=["ynnpack-off", "ynnpack-dot"])
+def test_split_knn_real_peak_rss_stays_under_limit(options):
+    """With memsafe's options, and with the YNNPACK type memsafe.tuning may choose."""
+    script = SCRIPT.replace("OPTIONS", repr(options))
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

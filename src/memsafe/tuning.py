@@ -23,6 +23,7 @@ product: their results agree to the accuracy rule, not bit for bit.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -68,8 +69,9 @@ class Trial:
         self._verified, self._compile = verified, compile_candidate
         self._plan, self._name = plan, name
         self._candidate: tuple[Any, Footprint] | None = None
-        self._seconds: list[float] = []
+        self._seconds: dict[str, float] = {}
         self._calls = 0
+        self._lock = threading.Lock()
         self.chosen: Any = None  # the executable kept, once settled
 
     @property
@@ -79,22 +81,33 @@ class Trial:
     def run(self, flat: Sequence[Any]) -> Any:
         """This call's outputs, from the executable its place in the trial names (timed on
         the second and fourth calls)."""
-        self._calls += 1
-        if self._calls > 4 and not self.settled:  # a timed call raised (memsafe.jit.Program.run)
-            self.chosen = self._verified
-        if self._calls == 3:
-            self._candidate = self._compiled_candidate()
-        if self.settled:
-            return self.chosen(*flat)
-        executable = self._verified if self._calls <= 2 else self._candidate[0]
-        if self._calls % 2:
+        executable, timed = self._next()
+        if timed is None:
             return executable(*flat)
         start = time.perf_counter()
         outs = jax.block_until_ready(executable(*flat))
-        self._seconds.append(time.perf_counter() - start)
-        if self._calls == 4:
-            self._settle(*self._seconds)
+        self._record(timed, time.perf_counter() - start)
         return outs
+
+    def _next(self) -> tuple[Any, str | None]:
+        """The executable for the next call, and what its time measures (None: not timed)."""
+        with self._lock:
+            self._calls += 1
+            if self._calls == 3:
+                self._candidate = self._compiled_candidate()
+            if self._calls > 4 and not self.settled:  # a timed call raised (jit.Program.run)
+                self.chosen = self._verified
+            if self.settled:
+                return self.chosen, None
+            if self._calls <= 2:
+                return self._verified, "verified" if self._calls == 2 else None
+            return self._candidate[0], "candidate" if self._calls == 4 else None
+
+    def _record(self, what: str, seconds: float) -> None:
+        with self._lock:
+            self._seconds[what] = seconds
+            if len(self._seconds) == 2 and not self.settled:
+                self._settle(self._seconds["verified"], self._seconds["candidate"])
 
     def _compiled_candidate(self) -> tuple[Any, Footprint] | None:
         got = self._compile(dict(CANDIDATE))

@@ -30,6 +30,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 from .report import format_table, write_json
 from .runner import FAILURES, OUTCOMES, Result, run_seed, timeout_result
 from .schedule import TimedOut, run_all
+from .wrappers import OPTIONS_VARIABLE
 
 #: Default number of cases from ``--seed`` on.
 DEFAULT_CASES = 2000
@@ -90,6 +91,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--json", type=Path, default=Path("fuzz-report.json"), help="report path")
     p.add_argument("--quiet", action="store_true", help="print only failing or timed-out cases")
+    p.add_argument(
+        "--ynn-dot",
+        action="store_true",
+        help="compile memsafe's programs with the YNNPACK type memsafe.tuning times "
+        "(jax.jit's reference stays YNNPACK off)",
+    )
     return p
 
 
@@ -154,6 +161,10 @@ def main(argv: list[str] | None = None) -> int:
     if not seeds:
         print("no seeds to run", flush=True)
         return 0
+    if args.ynn_dot:  # read by the worker processes (tests/fuzz/wrappers.py)
+        from memsafe.tuning import CANDIDATE
+
+        os.environ[OPTIONS_VARIABLE] = json.dumps(CANDIDATE)
     start = time.monotonic()
     results: list[Result] = []
     for result in _results(seeds, args.jobs, args.case_timeout, start + args.budget):

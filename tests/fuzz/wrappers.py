@@ -7,6 +7,8 @@ call, and says which plans and which compiled footprints must stay under the lim
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -60,7 +62,15 @@ def _batched_plans(obj: Any, args: Args) -> list[Plan]:
     return found
 
 
+#: Environment variable holding compiler options (JSON) for every memsafe function of a case
+#: (``--ynn-dot``); jax.jit's reference keeps memsafe's defaults.
+OPTIONS_VARIABLE = "MEMSAFE_FUZZ_COMPILER_OPTIONS"
+
+
 def _ms(fun: Callable, limit: int, **kw: Any) -> memsafe.jit:
+    options = os.environ.get(OPTIONS_VARIABLE)
+    if options:
+        kw["compiler_options"] = json.loads(options)
     return memsafe.jit(fun, memory_limit=limit, **kw)
 
 
