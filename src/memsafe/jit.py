@@ -388,25 +388,22 @@ def _search(
     plan = Plan(memory_limit=memory_limit, before=original.footprint)
     out_tree = None  # set by build_program
     if original.footprint.total <= memory_limit:
+
+        def compiler(suffix: str) -> Callable[[Any], _Compiled]:
+            """A compile of the original program with other options (logged with ``suffix``)."""
+            again = (name, f"original program, {suffix}", memory_limit)
+            return lambda o: _compile(flat_fun, avals, o, donate, hidden, again)
+
         if options is not compiler_options:  # compiled to measure: now compiled to run
-            tuned_what = (name, "original program, tuned", memory_limit)
-
-            def compile_with(o: Mapping[str, Any] | None) -> _Compiled:
-                return _compile(flat_fun, avals, o, donate, hidden, tuned_what)
-
-            original = _tuned(original, compiler_options, memory_limit, compile_with)
+            original = _tuned(original, compiler_options, memory_limit, compiler("tuned"))
         plan.fits_unchanged = True
         plan.after = original.footprint
         plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
         program = Program(
             original.jitted, flat_fun, tuple(avals), out_tree, plan, closed, original.compiled
         )
-        candidate_what = (name, "original program, candidate options", memory_limit)
-
-        def compile_candidate(o: Mapping[str, Any] | None) -> _Compiled:
-            return _compile(flat_fun, avals, o, donate, hidden, candidate_what)
-
-        return _with_trial(program, compile_candidate, compiler_options, compiler_options, name)
+        candidate = compiler("candidate options")
+        return _with_trial(program, candidate, compiler_options, compiler_options, name)
     if on_mesh is None:
         fixed = _check_fixed(original.footprint, memory_limit, name)
     else:
@@ -507,28 +504,26 @@ class _Search:
         except Exception:  # the original may fit: then the rewrite's failure does not matter
             return None
 
-    def _tuned(self, tried: _Tried) -> _Compiled:
-        """The attempt that fits, compiled to run (see :func:`_tuned`)."""
+    def _compiler(self, tried: _Tried, suffix: str) -> Callable[[Any], _Compiled]:
+        """A compile of ``tried``'s program with other options (logged with ``suffix``)."""
         hidden = hidden_constant_bytes(tried.program.consts)
         name, description, limit = tried.what
-        what = (name, f"{description}, tuned", limit)
+        what = (name, f"{description}, {suffix}", limit)
 
         def compile_with(options: Mapping[str, Any] | None) -> _Compiled:
             return _compile(tried.emitted, tried.placed, options, self.donate, hidden, what)
 
-        return _tuned(tried.got, tried.options, self.limit, compile_with)
+        return compile_with
+
+    def _tuned(self, tried: _Tried) -> _Compiled:
+        """The attempt that fits, compiled to run (see :func:`_tuned`)."""
+        return _tuned(tried.got, tried.options, self.limit, self._compiler(tried, "tuned"))
 
     def _with_trial(self, program: Program, tried: _Tried) -> Program:
         """``program`` (of ``tried``) with a trial of other compile options (see
         :func:`_with_trial`)."""
-        hidden = hidden_constant_bytes(tried.program.consts)
-        name, description, limit = tried.what
-        what = (name, f"{description}, candidate options", limit)
-
-        def compile_candidate(options: Mapping[str, Any] | None) -> _Compiled:
-            return _compile(tried.emitted, tried.placed, options, self.donate, hidden, what)
-
-        return _with_trial(program, compile_candidate, tried.options, self.options, self.name)
+        compile_with = self._compiler(tried, "candidate options")
+        return _with_trial(program, compile_with, tried.options, self.options, self.name)
 
     def _grown(self, index: int, scale: float, fixed: int, tried: _Tried, plan: Plan) -> _Tried:
         """``tried`` (which fits), or an attempt at a larger chunk scale that fits too, where
