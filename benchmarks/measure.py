@@ -184,6 +184,8 @@ def run_memsafe(fun: Callable[..., Any], args: tuple, params: dict) -> tuple[Any
     rss0 = current_rss()
     out, times = timed(lambda: safe(*args), params["repeats"], params["budget_s"])
     info.update(times, rss_growth_bytes=peak_rss() - rss0)
+    # the executable that ran after memsafe's trial of compile options (memsafe.tuning)
+    info.update(footprint=_footprint_from(plan.after), tuning=plan.tuning)
     return out, info
 
 
