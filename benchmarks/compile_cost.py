@@ -6,7 +6,8 @@ a fresh process per repeat (so that the first call pays everything a user's firs
 - ``jax_first_s``: jax.jit's first call (trace, compile, one run), after a trivial jit call has
   started the backend; ``jax_run_s``: its later calls (median of three);
 - ``memsafe_first_s``: memsafe.jit's first call (plan, compile attempts, one run) and its
-  ``attempts``; ``memsafe_run_s``: later calls;
+  ``attempts``; ``trial_s``: its calls 2-6 together (where memsafe times compile options,
+  memsafe.tuning); ``memsafe_run_s``: later calls;
 - ``second_wrapper_s``: the first call of a second ``memsafe.jit(f, ...)`` of the same function
   and limit; ``second_plan_s``: the planning alone (``.plan`` of a third wrapper);
 - ``xla_compiles``: XLA compiles (JAX's backend-compile events) during memsafe's first call;
@@ -148,6 +149,12 @@ def worker(name: str) -> dict[str, Any]:
     plan = safe.plan(*args)
     out["attempts"] = len(plan.attempts)
     out["fits_unchanged"] = plan.fits_unchanged
+    start = time.perf_counter()
+    for _ in range(5):  # calls 2-6: memsafe's trial of compile options (memsafe.tuning)
+        _first_call(safe, args)
+    out["trial_s"] = time.perf_counter() - start
+    out["trial_calls"] = 6
+    out["tuning"] = plan.tuning
     out["memsafe_run_s"] = _median_run(safe, args)
     out["second_wrapper_s"] = _first_call(memsafe.jit(fun, memory_limit=limit), args)
     start = time.perf_counter()
@@ -195,6 +202,11 @@ def measure(names: list[str], repeats: int) -> dict[str, Any]:
     }
 
 
+def _trial(r: dict[str, Any]) -> str:
+    """What the trial's calls took together, where the run measured them (memsafe.tuning)."""
+    return f" (calls 2-{r.get('trial_calls', 4)}: {r['trial_s']:.2f} s)" if "trial_s" in r else ""
+
+
 def _table(label: str, run: dict[str, Any]) -> list[str]:
     lines = [
         f"### {label} (jax {run['jax']}, {run['cpu_count']} CPUs, median of "
@@ -212,10 +224,18 @@ def _table(label: str, run: dict[str, Any]) -> list[str]:
             f"| {r['memsafe_first_s'] / r['jax_first_s']:.1f}x | {r['attempts']:g} "
             f"| {r['xla_compiles']:g} | {r['second_wrapper_s']:.2f} s ({r['second_plan_s']:.3f} s) "
             f"| {r['jax_run_s']:.2f} s "
-            f"| {r['memsafe_run_s']:.2f} s | {r['dispatch_jax_us']:.1f} us "
+            f"| {r['memsafe_run_s']:.2f} s{_trial(r)} | {r['dispatch_jax_us']:.1f} us "
             f"| {r['dispatch_memsafe_us']:.1f} us "
             f"| {r['dispatch_memsafe_us'] / r['dispatch_jax_us']:.2f}x |"
         )
+    kept = {
+        name: sum("runs with LIBRARY" in x.get("tuning", "") for x in r["runs"])
+        for name, r in run["results"].items()
+        if any(x.get("tuning") for x in r["runs"])
+    }
+    if kept:
+        parts = ", ".join(f"{name} {n} of {run['repeats']}" for name, n in kept.items())
+        lines += ["", f"Processes whose trial kept the YNNPACK dot (memsafe.tuning): {parts}."]
     return lines
 
 

@@ -53,9 +53,9 @@ def block(x: Any) -> Any:
     return jax.block_until_ready(x)
 
 
-#: Calls before the timed ones: a memsafe program times compile options over its first four
-#: calls and keeps the faster from the fifth on (memsafe.tuning); every method gets the same.
-WARM_UP_CALLS = 4
+#: Calls before the timed ones: a memsafe program times compile options over its first six
+#: calls and keeps the faster from the seventh on (memsafe.tuning); every method gets the same.
+WARM_UP_CALLS = 6
 
 
 def timed(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[Any, dict]:

@@ -82,8 +82,8 @@ def _trial(verified: _Timed, candidate: _Timed | None, footprint: int = 10, limi
 def test_the_trial_keeps_the_faster_executable(verified_s, candidate_s, kept):
     verified, candidate = _Timed("verified", verified_s), _Timed("candidate", candidate_s)
     trial, plan = _trial(verified, candidate)
-    ran = [trial.run(()) for _ in range(4)]
-    assert ran == ["verified", "verified", "candidate", "candidate"]
+    ran = [trial.run(()) for _ in range(len(tuning.SCHEDULE))]
+    assert ran == [role for role, _ in tuning.SCHEDULE]
     assert trial.settled and trial.chosen.name == kept
     assert [trial.run(()) for _ in range(3)] == [kept] * 3
     assert f"runs with {'YNNPACK off' if kept == 'verified' else CANDIDATE[tuning.YNN_OPTION]}" in (
@@ -97,7 +97,7 @@ def test_the_trial_keeps_the_faster_executable(verified_s, candidate_s, kept):
 def test_a_candidate_that_does_not_compile_or_fit_is_not_run(candidate, footprint):
     verified = _Timed("verified", 0.0)
     trial, plan = _trial(verified, candidate, footprint=footprint, limit=100)
-    assert [trial.run(()) for _ in range(5)] == ["verified"] * 5
+    assert [trial.run(()) for _ in range(8)] == ["verified"] * 8
     assert trial.settled and "not used" in plan.tuning
     assert candidate is None or candidate.calls == 0
 
@@ -111,7 +111,7 @@ def test_a_tuned_program_settles_within_the_limit_with_jax_jits_answers(monkeypa
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     a, b = jax.random.normal(k1, (256, 128)), jax.random.normal(k2, (128, 512))
     f = memsafe.jit(_chain, memory_limit="4MiB")
-    for _ in range(6):
+    for _ in range(len(tuning.SCHEDULE) + 1):
         assert_like_jit(f(a, b), _chain, a, b)
     plan = f.plan(a, b)
     assert "runs with" in plan.tuning and plan.after.total <= f.memory_limit
@@ -120,12 +120,12 @@ def test_a_tuned_program_settles_within_the_limit_with_jax_jits_answers(monkeypa
 def test_small_programs_and_user_options_are_not_tuned(monkeypatch):
     a = jnp.ones((64, 64))
     f = memsafe.jit(_chain, memory_limit="64MiB")
-    for _ in range(5):
+    for _ in range(len(tuning.SCHEDULE)):
         f(a, a)
     assert f.plan(a, a).tuning == ""  # 1 MFLOP: below TUNE_ABOVE_FLOPS
     monkeypatch.setattr(tuning, "TUNE_ABOVE_FLOPS", 0)
     mine = {tuning.YNN_OPTION: ""}
     g = memsafe.jit(_chain, memory_limit="64MiB", compiler_options=mine)
-    for _ in range(5):
+    for _ in range(len(tuning.SCHEDULE)):
         g(a, a)
     assert g.plan(a, a).tuning == ""
