@@ -129,3 +129,23 @@ def test_small_programs_and_user_options_are_not_tuned(monkeypatch):
     for _ in range(len(tuning.SCHEDULE)):
         g(a, a)
     assert g.plan(a, a).tuning == ""
+
+
+def _sgd_step(w, x):
+    loss = lambda w: jnp.mean(jnp.tanh(x @ w) ** 2)
+    return w - 0.1 * jax.grad(loss)(w)
+
+
+def test_a_donated_step_runs_through_the_trial(monkeypatch):
+    """Each call donates the parameters the last call returned; the trial's executables (the
+    candidate compiled on call 3) take them in turn."""
+    monkeypatch.setattr(tuning, "TUNE_ABOVE_FLOPS", 0)
+    k1, k2 = jax.random.split(jax.random.PRNGKey(1))
+    w0, x = jax.random.normal(k1, (64, 32)), jax.random.normal(k2, (512, 64))
+    step = memsafe.jit(_sgd_step, memory_limit="8MiB", donate_argnums=0)
+    reference = memsafe_jit(_sgd_step)
+    w, want = jnp.array(w0), w0
+    for _ in range(len(tuning.SCHEDULE) + 2):
+        w, want = step(w, x), reference(want, x)
+    np.testing.assert_allclose(np.asarray(w), np.asarray(want), rtol=1e-5, atol=1e-6)
+    assert "runs with" in step.plan(w, x).tuning
