@@ -117,13 +117,17 @@ def test_a_tuned_program_settles_within_the_limit_with_jax_jits_answers(monkeypa
     assert "runs with" in plan.tuning and plan.after.total <= f.memory_limit
 
 
-def test_small_programs_and_user_options_are_not_tuned(monkeypatch):
+def test_small_programs_programs_without_products_and_user_options_are_not_tuned(monkeypatch):
     a = jnp.ones((64, 64))
     f = memsafe.jit(_chain, memory_limit="64MiB")
     for _ in range(len(tuning.SCHEDULE)):
         f(a, a)
     assert f.plan(a, a).tuning == ""  # 1 MFLOP: below TUNE_ABOVE_FLOPS
     monkeypatch.setattr(tuning, "TUNE_ABOVE_FLOPS", 0)
+    h = memsafe.jit(lambda a: jnp.sum(jnp.exp(a), 0), memory_limit="64MiB")
+    for _ in range(len(tuning.SCHEDULE)):
+        h(a)
+    assert h.plan(a).tuning == ""  # no product: the candidate would change nothing
     mine = {tuning.YNN_OPTION: ""}
     g = memsafe.jit(_chain, memory_limit="64MiB", compiler_options=mine)
     for _ in range(len(tuning.SCHEDULE)):

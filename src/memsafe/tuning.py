@@ -31,7 +31,7 @@ from typing import Any
 import jax
 
 from memsafe import log
-from memsafe._jax import ClosedJaxpr
+from memsafe._jax import ClosedJaxpr, Jaxpr, jaxprs_in_params
 from memsafe.flops import jaxpr_flops
 from memsafe.plan import Plan
 from memsafe.xla import Footprint
@@ -70,7 +70,16 @@ def worth_tuning(program: ClosedJaxpr, options: Mapping[str, Any], user: Mapping
     memsafe turned YNNPACK off and the user did not set it, for enough work."""
     if jax.default_backend() != "cpu" or YNN_OPTION in user or options.get(YNN_OPTION) != "":
         return False
-    return jaxpr_flops(program.jaxpr.eqns) >= TUNE_ABOVE_FLOPS
+    return _has_products(program.jaxpr) and jaxpr_flops(program.jaxpr.eqns) >= TUNE_ABOVE_FLOPS
+
+
+def _has_products(jaxpr: Jaxpr) -> bool:
+    """Whether ``jaxpr`` or a jaxpr it runs has a ``dot_general`` (the candidate changes
+    nothing else)."""
+    return any(
+        eqn.primitive.name == "dot_general" or any(map(_has_products, jaxprs_in_params(eqn)))
+        for eqn in jaxpr.eqns
+    )
 
 
 class Trial:
