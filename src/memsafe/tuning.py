@@ -67,7 +67,8 @@ Compile = Callable[[dict[str, Any]], "tuple[Any, Footprint] | None"]
 
 def worth_tuning(program: ClosedJaxpr, options: Mapping[str, Any], user: Mapping[str, Any]) -> bool:
     """Whether to time :data:`CANDIDATE` against ``options`` (as compiled): on the CPU, where
-    memsafe turned YNNPACK off and the user did not set it, for enough work."""
+    memsafe turned YNNPACK off and the user did not set it, for a program with a matrix product
+    and at least :data:`TUNE_ABOVE_FLOPS` of work."""
     if jax.default_backend() != "cpu" or YNN_OPTION in user or options.get(YNN_OPTION) != "":
         return False
     return _has_products(program.jaxpr) and jaxpr_flops(program.jaxpr.eqns) >= TUNE_ABOVE_FLOPS
