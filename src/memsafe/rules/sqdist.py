@@ -53,6 +53,10 @@ class Frame(NamedTuple):
     unscale: jnp.ndarray
     centre: jnp.ndarray
 
+    def place(self, v: jnp.ndarray) -> jnp.ndarray:
+        """Rows of ``v`` in this frame."""
+        return v * self.scale - self.centre
+
 
 def _largest_safe_exponent(dtype: np.dtype, depth: int) -> int:
     """``b`` such that ``depth`` squares of differences of values up to ``2**b`` cannot overflow
@@ -126,20 +130,25 @@ class _Rows(NamedTuple):
         return jnp.where(self.finite, squares, special)
 
 
-def _operands(x: jnp.ndarray, y: jnp.ndarray, fr: Frame, too_large: jnp.ndarray) -> tuple:
-    """The GEMM's operands: finite rows in the frame (a row of ``y`` whose squared norm
-    overflows the frame, ``too_large``, at zero); rows with a non-finite value encoded so that
-    ``x~_i . y~_j`` of two such rows is NaN exactly where ``x_i - y_j`` has ``inf - inf`` (x:
-    +inf -> inf, -inf -> 0, else 1; y: +inf -> 0, -inf -> -inf, else -1: a same-signed pair of
-    infinities gives ``inf * 0``, every other product is 0, -1 or -inf, and a sum of those is
+def _operands(
+    x: jnp.ndarray,
+    y: jnp.ndarray,
+    rx: _Rows,
+    ry: _Rows,
+    placed_x: jnp.ndarray,
+    placed_y: jnp.ndarray,
+) -> tuple:
+    """The GEMM's operands: finite rows as placed in the frame (``placed_y`` has a row of ``y``
+    whose squared norm overflows the frame at zero); rows with a non-finite value encoded so
+    that ``x~_i . y~_j`` of two such rows is NaN exactly where ``x_i - y_j`` has ``inf - inf``
+    (x: +inf -> inf, -inf -> 0, else 1; y: +inf -> 0, -inf -> -inf, else -1: a same-signed pair
+    of infinities gives ``inf * 0``, every other product is 0, -1 or -inf, and a sum of those is
     never NaN nor +inf)."""
     inf = jnp.asarray(jnp.inf, x.dtype)
     enc_x = jnp.where(x == inf, inf, jnp.where(x == -inf, 0, 1)).astype(x.dtype)
     enc_y = jnp.where(y == inf, 0, jnp.where(y == -inf, -inf, -1)).astype(y.dtype)
-    rows_x = jnp.all(jnp.isfinite(x), axis=-1, keepdims=True)
-    rows_y = jnp.all(jnp.isfinite(y), axis=-1, keepdims=True)
-    xt = jnp.where(rows_x, x * fr.scale - fr.centre, enc_x)
-    yt = jnp.where(rows_y, jnp.where(too_large[:, None], 0, y * fr.scale - fr.centre), enc_y)
+    xt = jnp.where(rx.finite[:, None], placed_x, enc_x)
+    yt = jnp.where(ry.finite[:, None], placed_y, enc_y)
     return xt, yt
 
 
@@ -155,10 +164,11 @@ def _forward(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
     Two infinite rows give NaN through the GEMM exactly where they share an infinity."""
     fr = frame(x)
     rx, ry = _Rows.of(x, nan_code=10), _Rows.of(y, nan_code=20)
-    centred_y = y * fr.scale - fr.centre
-    yy_finite = jnp.sum(centred_y * centred_y, -1)
+    placed_y = fr.place(y)
+    yy_finite = jnp.sum(placed_y * placed_y, -1)
     too_large = ry.finite & jnp.isinf(yy_finite)  # farther from every x than overflow allows
-    xt, yt = _operands(x, y, fr, too_large)
+    placed_y = jnp.where(too_large[:, None], 0, placed_y)
+    xt, yt = _operands(x, y, rx, ry, fr.place(x), placed_y)
     xx = rx.norms(jnp.sum(xt * xt, -1))
     yy = ry.norms(yy_finite)
     g = gram(xt, yt)
@@ -173,8 +183,7 @@ def _grad_rows(a: jnp.ndarray, b: jnp.ndarray, g: jnp.ndarray, fr: Frame) -> jnp
     """``2 sum_j g_ij (a_i - b_j)`` (the cotangent of ``a`` (n, d) given ``g`` (n, m)), with the
     NaN and infinities that sum has: infinite coordinates of ``b`` stay in the GEMM (where they
     give ``g_ij * inf`` as the direct form does); those of ``a`` and NaNs are set from flags."""
-    at = a * fr.scale - fr.centre
-    bt = b * fr.scale - fr.centre
+    at, bt = fr.place(a), fr.place(b)
     a0 = jnp.where(jnp.isfinite(a), at, 0)
     b0 = jnp.where(jnp.isnan(bt), 0, bt)
     rows = jnp.sum(g, axis=1, keepdims=True)
