@@ -137,6 +137,7 @@ def worker(name: str) -> dict[str, Any]:
     import jax.numpy as jnp
 
     import memsafe
+    from memsafe.tuning import SCHEDULE
 
     jax.block_until_ready(jax.jit(lambda x: x + 1)(1.0))  # the backend started
     fun, args, limit = PROGRAMS[name](small=False)
@@ -150,10 +151,10 @@ def worker(name: str) -> dict[str, Any]:
     out["attempts"] = len(plan.attempts)
     out["fits_unchanged"] = plan.fits_unchanged
     start = time.perf_counter()
-    for _ in range(5):  # calls 2-6: memsafe's trial of compile options (memsafe.tuning)
+    out["trial_calls"] = len(SCHEDULE)
+    for _ in range(len(SCHEDULE) - 1):  # calls 2 on: memsafe's trial of compile options
         _first_call(safe, args)
     out["trial_s"] = time.perf_counter() - start
-    out["trial_calls"] = 6
     out["tuning"] = plan.tuning
     out["memsafe_run_s"] = _median_run(safe, args)
     out["second_wrapper_s"] = _first_call(memsafe.jit(fun, memory_limit=limit), args)

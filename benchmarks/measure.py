@@ -16,6 +16,8 @@ from typing import Any
 
 import jax
 
+from memsafe.tuning import SCHEDULE
+
 #: Above this compiled footprint, plain jax.jit is not run: only the bytes it needs are recorded.
 DEFAULT_JAX_CAP = 6 * 2**30
 
@@ -53,9 +55,9 @@ def block(x: Any) -> Any:
     return jax.block_until_ready(x)
 
 
-#: Calls before the timed ones: a memsafe program times compile options over its first six
-#: calls and keeps the faster from the seventh on (memsafe.tuning); every method gets the same.
-WARM_UP_CALLS = 6
+#: Calls before the timed ones: a memsafe program times compile options over its first calls
+#: and keeps the faster from then on (memsafe.tuning); every method gets the same.
+WARM_UP_CALLS = len(SCHEDULE)
 
 
 def timed(fn: Callable[[], Any], repeats: int, budget_s: float) -> tuple[Any, dict]:
