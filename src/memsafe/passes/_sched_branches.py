@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memsafe._jax import Literal, Var
+from memsafe._jax import Var, is_var
 from memsafe.graph import Graph
 from memsafe.graph.estimate import materialized_values
 from memsafe.primitives import FOLDS, FUSIBLE, REDUCTIONS
@@ -131,7 +131,7 @@ def exclusive_cone(
     term stays where it is: moving a multi-output producer into one branch would hide its other
     outputs from their readers.
     """
-    if not isinstance(atom, Var) or isinstance(atom, Literal):
+    if not is_var(atom):
         return set()
     root = graph.info(atom).producer
     if root is None or graph.info(atom).is_output:

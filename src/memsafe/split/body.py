@@ -210,7 +210,7 @@ class _Walk:
         found, stack, seen = [], [atom], set()
         while stack:
             a = stack.pop()
-            if not isinstance(a, Var) or isinstance(a, Literal) or a in seen:
+            if not is_var(a) or a in seen:
                 continue
             seen.add(a)
             if a in self.jaxpr.invars:

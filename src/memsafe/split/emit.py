@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Protocol
 
 import jax
 
-from memsafe._jax import ClosedJaxpr, Literal, Var, make_closed_jaxpr
+from memsafe._jax import ClosedJaxpr, Var, is_var, make_closed_jaxpr
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, evaluate
 from memsafe.split import loop as chunk_loop
@@ -62,7 +62,7 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
         for i in idx:
             m = region.maps[i]
             for atom, ax in zip(eqns[i].invars, m.ins):
-                if not isinstance(atom, Var) or isinstance(atom, Literal):
+                if not is_var(atom):
                     continue
                 if atom in region.produced:
                     continue

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn
+from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn, is_var
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
 from memsafe.primitives import Scaling, facts
@@ -195,7 +195,7 @@ class _Analysis:
 
     def of(self, atom: Any) -> Role:
         if isinstance(atom, Literal) or atom not in self.region.produced:
-            post = isinstance(atom, Var) and not isinstance(atom, Literal)
+            post = is_var(atom)
             return POST if post and self.depends.get(atom) else PLAIN
         return self.role[atom]
 
@@ -330,7 +330,7 @@ def _chain(graph: Graph, maps: dict, depends: dict[Var, set[int]], shifts: list[
         if p in maps:
             if isinstance(maps[p], Sink):
                 continue  # a running max, given by the loop
-            if any(isinstance(a, Var) and not isinstance(a, Literal) for a in eqn.invars):
+            if any(is_var(a) for a in eqn.invars):
                 raise NotOnline("a shift needs a value computed chunk by chunk")
             need.add(p)  # a generator (broadcast literal, iota): recomputed at full shape
             continue
@@ -347,7 +347,7 @@ def _whole_inputs(graph: Graph, region: Region, chain: tuple, depends: dict) -> 
     for i in (*region.maps, *chain):
         m = region.maps.get(i) if i not in chain else None
         for k, a in enumerate(graph.eqns[i].invars):
-            if not isinstance(a, Var) or isinstance(a, Literal) or a in region.produced:
+            if not is_var(a) or a in region.produced:
                 continue
             if m is not None and m.ins[k] is not None:
                 continue

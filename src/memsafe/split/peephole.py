@@ -28,7 +28,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import JaxprEqn, Literal, Var
+from memsafe._jax import JaxprEqn, Literal, is_var
 from memsafe.graph import Graph
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, rebind
@@ -148,7 +148,7 @@ class _Finder:
         (lc, rc), _ = eqns[i].params["dimension_numbers"]
         for k, contracted in ((0, lc), (1, rc)):
             y = eqns[i].invars[k]
-            if not isinstance(y, Var) or isinstance(y, Literal) or y not in self.region.produced:
+            if not is_var(y) or y not in self.region.produced:
                 continue
             p = self.graph.info(y).producer
             if p is None or p not in self.members or self.once(y) != i or p in self.skip:
@@ -210,7 +210,7 @@ class _Finder:
 def _invariant_float_scalar(c: Any, region: Region) -> bool:
     if len(getattr(c.aval, "shape", ())) != 0 or not jnp.issubdtype(c.aval.dtype, jnp.floating):
         return False
-    return not (isinstance(c, Var) and not isinstance(c, Literal) and c in region.produced)
+    return not (is_var(c) and c in region.produced)
 
 
 def plan(graph: Graph, region: Region, idx: list[int] | tuple[int, ...], chunk: int) -> Peepholes:
