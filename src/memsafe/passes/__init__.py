@@ -1,5 +1,5 @@
 """The rewriting pipeline, in order: match-and-replace, reorder, unflatten, hoist, distribute,
-remat, fission, split, schedule, recompute, constants. Each pass is a module with
+roll, remat, fission, split, schedule, recompute, constants. Each pass is a module with
 ``run(closed, ctx) -> closed``; its name is the module's. ``memsafe.lapack_order`` is applied
 to every program memsafe compiles."""
 
@@ -16,6 +16,7 @@ from memsafe.passes import (
     recompute,
     remat,
     reorder,
+    roll,
     schedule,
     split,
     unflatten,
@@ -29,6 +30,7 @@ PIPELINE: tuple[ModuleType, ...] = (
     unflatten,
     hoist,
     distribute,
+    roll,
     remat,
     fission,
     split,

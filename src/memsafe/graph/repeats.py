@@ -1,0 +1,282 @@
+"""Repeats: blocks of equations written one after another that compute the same thing on other
+inputs (the layers of a Python loop over a list of parameters, and the backward of each layer in
+its gradient), found with the dataflow that makes them one loop body.
+
+A run of ``count`` blocks of ``period`` equations is a loop when every block reads, at each
+operand, the same kind of value: a value of its own block (the same one in every block), a value
+of the block before (a carry; the first block reads the carry's initial value from outside), a
+value from outside the run (the same one in every block: a constant; or one per block: scanned),
+or the same literal. Block boundaries are placed where the carries are narrowest.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from memsafe._jax import JaxprEqn, Literal, Var, is_var, jaxprs_in_params, nbytes_of_aval
+from memsafe.graph.graph import Graph
+
+#: Blocks shorter than this many equations are not looked for.
+PERIOD_MIN = 8
+
+
+@dataclass(frozen=True)
+class Run:
+    """Equations ``start .. start + period * count``: ``count`` blocks of ``period``."""
+
+    start: int
+    period: int
+    count: int
+
+    @property
+    def stop(self) -> int:
+        return self.start + self.period * self.count
+
+    def locate(self, index: int) -> tuple[int, int]:
+        """(block, position in the block) of equation ``index`` of the run."""
+        return divmod(index - self.start, self.period)
+
+    def eqn(self, block: int, position: int) -> int:
+        return self.start + block * self.period + position
+
+
+# -- what a block's operand reads -------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Inner:
+    """A value the same block computes: result ``out`` of its equation at ``position``."""
+
+    position: int
+    out: int
+
+
+@dataclass(frozen=True)
+class Carried:
+    """The value the block before computed at ``source`` (the first block reads ``init``)."""
+
+    source: Inner
+    init: Var
+
+
+@dataclass(frozen=True)
+class Shared:
+    """The same value from outside the run in every block."""
+
+    var: Var
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """One value from outside the run per block, in block order."""
+
+    vars: tuple[Var, ...]
+
+
+@dataclass(frozen=True)
+class Fixed:
+    """The same literal in every block."""
+
+    value: Any
+
+
+Source = Inner | Carried | Shared | Scanned | Fixed
+
+
+@dataclass(frozen=True)
+class Loop:
+    """A run read as a loop.
+
+    Attributes:
+        run: the equations.
+        body: the first block's equations (every block binds the same primitives and params).
+        reads: for each body equation, what each of its operands reads.
+        carries: the carries' sources, each with its initial value (one per source).
+        read_outside: the values of the run something after it reads, as (block, source).
+    """
+
+    run: Run
+    body: tuple[JaxprEqn, ...]
+    reads: tuple[tuple[Source, ...], ...]
+    carries: tuple[Carried, ...]
+    read_outside: tuple[tuple[int, Inner], ...]
+
+    def var(self, eqns: Sequence[JaxprEqn], block: int, at: Inner) -> Var:
+        """The variable of block ``block`` at ``at``."""
+        return eqns[self.run.eqn(block, at.position)].outvars[at.out]
+
+    def carry_bytes(self) -> int:
+        return sum(nbytes_of_aval(c.init.aval) for c in self.carries)
+
+
+# -- finding runs -----------------------------------------------------------------------------
+
+
+def _literal_key(value: Any) -> tuple[str, bytes]:
+    a = np.asarray(value)
+    return a.dtype.str, a.tobytes()
+
+
+def _aval_key(atom: Any) -> tuple[Any, ...]:
+    aval = atom.aval
+    return (tuple(getattr(aval, "shape", ())), str(getattr(aval, "dtype", aval)),
+            bool(getattr(aval, "weak_type", False)))  # fmt: skip
+
+
+def _param_key(value: Any) -> Any:
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+def signature(eqn: JaxprEqn) -> tuple[Any, ...]:
+    """What two equations must share to be the same step of two blocks: primitive, params
+    (sub-programs by their text), operand and result types, literals."""
+    subs = tuple(str(j) for j in jaxprs_in_params(eqn))
+    params = tuple(
+        (k, _param_key(v)) for k, v in sorted(eqn.params.items()) if k not in _PROGRAM_PARAMS
+    )
+    ins = tuple(
+        ("lit", _literal_key(a.val)) if isinstance(a, Literal) else _aval_key(a) for a in eqn.invars
+    )
+    return (eqn.primitive.name, params, subs, ins, tuple(_aval_key(o) for o in eqn.outvars))
+
+
+_PROGRAM_PARAMS = {"jaxpr", "branches", "cond_jaxpr", "body_jaxpr", "call_jaxpr", "fun_jaxpr"}
+
+
+def _periods(ids: np.ndarray) -> list[int]:
+    """Gaps between consecutive equations of the same signature, long enough to be a block."""
+    last: dict[int, int] = {}
+    gaps: set[int] = set()
+    for i, s in enumerate(ids.tolist()):
+        if s in last and PERIOD_MIN <= i - last[s] <= len(ids) // 2:
+            gaps.add(i - last[s])
+        last[s] = i
+    return sorted(gaps)
+
+
+def _stretches(ids: np.ndarray, p: int) -> list[tuple[int, int]]:
+    """(start, length) of each stretch where equation i matches equation i + p, at least p
+    long (two blocks or more)."""
+    same = np.concatenate([[False], ids[:-p] == ids[p:], [False]])
+    edges = np.flatnonzero(np.diff(same.astype(np.int8)))
+    starts, ends = edges[0::2], edges[1::2]
+    return [(int(a), int(b - a)) for a, b in zip(starts, ends) if b - a >= p]
+
+
+def candidates(eqns: Sequence[JaxprEqn]) -> list[tuple[int, int, int, int]]:
+    """(first possible start, slack, period, count) of repeated stretches, most equations
+    covered first, then shortest period."""
+    table: dict[tuple[Any, ...], int] = {}
+    ids = np.array([table.setdefault(signature(e), len(table)) for e in eqns], dtype=np.int64)
+    found = []
+    for p in _periods(ids):
+        for a, m in _stretches(ids, p):
+            count = m // p + 1
+            found.append((a, m - (count - 1) * p, p, count))
+    return sorted(found, key=lambda c: (-c[2] * c[3], c[2]))
+
+
+# -- reading a run as a loop ------------------------------------------------------------------
+
+
+def _where(graph: Graph, run: Run, block: int, atom: Any) -> tuple[Any, ...]:
+    """Where block ``block``'s operand ``atom`` comes from, as a tag."""
+    if isinstance(atom, Literal):
+        return ("fixed", _literal_key(atom.val))
+    i = graph.info(atom).producer
+    if i is None or not run.start <= i < run.stop:
+        return ("outside", atom)
+    b, j = run.locate(i)
+    at = Inner(j, list(graph.eqns[i].outvars).index(atom))
+    return ("inner", at) if b == block else ("before", at) if b == block - 1 else ("far",)
+
+
+def _source(tags: list[tuple[Any, ...]], atoms: list[Any]) -> Source | None:
+    """What one operand reads across the blocks (its tags), or None where no loop reads so."""
+    first, rest = tags[0], tags[1:]
+    if first[0] in ("fixed", "inner", "outside") and all(t == first for t in rest):
+        kind = first[0]
+        return (
+            Fixed(atoms[0].val)
+            if kind == "fixed"
+            else first[1]
+            if kind == "inner"
+            else Shared(atoms[0])
+        )
+    if first[0] == "outside" and all(t[0] == "before" and t[1] == rest[0][1] for t in rest):
+        return Carried(rest[0][1], atoms[0])
+    if all(t[0] == "outside" for t in tags):
+        return Scanned(tuple(atoms))
+    return None
+
+
+def read_as_loop(graph: Graph, run: Run) -> Loop | None:
+    """``run`` as a loop, or None where some operand reads otherwise (or has effects)."""
+    eqns = graph.eqns
+    body = tuple(eqns[run.start : run.start + run.period])
+    if any(e.effects for e in body):
+        return None
+    reads, inits = [], {}
+    for j, eqn in enumerate(body):
+        row = []
+        for a in range(len(eqn.invars)):
+            atoms = [eqns[run.eqn(b, j)].invars[a] for b in range(run.count)]
+            src = _source([_where(graph, run, b, x) for b, x in enumerate(atoms)], atoms)
+            if src is None or (isinstance(src, Carried) and inits.setdefault(src.source, src.init)
+                               is not src.init):  # fmt: skip
+                return None
+            row.append(src)
+        reads.append(tuple(row))
+    carries = tuple(Carried(s, v) for s, v in inits.items())
+    return Loop(run, body, tuple(reads), carries, _read_outside(graph, run))
+
+
+def _read_outside(graph: Graph, run: Run) -> tuple[tuple[int, Inner], ...]:
+    out = []
+    for i in range(run.start, run.stop):
+        for o, v in enumerate(graph.eqns[i].outvars):
+            info = graph.info(v) if is_var(v) and _known(graph, v) else None
+            if info is not None and (info.is_output or any(c >= run.stop for c in info.consumers)):
+                b, j = run.locate(i)
+                out.append((b, Inner(j, o)))
+    return tuple(out)
+
+
+def _known(graph: Graph, v: Var) -> bool:
+    try:
+        graph.info(v)
+    except KeyError:  # a dropped result
+        return False
+    return True
+
+
+def loops(graph: Graph) -> list[tuple[Loop, ...]]:
+    """For each repeated stretch of two blocks or more (most equations first, not overlapping
+    one taken before), the runs over it that read as loops with the narrowest carries: block
+    boundaries that tie (two residual additions per layer) are all returned, for the caller to
+    choose among. In program order."""
+    taken: list[tuple[Loop, ...]] = []
+    spans: list[Run] = []
+    for first, slack, period, count in candidates(graph.eqns):
+        span = Run(first, period * count + slack, 1)
+        if any(_overlaps(span, t) for t in spans):
+            continue
+        runs = [Run(first + s, period, count) for s in range(slack + 1)]
+        found = [lp for lp in (read_as_loop(graph, r) for r in runs) if lp is not None]
+        if found:
+            least = min(lp.carry_bytes() for lp in found)
+            taken.append(tuple(lp for lp in found if lp.carry_bytes() == least))
+            spans.append(span)
+    return sorted(taken, key=lambda alts: alts[0].run.start)
+
+
+def _overlaps(a: Run, b: Run) -> bool:
+    return a.start < b.stop and b.start < a.stop

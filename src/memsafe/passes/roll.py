@@ -1,0 +1,277 @@
+"""Rolling: same-shaped blocks written one after another become a ``lax.scan`` over the blocks.
+
+A model written as a Python loop over its layers traces to one block of equations per layer, and
+its gradient to one backward block per layer after them, reading each forward block's residuals
+(each layer's attention probabilities). XLA keeps all of them alive at once, and on the CPU it
+does not reuse buffers across recomputed segments written one after another. As a scan over the
+blocks, the forward stacks the residuals and the backward scan reads them; the remat pass can
+then recompute them one iteration at a time, as it does for a model written with ``lax.scan``.
+
+A forward run and a later run of the same number of blocks that reads its values are rolled
+together, where what the later run reads of the forward's is over the remat pass's share of the
+budget. The backward run iterates in reverse, so it reads the forward's stacked values as they
+are; parameters both runs read per block are stacked once. Blocks that differ (the first layer,
+whose input is not differentiated) stay as they are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
+from memsafe.graph import Graph
+from memsafe.graph.interpret import Group, evaluate
+from memsafe.graph.repeats import Carried, Fixed, Inner, Loop, Scanned, Shared, loops
+from memsafe.log import logger
+from memsafe.passes.base import PassContext
+from memsafe.passes.remat import SHARE_OF_BUDGET
+from memsafe.plan import PassRecord, format_bytes
+
+
+@dataclass(frozen=True)
+class Stack:
+    """A stacked value's key among a rewrite's values: the variables it stacks, in order."""
+
+    vars: tuple[Var, ...]
+
+
+@dataclass(frozen=True)
+class Rolled:
+    """A loop and the way its scan iterates: ``reverse`` for blocks in reverse program order
+    (a backward pass), so iteration ``i`` runs block ``order[i]``."""
+
+    loop: Loop
+    reverse: bool
+
+    @property
+    def order(self) -> tuple[int, ...]:
+        blocks = range(self.loop.run.count)
+        return tuple(reversed(blocks)) if self.reverse else tuple(blocks)
+
+    def index(self, block: int) -> int:
+        return self.order.index(block)
+
+
+def _scanned(loop: Loop) -> list[Scanned]:
+    seen: dict[Scanned, None] = {}
+    for row in loop.reads:
+        for src in row:
+            if isinstance(src, Scanned):
+                seen.setdefault(src)
+    return list(seen)
+
+
+def _shared(loop: Loop) -> list[Var]:
+    seen: dict[Var, None] = {}
+    for row in loop.reads:
+        for src in row:
+            if isinstance(src, Shared):
+                seen.setdefault(src.var)
+    return list(seen)
+
+
+class _Rewrite:
+    """The groups that replace the rolled loops' equations, and the stacks they share."""
+
+    def __init__(self, graph: Graph, loops: Sequence[Loop]) -> None:
+        self.eqns = graph.eqns
+        self.stacks: set[Stack] = set()  # given by an earlier group
+        self.groups = [self._group(lp) for lp in loops]
+
+    def _in_order(self, rolled: Rolled, vars_of_block: Any) -> Stack:
+        return Stack(tuple(vars_of_block(b) for b in rolled.order))
+
+    def _orient(self, loop: Loop) -> Rolled:
+        """Reverse where more of the loop's scanned operands are stacks given already."""
+        found = {
+            r: sum(self._in_order(Rolled(loop, r), lambda b, s=s: s.vars[b]) in self.stacks
+                   for s in _scanned(loop))
+            for r in (False, True)
+        }  # fmt: skip
+        return Rolled(loop, found[True] > found[False])
+
+    def _carried_in(self, rolled: Rolled, carry: Carried) -> Stack:
+        loop = rolled.loop
+        return self._in_order(
+            rolled, lambda b: carry.init if b == 0 else loop.var(self.eqns, b - 1, carry.source)
+        )
+
+    def _group(self, loop: Loop) -> Group:
+        rolled = self._orient(loop)
+        scanned = [self._in_order(rolled, lambda b, s=s: s.vars[b]) for s in _scanned(loop)]
+        shared = _shared(loop)
+        inits = [c.init for c in loop.carries]
+        reused = [s in self.stacks for s in scanned]
+        needs = [s if r else v for s, r in zip(scanned, reused) for v in ((s,) if r else s.vars)]
+        needs = [*shared, *inits, *needs]
+        sources = [at for _, at in loop.read_outside if at not in {c.source for c in loop.carries}]
+        stacked = list(dict.fromkeys(sources))
+        gives, picks = self._gives(rolled, stacked)
+        body = _body(rolled, shared, scanned)
+
+        def run(values: list[Any]) -> list[Any]:
+            consts, values = values[: len(shared)], values[len(shared) :]
+            init, values = values[: len(inits)], values[len(inits) :]
+            xs = []
+            for s, r in zip(scanned, reused):
+                xs.append(values[0] if r else jnp.stack(values[: len(s.vars)]))
+                values = values[1 if r else len(s.vars) :]
+            final, (ys, carried) = jax.lax.scan(
+                body(consts, stacked), tuple(init), tuple(xs), reverse=rolled.reverse
+            )
+            return [pick(final, ys, carried, xs) for pick in picks]
+
+        first = loop.run.start
+        return Group(frozenset(range(first, loop.run.stop)), tuple(needs), gives, first, run)
+
+    def _gives(self, rolled: Rolled, stacked: list[Inner]) -> tuple[tuple[Any, ...], list[Any]]:
+        """What the group gives (the values read after it, and its stacks for later groups),
+        each with how it is picked from the scan's results."""
+        loop, eqns = rolled.loop, self.eqns
+        carries = {c.source: k for k, c in enumerate(loop.carries)}
+        gives: list[Any] = []
+        picks: list[Any] = []
+        for block, at in loop.read_outside:
+            gives.append(loop.var(eqns, block, at))
+            picks.append(_pick(rolled, block, at, carries, stacked))
+        for k, c in enumerate(loop.carries):
+            key = self._carried_in(rolled, c)
+            gives.append(key)
+            picks.append(lambda final, ys, carried, xs, k=k: carried[k])
+        for n, at in enumerate(stacked):
+            key = self._in_order(rolled, lambda b, at=at: loop.var(eqns, b, at))
+            gives.append(key)
+            picks.append(lambda final, ys, carried, xs, n=n: ys[n])
+        for n, s in enumerate(_scanned(loop)):
+            gives.append(self._in_order(rolled, lambda b, s=s: s.vars[b]))
+            picks.append(lambda final, ys, carried, xs, n=n: xs[n])
+        new = [(g, p) for g, p in zip(gives, picks) if g not in self.stacks]
+        self.stacks.update(g for g, _ in new if isinstance(g, Stack))
+        return tuple(g for g, _ in new), [p for _, p in new]
+
+
+def _pick(rolled: Rolled, block: int, at: Inner, carries: dict[Inner, int], stacked: list[Inner]):
+    """How the value of ``block`` at ``at`` is read from the scan's results: a carry from the
+    next block's incoming carries (the last block's from the final carry), any other value
+    from its stack."""
+    count = rolled.loop.run.count
+    if at in carries:
+        k = carries[at]
+        if block == count - 1:
+            return lambda final, ys, carried, xs: final[k]
+        i = rolled.index(block + 1)
+        return lambda final, ys, carried, xs: carried[k][i]
+    n, i = stacked.index(at), rolled.index(block)
+    return lambda final, ys, carried, xs: ys[n][i]
+
+
+def _body(rolled: Rolled, shared: list[Var], scanned: list[Stack]):
+    """The scan body of ``rolled``: the first block's equations, each operand read from its
+    source; the carries' sources carried on, the stacked values and the incoming carries
+    stacked."""
+    loop = rolled.loop
+    carries = {c.source: k for k, c in enumerate(loop.carries)}
+    slots = {s: n for n, s in enumerate(_scanned(loop))}
+
+    def with_consts(consts: list[Any], stacked: list[Inner]):
+        const_of = dict(zip(shared, consts))
+
+        def body(carry: tuple[Any, ...], x: tuple[Any, ...]):
+            outs: list[list[Any]] = []
+
+            def read(src: Any) -> Any:
+                if isinstance(src, Inner):
+                    return outs[src.position][src.out]
+                if isinstance(src, Carried):
+                    return carry[carries[src.source]]
+                if isinstance(src, Shared):
+                    return const_of[src.var]
+                if isinstance(src, Scanned):
+                    return x[slots[src]]
+                assert isinstance(src, Fixed)
+                return src.value
+
+            for eqn, row in zip(loop.body, loop.reads):
+                outs.append(bind_eqn(eqn, [read(s) for s in row]))
+            new = tuple(outs[c.source.position][c.source.out] for c in loop.carries)
+            return new, (tuple(outs[a.position][a.out] for a in stacked), carry)
+
+        return body
+
+    del scanned
+    return with_consts
+
+
+def _aligned(graph: Graph, later: Loop, earlier: Loop) -> int:
+    """Bytes of ``earlier``'s values that ``later`` reads as whole stacks: an operand that
+    reads the same value of every block of ``earlier``, in block order or in reverse."""
+    run, total, count = earlier.run, 0, earlier.run.count
+    whole = (tuple(range(count)), tuple(reversed(range(count))))
+    for src in _scanned(later):
+        producers = [graph.info(v).producer for v in src.vars]
+        if any(p is None or not run.start <= p < run.stop for p in producers):
+            continue
+        places = {(run.locate(p)[1], list(graph.eqns[p].outvars).index(v))
+                  for p, v in zip(producers, src.vars)}  # fmt: skip
+        if len(places) == 1 and tuple(run.locate(p)[0] for p in producers) in whole:
+            total += sum(nbytes_of_aval(v.aval) for v in src.vars)
+    return total
+
+
+Pair = tuple[Loop, Loop, int]
+
+
+def chosen(graph: Graph, budget: int) -> list[Pair]:
+    """Pairs of loops (earlier, later, bytes) with the same number of blocks where the later one
+    reads over the remat pass's share of ``budget`` of the earlier one's values as whole
+    stacks; of the block boundaries found for each, those that align the most. A loop is in
+    one pair at most."""
+    found, used, pairs = loops(graph), set(), []
+    for k, later in enumerate(found):
+        for e, earlier in enumerate(found[:k]):
+            if e in used or k in used or earlier[0].run.count != later[0].run.count:
+                continue
+            held, a, b = max(
+                ((_aligned(graph, b, a), a, b) for a in earlier for b in later),
+                key=lambda t: t[0],
+            )
+            if held > SHARE_OF_BUDGET * budget:
+                pairs.append((a, b, held))
+                used |= {e, k}
+    return pairs
+
+
+def _record(pair: Pair, graph: Graph) -> PassRecord:
+    fwd, bwd, held = pair
+    return PassRecord(
+        "roll",
+        f"{fwd.run.count} repeated blocks of {fwd.run.period} equations and the "
+        f"{bwd.run.count} of {bwd.run.period} that read their values "
+        f"({format_bytes(held)}) rolled into scans",
+        where=source_line(graph.eqns[fwd.run.start]),
+        data={"blocks": fwd.run.count},
+    )
+
+
+def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
+    """Roll each forward run and the run that reads its residuals, where worth it."""
+    graph = Graph(closed)
+    pairs = chosen(graph, ctx.temp_budget)
+    rolled = sorted((lp for p in pairs for lp in p[:2]), key=lambda lp: lp.run.start)
+    if not rolled:
+        return closed
+    rewrite = _Rewrite(graph, rolled)
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    try:
+        new = jax.make_jaxpr(lambda *xs: evaluate(closed, xs, groups=rewrite.groups))(*avals)
+    except Exception as err:  # a loop JAX does not take as a scan (carry types): keep the blocks
+        logger.info("roll: left unrolled (%s)", err)
+        return closed
+    for pair in pairs:
+        ctx.record(_record(pair, graph))
+    return dce(new)
