@@ -162,6 +162,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         recompute,
         remat,
         reorder,
+        roll,
         schedule,
         split,
         unflatten,
@@ -173,6 +174,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         unflatten,
         hoist,
         distribute,
+        roll,
         remat,
         fission,
         split,
@@ -182,7 +184,8 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "unflatten", "hoist", "distribute", "remat", "fission", "split",
+        "match_replace", "reorder", "unflatten", "hoist", "distribute", "roll", "remat", "fission",
+        "split",
         "schedule", "recompute", "constants",
     ]  # fmt: skip
 

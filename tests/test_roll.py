@@ -1,0 +1,174 @@
+"""The roll pass: same-shaped blocks written one after another (a Python loop over layers, and the
+backward blocks of its gradient) become scans, so the remat pass recomputes their residuals
+(``memsafe.passes.roll``, ``memsafe.graph.repeats``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import memsafe
+from memsafe._jax import ClosedJaxpr, is_var, jaxpr_as_fun
+from memsafe.graph import Graph, inline_calls
+from memsafe.graph.repeats import loops
+from memsafe.passes import remat, roll
+from memsafe.passes.base import PassContext
+from memsafe.plan import Plan
+from memsafe.xla import Footprint, memsafe_jit
+from tests import deep_models as models
+from tests.agree import assert_like_jit
+from tests.budget import examples
+
+B, D = 64, 32
+
+# One layer's steps: (name, function of the hidden state and the layer's parameters).
+STEPS = {
+    "dense_tanh": lambda h, p: jnp.tanh(h @ p["w"]),
+    "relu": lambda h, p: jnp.maximum(h @ p["w"], 0.0),
+    "residual": lambda h, p: h + jnp.tanh(h @ p["w"]) @ p["v"],
+    "layer_norm": lambda h, p: models._layer_norm(h, p["g"]),
+    "softmax_mix": lambda h, p: jax.nn.softmax(h @ h.T / 8.0, -1) @ h,
+    "scale": lambda h, p: h * 0.5 + p["g"],
+}
+
+
+def _params(layers: int, seed: int) -> list[dict[str, jax.Array]]:
+    rng = np.random.default_rng(seed)
+
+    def one() -> dict[str, jax.Array]:
+        w, v = (rng.standard_normal((D, D), dtype=np.float32) / 6 for _ in range(2))
+        return {"w": jnp.asarray(w), "v": jnp.asarray(v), "g": jnp.ones(D)}
+
+    return [one() for _ in range(layers)]
+
+
+def _model(steps: list[str], first: list[str], skip: bool, tied: bool):
+    """A Python loop over layers (``first`` the first layer's steps where given), optionally
+    with a skip connection from two layers back, or with every layer reading the first layer's
+    parameters (tied weights)."""
+
+    def loss(params, x):
+        before, h = x, x
+        for i, p in enumerate(params):
+            p = params[0] if tied else p
+            new = h
+            for name in first if (i == 0 and first) else steps:
+                new = STEPS[name](new, p)
+            before, h = h, new + 0.5 * before if skip else new
+        return jnp.sum(jnp.nan_to_num(h) ** 2)
+
+    return loss
+
+
+def _rolled(closed: ClosedJaxpr) -> tuple[ClosedJaxpr, Plan]:
+    """``closed`` after the roll and remat passes at a budget that makes any pair worth it."""
+    plan = Plan(memory_limit=1)
+    ctx = PassContext(1, 0, plan)
+    return remat.run(roll.run(closed, ctx), ctx), plan
+
+
+def _run(closed: ClosedJaxpr, args):
+    return memsafe_jit(jaxpr_as_fun(closed))(*args)
+
+
+def _reads_only_the_block_before(closed: ClosedJaxpr, graph: Graph) -> None:
+    """Every loop found reads, in each block, values of that block, of the block before, or
+    from outside its run."""
+    for alts in loops(graph):
+        for lp in alts:
+            run = lp.run
+            for i in range(run.start, run.stop):
+                for v in closed.jaxpr.eqns[i].invars:
+                    p = graph.info(v).producer if is_var(v) else None
+                    if p is not None and run.start <= p < run.stop:
+                        assert run.locate(i)[0] - run.locate(p)[0] in (0, 1)
+
+
+@settings(max_examples=examples(25), deadline=None)
+@given(
+    layers=st.integers(2, 5),
+    steps=st.lists(st.sampled_from(sorted(STEPS)), min_size=1, max_size=4),
+    first=st.lists(st.sampled_from(sorted(STEPS)), max_size=2),
+    skip=st.booleans(),
+    tied=st.booleans(),
+    wrt_x=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_rolled_programs_give_the_unrolled_answers(layers, steps, first, skip, tied, wrt_x, seed):
+    """Random layer stacks and their gradients, rolled where the passes find loops, give the
+    unrolled program's answers by the accuracy rule (NaN and infinities in the input included);
+    stacks of three plain layers or more are rolled."""
+    loss = _model(steps, first, skip, tied)
+    params = _params(layers, seed)
+    x = np.random.default_rng(seed + 1).standard_normal((B, D), dtype=np.float32)
+    x[3, 1], x[5, 0] = np.nan, np.inf
+    fun = jax.value_and_grad(loss, (0, 1) if wrt_x else 0)
+    args = (params, jnp.asarray(x))
+    closed = inline_calls(jax.make_jaxpr(fun)(*args))
+    _reads_only_the_block_before(closed, Graph(closed))
+    new, plan = _rolled(closed)
+    flat = jax.tree.leaves(args)
+    got = jax.tree.unflatten(jax.tree.structure(fun(*args)), _run(new, flat))
+    assert_like_jit(got, fun, *args)
+    if layers >= 3 and not (first or skip or tied) and len(steps) > 1:
+        assert any(r.pass_name == "roll" for r in plan.records), plan
+
+
+def _transformer_grad(blocks: int = 4, length: int = 256):
+    loss, params, batch = models.transformer(models.Shape(blocks=blocks, batch=1, length=length))
+    return jax.value_and_grad(loss), (params, *batch)
+
+
+def test_the_layers_and_their_backward_are_found_with_narrow_carries():
+    """A 6-block transformer's gradient: the last five forward blocks and the five backward blocks
+    that read them are loops (the first block differs: its input is not differentiated), each
+    carrying one [B, L, D] value from block to block."""
+    fun, args = _transformer_grad(blocks=6)
+    graph = Graph(inline_calls(jax.make_jaxpr(fun)(*args)))
+    found = loops(graph)
+    assert [alts[0].run.count for alts in found] == [5, 5]
+    width = np.prod(args[1].shape) * 4
+    assert all(lp.carry_bytes() == width for alts in found for lp in alts)
+
+
+def test_a_python_loop_transformer_is_rolled_and_rematerialized():
+    """A Python-loop transformer's gradient (L=1024, width 64, 2 heads; jax.jit 80 MiB) under
+    20 MiB, where without rolling the best footprint was 31 MiB: its blocks are rolled into
+    scans, the residuals recomputed per layer, and the answers are jax.jit's."""
+    shape = models.Shape(blocks=4, batch=1, length=1024, width=64, heads=2)
+    loss, params, batch = models.transformer(shape)
+    fun, args = jax.value_and_grad(loss), (params, *batch)
+    limit = 20 * 2**20
+    assert Footprint.from_compiled(jax.jit(fun).lower(*args).compile()).total > 3 * limit
+    f = memsafe.jit(fun, memory_limit=limit)
+    plan = f.plan(*args)
+    names = [r.pass_name for r in plan.passes]
+    assert "roll" in names and "remat" in names, plan
+    assert plan.after.total <= limit
+    assert_like_jit(f(*args), fun, *args)
+
+
+def test_a_read_from_two_blocks_back_is_not_a_carry():
+    """A skip connection from two layers back: no run with that read reads as a loop over one
+    layer per block, and what is rolled gives the unrolled answers."""
+    loss = _model(["dense_tanh", "residual"], [], skip=True, tied=False)
+    params, x = _params(5, 0), jnp.ones((B, D))
+    fun = jax.grad(loss)
+    closed = inline_calls(jax.make_jaxpr(fun)(params, x))
+    _reads_only_the_block_before(closed, Graph(closed))
+    new, _ = _rolled(closed)
+    flat = jax.tree.leaves((params, x))
+    got = jax.tree.unflatten(jax.tree.structure(fun(params, x)), _run(new, flat))
+    assert_like_jit(got, fun, params, x)
+
+
+def test_nothing_is_rolled_where_the_residuals_fit():
+    """Where what the backward reads of the forward is under the remat pass's share of the
+    budget, the program is left as it is."""
+    fun, args = _transformer_grad()
+    closed = inline_calls(jax.make_jaxpr(fun)(*args))
+    ctx = PassContext(2**40, 0, Plan(memory_limit=2**40))
+    assert roll.run(closed, ctx) is closed
