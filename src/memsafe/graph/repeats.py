@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
@@ -47,12 +47,24 @@ class Run:
 # -- what a block's operand reads -------------------------------------------------------------
 
 
+class Frame(Protocol):
+    """A loop body's values while it runs one block (see each source's ``value``)."""
+
+    def inner(self, at: Inner) -> Any: ...
+    def carried(self, at: Inner) -> Any: ...
+    def shared(self, var: Var) -> Any: ...
+    def scanned(self, src: Scanned) -> Any: ...
+
+
 @dataclass(frozen=True)
 class Inner:
     """A value the same block computes: result ``out`` of its equation at ``position``."""
 
     position: int
     out: int
+
+    def value(self, frame: Frame) -> Any:
+        return frame.inner(self)
 
 
 @dataclass(frozen=True)
@@ -62,12 +74,18 @@ class Carried:
     source: Inner
     init: Var
 
+    def value(self, frame: Frame) -> Any:
+        return frame.carried(self.source)
+
 
 @dataclass(frozen=True)
 class Shared:
     """The same value from outside the run in every block."""
 
     var: Var
+
+    def value(self, frame: Frame) -> Any:
+        return frame.shared(self.var)
 
 
 @dataclass(frozen=True)
@@ -76,15 +94,22 @@ class Scanned:
 
     vars: tuple[Var, ...]
 
+    def value(self, frame: Frame) -> Any:
+        return frame.scanned(self)
+
 
 @dataclass(frozen=True)
 class Fixed:
     """The same literal in every block."""
 
-    value: Any
+    literal: Any
+
+    def value(self, frame: Frame) -> Any:
+        return self.literal
 
 
 Source = Inner | Carried | Shared | Scanned | Fixed
+S = TypeVar("S", Inner, Carried, Shared, Scanned, Fixed)
 
 
 @dataclass(frozen=True)
@@ -111,6 +136,10 @@ class Loop:
 
     def carry_bytes(self) -> int:
         return sum(nbytes_of_aval(c.init.aval) for c in self.carries)
+
+    def sources(self, kind: type[S]) -> list[S]:
+        """The distinct sources of type ``kind`` the body reads, in the order it reads them."""
+        return list(dict.fromkeys(s for row in self.reads for s in row if isinstance(s, kind)))
 
 
 # -- finding runs -----------------------------------------------------------------------------

@@ -16,7 +16,7 @@ whose input is not differentiated) stay as they are.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, evaluate
-from memsafe.graph.repeats import Carried, Fixed, Inner, Loop, Scanned, Shared, loops
+from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops
 from memsafe.log import logger
 from memsafe.passes.base import PassContext
 from memsafe.passes.remat import SHARE_OF_BUDGET
@@ -57,24 +57,6 @@ class Rolled:
         return self.order.index(block)
 
 
-def _scanned(loop: Loop) -> list[Scanned]:
-    seen: dict[Scanned, None] = {}
-    for row in loop.reads:
-        for src in row:
-            if isinstance(src, Scanned):
-                seen.setdefault(src)
-    return list(seen)
-
-
-def _shared(loop: Loop) -> list[Var]:
-    seen: dict[Var, None] = {}
-    for row in loop.reads:
-        for src in row:
-            if isinstance(src, Shared):
-                seen.setdefault(src.var)
-    return list(seen)
-
-
 class _Rewrite:
     """The groups that replace the rolled loops' equations, and the stacks they share."""
 
@@ -90,7 +72,7 @@ class _Rewrite:
         """Reverse where more of the loop's scanned operands are stacks given already."""
         found = {
             r: sum(self._in_order(Rolled(loop, r), lambda b, s=s: s.vars[b]) in self.stacks
-                   for s in _scanned(loop))
+                   for s in loop.sources(Scanned))
             for r in (False, True)
         }  # fmt: skip
         return Rolled(loop, found[True] > found[False])
@@ -103,8 +85,8 @@ class _Rewrite:
 
     def _group(self, loop: Loop) -> Group:
         rolled = self._orient(loop)
-        scanned = [self._in_order(rolled, lambda b, s=s: s.vars[b]) for s in _scanned(loop)]
-        shared = _shared(loop)
+        scanned = [self._in_order(rolled, lambda b, s=s: s.vars[b]) for s in loop.sources(Scanned)]
+        shared = loop.sources(Shared)
         inits = [c.init for c in loop.carries]
         reused = [s in self.stacks for s in scanned]
         needs = [s if r else v for s, r in zip(scanned, reused) for v in ((s,) if r else s.vars)]
@@ -112,7 +94,6 @@ class _Rewrite:
         sources = [at for _, at in loop.read_outside if at not in {c.source for c in loop.carries}]
         stacked = list(dict.fromkeys(sources))
         gives, picks = self._gives(rolled, stacked)
-        body = _body(rolled, shared, scanned)
 
         def run(values: list[Any]) -> list[Any]:
             consts, values = values[: len(shared)], values[len(shared) :]
@@ -121,8 +102,9 @@ class _Rewrite:
             for s, r in zip(scanned, reused):
                 xs.append(values[0] if r else jnp.stack(values[: len(s.vars)]))
                 values = values[1 if r else len(s.vars) :]
+            body = _body(loop, dict(zip(shared, consts)), stacked)
             final, (ys, carried) = jax.lax.scan(
-                body(consts, stacked), tuple(init), tuple(xs), reverse=rolled.reverse
+                body, tuple(init), tuple(xs), reverse=rolled.reverse
             )
             return [pick(final, ys, carried, xs) for pick in picks]
 
@@ -147,7 +129,7 @@ class _Rewrite:
             key = self._in_order(rolled, lambda b, at=at: loop.var(eqns, b, at))
             gives.append(key)
             picks.append(lambda final, ys, carried, xs, n=n: ys[n])
-        for n, s in enumerate(_scanned(loop)):
+        for n, s in enumerate(loop.sources(Scanned)):
             gives.append(self._in_order(rolled, lambda b, s=s: s.vars[b]))
             picks.append(lambda final, ys, carried, xs, n=n: xs[n])
         new = [(g, p) for g, p in zip(gives, picks) if g not in self.stacks]
@@ -170,41 +152,42 @@ def _pick(rolled: Rolled, block: int, at: Inner, carries: dict[Inner, int], stac
     return lambda final, ys, carried, xs: ys[n][i]
 
 
-def _body(rolled: Rolled, shared: list[Var], scanned: list[Stack]):
-    """The scan body of ``rolled``: the first block's equations, each operand read from its
-    source; the carries' sources carried on, the stacked values and the incoming carries
-    stacked."""
-    loop = rolled.loop
-    carries = {c.source: k for k, c in enumerate(loop.carries)}
-    slots = {s: n for n, s in enumerate(_scanned(loop))}
+@dataclass
+class _Frame:
+    """The values one iteration of a rolled loop's body reads (a :class:`repeats.Frame`)."""
 
-    def with_consts(consts: list[Any], stacked: list[Inner]):
-        const_of = dict(zip(shared, consts))
+    outs: list[list[Any]]
+    carry: dict[Inner, Any]
+    consts: dict[Var, Any]
+    xs: dict[Scanned, Any]
 
-        def body(carry: tuple[Any, ...], x: tuple[Any, ...]):
-            outs: list[list[Any]] = []
+    def inner(self, at: Inner) -> Any:
+        return self.outs[at.position][at.out]
 
-            def read(src: Any) -> Any:
-                if isinstance(src, Inner):
-                    return outs[src.position][src.out]
-                if isinstance(src, Carried):
-                    return carry[carries[src.source]]
-                if isinstance(src, Shared):
-                    return const_of[src.var]
-                if isinstance(src, Scanned):
-                    return x[slots[src]]
-                assert isinstance(src, Fixed)
-                return src.value
+    def carried(self, at: Inner) -> Any:
+        return self.carry[at]
 
-            for eqn, row in zip(loop.body, loop.reads):
-                outs.append(bind_eqn(eqn, [read(s) for s in row]))
-            new = tuple(outs[c.source.position][c.source.out] for c in loop.carries)
-            return new, (tuple(outs[a.position][a.out] for a in stacked), carry)
+    def shared(self, var: Var) -> Any:
+        return self.consts[var]
 
-        return body
+    def scanned(self, src: Scanned) -> Any:
+        return self.xs[src]
 
-    del scanned
-    return with_consts
+
+def _body(loop: Loop, consts: dict[Var, Any], stacked: list[Inner]) -> Callable[..., Any]:
+    """The scan body of ``loop``: the first block's equations, each operand read from its
+    source; it carries the carries' sources on, and stacks the values at ``stacked`` and the
+    incoming carries."""
+    sources = [c.source for c in loop.carries]
+
+    def body(carry: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[Any, ...]:
+        frame = _Frame([], dict(zip(sources, carry)), consts, dict(zip(loop.sources(Scanned), x)))
+        for eqn, row in zip(loop.body, loop.reads):
+            frame.outs.append(bind_eqn(eqn, [src.value(frame) for src in row]))
+        new = tuple(frame.inner(at) for at in sources)
+        return new, (tuple(frame.inner(at) for at in stacked), carry)
+
+    return body
 
 
 def _aligned(graph: Graph, later: Loop, earlier: Loop) -> int:
@@ -212,7 +195,7 @@ def _aligned(graph: Graph, later: Loop, earlier: Loop) -> int:
     reads the same value of every block of ``earlier``, in block order or in reverse."""
     run, total, count = earlier.run, 0, earlier.run.count
     whole = (tuple(range(count)), tuple(reversed(range(count))))
-    for src in _scanned(later):
+    for src in later.sources(Scanned):
         producers = [graph.info(v).producer for v in src.vars]
         if any(p is None or not run.start <= p < run.stop for p in producers):
             continue
