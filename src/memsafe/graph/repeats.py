@@ -287,6 +287,30 @@ def _known(graph: Graph, v: Var) -> bool:
     return True
 
 
+def _crossing(graph: Graph, run: Run) -> int:
+    """Bytes of the first block's values the second block reads (a loop's carries)."""
+    seen: set[Var] = set()
+    for i in range(run.start + run.period, run.start + 2 * run.period):
+        for v in graph.eqns[i].invars:
+            p = graph.info(v).producer if is_var(v) else None
+            if p is not None and run.start <= p < run.start + run.period:
+                seen.add(v)
+    return sum(nbytes_of_aval(v.aval) for v in seen)
+
+
+def _narrowest(graph: Graph, runs: list[Run]) -> tuple[Loop, ...]:
+    """Of ``runs`` (the same stretch at other block boundaries), those that read as loops with
+    the narrowest carries."""
+    by_width: dict[int, list[Run]] = {}
+    for r in runs:
+        by_width.setdefault(_crossing(graph, r), []).append(r)
+    for width in sorted(by_width):
+        found = tuple(lp for lp in (read_as_loop(graph, r) for r in by_width[width]) if lp)
+        if found:
+            return found
+    return ()
+
+
 def loops(graph: Graph) -> list[tuple[Loop, ...]]:
     """For each repeated stretch of two blocks or more (most equations first, not overlapping
     one taken before), the runs over it that read as loops with the narrowest carries: block
@@ -298,11 +322,9 @@ def loops(graph: Graph) -> list[tuple[Loop, ...]]:
         span = Run(first, period * count + slack, 1)
         if any(_overlaps(span, t) for t in spans):
             continue
-        runs = [Run(first + s, period, count) for s in range(slack + 1)]
-        found = [lp for lp in (read_as_loop(graph, r) for r in runs) if lp is not None]
+        found = _narrowest(graph, [Run(first + s, period, count) for s in range(slack + 1)])
         if found:
-            least = min(lp.carry_bytes() for lp in found)
-            taken.append(tuple(lp for lp in found if lp.carry_bytes() == least))
+            taken.append(found)
             spans.append(span)
     return sorted(taken, key=lambda alts: alts[0].run.start)
 
