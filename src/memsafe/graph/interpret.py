@@ -139,10 +139,13 @@ def _hashable(atom: Any) -> bool:
     return not isinstance(atom, Literal)
 
 
-def retrace(closed: ClosedJaxpr, override: Override | None = None) -> ClosedJaxpr:
-    """A new ClosedJaxpr computing ``closed`` with ``override`` applied, at the same input avals."""
+def retrace(
+    closed: ClosedJaxpr, override: Override | None = None, groups: Sequence[Group] = ()
+) -> ClosedJaxpr:
+    """A new ClosedJaxpr computing ``closed`` with ``override`` applied and ``groups`` in place
+    of their equations (see :func:`evaluate`), at the same input avals."""
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    new, _ = make_closed_jaxpr(lambda *xs: evaluate(closed, xs, override), avals)
+    new, _ = make_closed_jaxpr(lambda *xs: evaluate(closed, xs, override, groups=groups), avals)
     return new
 
 

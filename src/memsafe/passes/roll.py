@@ -18,14 +18,14 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
 from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
 from memsafe.graph import Graph
-from memsafe.graph.interpret import Group, evaluate
+from memsafe.graph.interpret import Group, retrace
 from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops
 from memsafe.log import logger
 from memsafe.passes.base import PassContext
@@ -106,50 +106,64 @@ class _Rewrite:
             final, (ys, carried) = jax.lax.scan(
                 body, tuple(init), tuple(xs), reverse=rolled.reverse
             )
-            return [pick(final, ys, carried, xs) for pick in picks]
+            results = Results(final, ys, carried, xs)
+            return [pick(results) for pick in picks]
 
         first = loop.run.start
         return Group(frozenset(range(first, loop.run.stop)), tuple(needs), gives, first, run)
 
-    def _gives(self, rolled: Rolled, stacked: list[Inner]) -> tuple[tuple[Any, ...], list[Any]]:
+    def _gives(self, rolled: Rolled, stacked: list[Inner]) -> tuple[tuple[Any, ...], list[Pick]]:
         """What the group gives (the values read after it, and its stacks for later groups),
         each with how it is picked from the scan's results."""
         loop, eqns = rolled.loop, self.eqns
         carries = {c.source: k for k, c in enumerate(loop.carries)}
         gives: list[Any] = []
-        picks: list[Any] = []
+        picks: list[Pick] = []
         for block, at in loop.read_outside:
             gives.append(loop.var(eqns, block, at))
             picks.append(_pick(rolled, block, at, carries, stacked))
         for k, c in enumerate(loop.carries):
-            key = self._carried_in(rolled, c)
-            gives.append(key)
-            picks.append(lambda final, ys, carried, xs, k=k: carried[k])
+            gives.append(self._carried_in(rolled, c))
+            picks.append(lambda r, k=k: r.carried[k])
         for n, at in enumerate(stacked):
-            key = self._in_order(rolled, lambda b, at=at: loop.var(eqns, b, at))
-            gives.append(key)
-            picks.append(lambda final, ys, carried, xs, n=n: ys[n])
+            gives.append(self._in_order(rolled, lambda b, at=at: loop.var(eqns, b, at)))
+            picks.append(lambda r, n=n: r.ys[n])
         for n, s in enumerate(loop.sources(Scanned)):
             gives.append(self._in_order(rolled, lambda b, s=s: s.vars[b]))
-            picks.append(lambda final, ys, carried, xs, n=n: xs[n])
+            picks.append(lambda r, n=n: r.xs[n])
         new = [(g, p) for g, p in zip(gives, picks) if g not in self.stacks]
         self.stacks.update(g for g, _ in new if isinstance(g, Stack))
         return tuple(g for g, _ in new), [p for _, p in new]
 
 
-def _pick(rolled: Rolled, block: int, at: Inner, carries: dict[Inner, int], stacked: list[Inner]):
+class Results(NamedTuple):
+    """A rolled loop's scan: its final carries, stacked values, stacked incoming carries and
+    stacked operands."""
+
+    final: tuple[Any, ...]
+    ys: tuple[Any, ...]
+    carried: tuple[Any, ...]
+    xs: list[Any]
+
+
+#: How one value the rolled equations gave is read from their scan's results.
+Pick = Callable[[Results], Any]
+
+
+def _pick(
+    rolled: Rolled, block: int, at: Inner, carries: dict[Inner, int], stacked: list[Inner]
+) -> Pick:
     """How the value of ``block`` at ``at`` is read from the scan's results: a carry from the
     next block's incoming carries (the last block's from the final carry), any other value
     from its stack."""
-    count = rolled.loop.run.count
-    if at in carries:
-        k = carries[at]
-        if block == count - 1:
-            return lambda final, ys, carried, xs: final[k]
-        i = rolled.index(block + 1)
-        return lambda final, ys, carried, xs: carried[k][i]
-    n, i = stacked.index(at), rolled.index(block)
-    return lambda final, ys, carried, xs: ys[n][i]
+    if at not in carries:
+        n, i = stacked.index(at), rolled.index(block)
+        return lambda r: r.ys[n][i]
+    k = carries[at]
+    if block == rolled.loop.run.count - 1:
+        return lambda r: r.final[k]
+    i = rolled.index(block + 1)
+    return lambda r: r.carried[k][i]
 
 
 @dataclass
@@ -248,10 +262,8 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     rolled = sorted((lp for p in pairs for lp in p[:2]), key=lambda lp: lp.run.start)
     if not rolled:
         return closed
-    rewrite = _Rewrite(graph, rolled)
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
     try:
-        new = jax.make_jaxpr(lambda *xs: evaluate(closed, xs, groups=rewrite.groups))(*avals)
+        new = retrace(closed, groups=_Rewrite(graph, rolled).groups)
     except Exception as err:  # a loop JAX does not take as a scan (carry types): keep the blocks
         logger.info("roll: left unrolled (%s)", err)
         return closed
