@@ -66,14 +66,16 @@ def _block(p: dict[str, jax.Array], x: jax.Array, heads: int) -> jax.Array:
     return x + jax.nn.gelu(_layer_norm(x, p["ln2"]) @ p["w1"]) @ p["w2"]
 
 
-def transformer(s: Shape = Shape()) -> Model:
-    """The issue's model in plain JAX: a Python loop over a list of blocks' parameters."""
+def transformer(s: Shape = Shape(), checkpointed: bool = False) -> Model:
+    """The issue's model in plain JAX: a Python loop over a list of blocks' parameters
+    (``checkpointed``: ``jax.checkpoint`` around each block)."""
     keys = jax.random.split(jax.random.PRNGKey(0), s.blocks)
     params = [_block_params(k, s.width) for k in keys]
+    block = jax.checkpoint(_block, static_argnums=2) if checkpointed else _block
 
     def loss(params, x, y):
         for p in params:
-            x = _block(p, x, s.heads)
+            x = block(p, x, s.heads)
         return jnp.mean((x - y) ** 2)
 
     return loss, params, _batch(s)

@@ -16,6 +16,7 @@ whose input is not differentiated) stay as they are.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -26,7 +27,7 @@ import jax.numpy as jnp
 from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, retrace
-from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops
+from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops, signature
 from memsafe.log import logger
 from memsafe.passes.base import PassContext
 from memsafe.passes.remat import SHARE_OF_BUDGET
@@ -220,38 +221,92 @@ def _aligned(graph: Graph, later: Loop, earlier: Loop) -> int:
     return total
 
 
-Pair = tuple[Loop, Loop, int]
+@dataclass(frozen=True)
+class Pair:
+    """A loop worth rolling and the forward loop it reads or recomputes.
+
+    Attributes:
+        forward: the earlier loop; rolled too where the later one reads its residuals (None
+            where it is left unrolled).
+        later: the loop that reads or recomputes the forward's values.
+        reads: bytes of the forward's values the later loop reads as whole stacks (residuals).
+        recomputes: bytes of the values of the forward's blocks that each later block computes
+            again (a ``jax.checkpoint`` around each layer), where it recomputes most of them.
+    """
+
+    forward: Loop | None
+    later: Loop
+    reads: int
+    recomputes: int
+
+    @property
+    def loops(self) -> tuple[Loop, ...]:
+        return (self.later,) if self.forward is None else (self.forward, self.later)
+
+
+def _recomputes(later: Loop, earlier: Loop) -> int:
+    """Bytes of the values of ``earlier``'s blocks that ``later``'s blocks compute again (by
+    equation signature), where that is most of one block's values; else 0."""
+    have = Counter(map(signature, later.body))
+    again = whole = 0
+    for e in earlier.body:
+        size = sum(nbytes_of_aval(v.aval) for v in e.outvars)
+        whole += size
+        key = signature(e)
+        if have[key] > 0:
+            have[key] -= 1
+            again += size
+    return again * later.run.count if 2 * again >= whole else 0
+
+
+def _pair(graph: Graph, earlier: tuple[Loop, ...], later: tuple[Loop, ...]) -> Pair:
+    """The two loops (of the block boundaries found for each, those where the later one reads
+    the most of the earlier one's values as whole stacks)."""
+    reads, a, b = max(
+        ((_aligned(graph, b, a), a, b) for a in earlier for b in later), key=lambda t: t[0]
+    )
+    return Pair(a, b, reads, _recomputes(b, a))
 
 
 def chosen(graph: Graph, budget: int) -> list[Pair]:
-    """Pairs of loops (earlier, later, bytes) with the same number of blocks where the later one
-    reads over the remat pass's share of ``budget`` of the earlier one's values as whole
-    stacks; of the block boundaries found for each, those that align the most. A loop is in
-    one pair at most."""
+    """The loops worth rolling, over the remat pass's share of ``budget``: a forward loop and a
+    later one of as many blocks that reads that much of its values as whole stacks (both
+    rolled: the remat pass then recomputes the residuals); or a later loop that recomputes that
+    much of a forward loop's values (rolled alone: XLA would merge each recomputation with the
+    forward and keep them all alive). A loop is rolled once at most."""
     found, used, pairs = loops(graph), set(), []
+    share = SHARE_OF_BUDGET * budget
     for k, later in enumerate(found):
         for e, earlier in enumerate(found[:k]):
-            if e in used or k in used or earlier[0].run.count != later[0].run.count:
+            if e in used or k in used:
                 continue
-            held, a, b = max(
-                ((_aligned(graph, b, a), a, b) for a in earlier for b in later),
-                key=lambda t: t[0],
-            )
-            if held > SHARE_OF_BUDGET * budget:
-                pairs.append((a, b, held))
+            pair = _pair(graph, earlier, later)
+            same = earlier[0].run.count == later[0].run.count
+            if same and pair.reads > share:
+                pairs.append(pair)
                 used |= {e, k}
+            elif pair.recomputes > share:
+                pairs.append(Pair(None, pair.later, 0, pair.recomputes))
+                used.add(k)
     return pairs
 
 
 def _record(pair: Pair, graph: Graph) -> PassRecord:
-    fwd, bwd, held = pair
+    later = pair.later
+    blocks = f"{later.run.count} repeated blocks of {later.run.period} equations"
+    if pair.forward is None:
+        what = f"{blocks}, recomputing {format_bytes(pair.recomputes)} of earlier blocks' values,"
+    else:
+        fwd = pair.forward
+        what = (
+            f"{fwd.run.count} repeated blocks of {fwd.run.period} equations and the {blocks} "
+            f"that read {format_bytes(pair.reads)} of their values"
+        )
     return PassRecord(
         "roll",
-        f"{fwd.run.count} repeated blocks of {fwd.run.period} equations and the "
-        f"{bwd.run.count} of {bwd.run.period} that read their values "
-        f"({format_bytes(held)}) rolled into scans",
-        where=source_line(graph.eqns[fwd.run.start]),
-        data={"blocks": fwd.run.count},
+        f"{what} rolled into scans",
+        where=source_line(graph.eqns[pair.loops[0].run.start]),
+        data={"blocks": later.run.count},
     )
 
 
@@ -259,7 +314,7 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Roll each forward run and the run that reads its residuals, where worth it."""
     graph = Graph(closed)
     pairs = chosen(graph, ctx.temp_budget)
-    rolled = sorted((lp for p in pairs for lp in p[:2]), key=lambda lp: lp.run.start)
+    rolled = sorted((lp for p in pairs for lp in p.loops), key=lambda lp: lp.run.start)
     if not rolled:
         return closed
     try:
