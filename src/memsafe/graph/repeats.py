@@ -12,7 +12,7 @@ or the same literal. Block boundaries are placed where the carries are narrowest
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -100,9 +100,10 @@ class Scanned:
 
 @dataclass(frozen=True)
 class Fixed:
-    """The same literal in every block."""
+    """The same literal in every block (equal by dtype and bytes, NaN included)."""
 
-    literal: Any
+    key: tuple[str, bytes]
+    literal: Any = field(compare=False, hash=False)
 
     def value(self, frame: Frame) -> Any:
         return self.literal
@@ -216,34 +217,37 @@ def candidates(eqns: Sequence[JaxprEqn]) -> list[tuple[int, int, int, int]]:
 # -- reading a run as a loop ------------------------------------------------------------------
 
 
-def _where(graph: Graph, run: Run, block: int, atom: Any) -> tuple[Any, ...]:
-    """Where block ``block``'s operand ``atom`` comes from, as a tag."""
+@dataclass(frozen=True)
+class _Before:
+    """An operand read from the block before, at ``at``."""
+
+    at: Inner
+
+
+def _where(graph: Graph, run: Run, block: int, atom: Any) -> Source | _Before | None:
+    """Where block ``block``'s operand ``atom`` comes from: a literal, a value of the block, of
+    the block before, from outside the run (as :class:`Shared`, for now); None for a value of a
+    block before that."""
     if isinstance(atom, Literal):
-        return ("fixed", _literal_key(atom.val))
+        return Fixed(_literal_key(atom.val), atom.val)
     i = graph.info(atom).producer
     if i is None or not run.start <= i < run.stop:
-        return ("outside", atom)
+        return Shared(atom)
     b, j = run.locate(i)
     at = Inner(j, list(graph.eqns[i].outvars).index(atom))
-    return ("inner", at) if b == block else ("before", at) if b == block - 1 else ("far",)
+    return at if b == block else _Before(at) if b == block - 1 else None
 
 
-def _source(tags: list[tuple[Any, ...]], atoms: list[Any]) -> Source | None:
-    """What one operand reads across the blocks (its tags), or None where no loop reads so."""
-    first, rest = tags[0], tags[1:]
-    if first[0] in ("fixed", "inner", "outside") and all(t == first for t in rest):
-        kind = first[0]
-        return (
-            Fixed(atoms[0].val)
-            if kind == "fixed"
-            else first[1]
-            if kind == "inner"
-            else Shared(atoms[0])
-        )
-    if first[0] == "outside" and all(t[0] == "before" and t[1] == rest[0][1] for t in rest):
-        return Carried(rest[0][1], atoms[0])
-    if all(t[0] == "outside" for t in tags):
-        return Scanned(tuple(atoms))
+def _source(seen: list[Source | _Before | None]) -> Source | None:
+    """What one operand reads across the blocks (where each block reads it from), or None
+    where no loop reads so."""
+    first, rest = seen[0], seen[1:]
+    if isinstance(first, Fixed | Inner | Shared) and all(s == first for s in rest):
+        return first
+    if isinstance(first, Shared) and all(isinstance(s, _Before) and s == rest[0] for s in rest):
+        return Carried(rest[0].at, first.var)
+    if all(isinstance(s, Shared) for s in seen):
+        return Scanned(tuple(s.var for s in seen))
     return None
 
 
@@ -258,7 +262,7 @@ def read_as_loop(graph: Graph, run: Run) -> Loop | None:
         row = []
         for a in range(len(eqn.invars)):
             atoms = [eqns[run.eqn(b, j)].invars[a] for b in range(run.count)]
-            src = _source([_where(graph, run, b, x) for b, x in enumerate(atoms)], atoms)
+            src = _source([_where(graph, run, b, x) for b, x in enumerate(atoms)])
             if src is None or (isinstance(src, Carried) and inits.setdefault(src.source, src.init)
                                is not src.init):  # fmt: skip
                 return None
@@ -269,22 +273,15 @@ def read_as_loop(graph: Graph, run: Run) -> Loop | None:
 
 
 def _read_outside(graph: Graph, run: Run) -> tuple[tuple[int, Inner], ...]:
+    """(block, place) of the run's values that the program's outputs or later equations read."""
     out = []
     for i in range(run.start, run.stop):
         for o, v in enumerate(graph.eqns[i].outvars):
-            info = graph.info(v) if is_var(v) and _known(graph, v) else None
-            if info is not None and (info.is_output or any(c >= run.stop for c in info.consumers)):
+            info = graph.info(v)
+            if info.is_output or any(c >= run.stop for c in info.consumers):
                 b, j = run.locate(i)
                 out.append((b, Inner(j, o)))
     return tuple(out)
-
-
-def _known(graph: Graph, v: Var) -> bool:
-    try:
-        graph.info(v)
-    except KeyError:  # a dropped result
-        return False
-    return True
 
 
 def _crossing(graph: Graph, run: Run) -> int:

@@ -85,13 +85,13 @@ class _Rewrite:
         )
 
     def _group(self, loop: Loop) -> Group:
+        """The group computing ``loop``'s equations as one scan."""
         rolled = self._orient(loop)
         scanned = [self._in_order(rolled, lambda b, s=s: s.vars[b]) for s in loop.sources(Scanned)]
         shared = loop.sources(Shared)
         inits = [c.init for c in loop.carries]
-        reused = [s in self.stacks for s in scanned]
-        needs = [s if r else v for s, r in zip(scanned, reused) for v in ((s,) if r else s.vars)]
-        needs = [*shared, *inits, *needs]
+        # each scanned operand: a stack given by an earlier group, or its variables to stack
+        operands = [[s] if s in self.stacks else list(s.vars) for s in scanned]
         sources = [at for _, at in loop.read_outside if at not in {c.source for c in loop.carries}]
         stacked = list(dict.fromkeys(sources))
         gives, picks = self._gives(rolled, stacked)
@@ -100,9 +100,9 @@ class _Rewrite:
             consts, values = values[: len(shared)], values[len(shared) :]
             init, values = values[: len(inits)], values[len(inits) :]
             xs = []
-            for s, r in zip(scanned, reused):
-                xs.append(values[0] if r else jnp.stack(values[: len(s.vars)]))
-                values = values[1 if r else len(s.vars) :]
+            for needed in operands:
+                part, values = values[: len(needed)], values[len(needed) :]
+                xs.append(part[0] if isinstance(needed[0], Stack) else jnp.stack(part))
             body = _body(loop, dict(zip(shared, consts)), stacked)
             final, (ys, carried) = jax.lax.scan(
                 body, tuple(init), tuple(xs), reverse=rolled.reverse
@@ -110,8 +110,9 @@ class _Rewrite:
             results = Results(final, ys, carried, xs)
             return [pick(results) for pick in picks]
 
+        needs = (*shared, *inits, *(v for needed in operands for v in needed))
         first = loop.run.start
-        return Group(frozenset(range(first, loop.run.stop)), tuple(needs), gives, first, run)
+        return Group(frozenset(range(first, loop.run.stop)), needs, gives, first, run)
 
     def _gives(self, rolled: Rolled, stacked: list[Inner]) -> tuple[tuple[Any, ...], list[Pick]]:
         """What the group gives (the values read after it, and its stacks for later groups),
