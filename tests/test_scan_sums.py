@@ -269,3 +269,28 @@ def test_a_costly_result_the_same_on_every_chunk_is_refused():
     tied = [(n_consts, 0), (n_consts + 1, 1)]
     with pytest.raises(NoRule, match="each chunk would compute it again"):
         body.propagate(inner, {n_consts: 0}, tied, sums=True)
+
+
+def test_a_dead_summed_carry_still_starts_later_chunks_from_zero():
+    """Fuzz seed 2548: the gradient of a scan whose carry totals its rows, split along the
+    other set's rows. The backward's carry cotangent is a share added to each iteration's
+    cotangent of its rows, and nothing reads it after the loop; it must still start each later
+    chunk from zero, or the chunks count it once each (the gradient was 7 where jax.jit's is
+    1)."""
+    rng = np.random.default_rng(2548)
+    x = jnp.asarray(rng.standard_normal((64, 6), dtype=np.float32))
+    y = jnp.asarray(rng.standard_normal((2000, 6), dtype=np.float32))
+
+    def loss(x, y):
+        def step(c, a):
+            return c + jnp.sum(a), jnp.outer(a[:, 0], y[:, 0])[:2]
+
+        total, ys = lax.scan(step, jnp.zeros(()), x.reshape(4, -1, 6))
+        return total + jnp.sum(ys)
+
+    fun = jax.grad(loss, argnums=(0, 1))
+    limit = limit_between(fun, (x, y), 1 / 3)
+    f = memsafe.jit(fun, memory_limit=limit)
+    plan = f.plan(x, y)
+    assert any("scan" in s.ops for s in plan.splits), plan
+    assert_like_jit(f(x, y), fun, x, y)
