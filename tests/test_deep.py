@@ -207,3 +207,26 @@ def test_transformer_as_flax_nn_scan():
     fun, args = jax.value_and_grad(loss), (params, *batch)
     plan = _fits(fun, args, _quarter_of_temps(fun, args), split=False)
     assert any(r.pass_name == "remat" for r in plan.passes), plan
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("written", sorted(TRANSFORMERS))
+def test_python_loop_transformers_plan_l8192_under_512_mib(written):
+    """The 4-block transformer as a Python loop (plain JAX, flax.linen, equinox), batch 1,
+    L=8192 (jax.jit 14 GiB): its blocks are rolled into scans and rematerialized, and the
+    verified program fits 512 MiB (377-393 MiB; refused before rolling, best 1.5 GiB). Planned
+    and verified only; the answers of the rolled programs are checked at L=2048 below."""
+    loss, params, batch = TRANSFORMERS[written](models.Shape(batch=1, length=8192))
+    plan = memsafe.jit(jax.value_and_grad(loss), memory_limit="512MiB").plan(params, *batch)
+    assert {"roll", "remat"} <= {r.pass_name for r in plan.passes}, plan
+    assert plan.after.total <= 512 * MiB
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("written", sorted(TRANSFORMERS))
+def test_python_loop_transformers_rolled_at_l2048_give_jax_jit_answers(written):
+    """The same models at L=2048 under 200 MiB (jax.jit about 1 GiB): rolled, rematerialized,
+    with jax.jit's answers."""
+    loss, params, batch = TRANSFORMERS[written](models.Shape(batch=1, length=2048))
+    plan = _fits(jax.value_and_grad(loss), (params, *batch), 200 * MiB, split=False)
+    assert {"roll", "remat"} <= {r.pass_name for r in plan.passes}, plan
