@@ -197,3 +197,18 @@ def test_nothing_is_rolled_where_the_residuals_fit():
     closed = inline_calls(jax.make_jaxpr(fun)(*args))
     ctx = PassContext(2**40, 0, Plan(memory_limit=2**40))
     assert roll.run(closed, ctx) is closed
+
+
+def test_the_program_as_written_is_planned_again_where_no_rolled_attempt_fits():
+    """A small ResNet's two same-shaped conv/batch-norm blocks are rolled into scans, and the
+    scans stop the split of the batch through its batch-norm stages: no rolled attempt fits a
+    third of jax.jit's footprint (best 4.4 MiB against 1.1 MiB). The driver plans the program
+    as written again, without rolling, and that fits, with jax.jit's answers."""
+    from tests import test_conv
+
+    fun, args = jax.grad(test_conv._resnet_loss), test_conv._resnet_inputs(batch=16, size=16)
+    graph = Graph(inline_calls(jax.make_jaxpr(fun)(*args)))
+    assert roll.chosen(graph, test_conv._a_third(fun, args)), "the blocks are rolled at first"
+    plan = test_conv._under_limit(fun, args, test_conv._a_third)
+    assert not any(r.pass_name == "roll" for r in plan.passes), plan
+    assert len(plan.attempts) > 1

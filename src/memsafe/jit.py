@@ -468,6 +468,7 @@ class _Search:
         self.avals, self.limit, self.donate, self.name = avals, memory_limit, donate, name
         self.options, self.hidden = compiler_options, hidden
         self.on_mesh = on_mesh
+        self.roll, self.rolled = True, False  # see run
 
     def attempt(
         self, index: int, scale: float, fixed: int, previous: list | None = None
@@ -476,12 +477,15 @@ class _Search:
         nothing compiled, when the passes did what they did in the ``previous`` attempt (its
         records: the same program)."""
         attempt_plan = Plan(memory_limit=self.limit)
-        ctx = PassContext(self.limit, fixed + self.hidden, attempt_plan, chunk_scale=scale)
+        ctx = PassContext(
+            self.limit, fixed + self.hidden, attempt_plan, chunk_scale=scale, roll=self.roll
+        )
         sharding = None if self.on_mesh is None else self.on_mesh.sharding()
         ctx.mesh = sharding  # records where the sharded loops want the inputs placed
         program = self.flat
         for pass_name, run in passes.named_passes():
             program = _run_logged(pass_name, run, program, ctx, self.name)
+        self.rolled |= any(getattr(r, "pass_name", "") == "roll" for r in attempt_plan.records)
         if previous is not None and attempt_plan.records == previous:
             return None
         emitted = _emit(program)
@@ -554,6 +558,22 @@ class _Search:
         return tried
 
     def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
+        """The first attempt that fits (see :meth:`attempts`). Where none does and the roll
+        pass rolled repeated blocks into scans, the program as written is planned again without
+        rolling (a scan can stop a split the unrolled blocks allow: a ResNet's batch-norm
+        stages); raises the MemoryLimitError of the two that came closer."""
+        try:
+            return self.attempts(plan, fixed, first)
+        except MemoryLimitError as rolled:
+            if not self.rolled:
+                raise
+            self.roll = False
+            try:
+                return self.attempts(plan, fixed, None)
+            except MemoryLimitError as unrolled:
+                raise min(rolled, unrolled, key=_closeness) from None
+
+    def attempts(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
         """The first attempt that fits (``first``, made already, or planned now), recorded in
         ``plan``; raises MemoryLimitError when none does, with the footprint and blockers of
         the attempt that came closest."""
@@ -587,6 +607,11 @@ class _Search:
         best = None if closest is None else closest.got.footprint
         blockers = [] if closest is None else closest.blockers
         raise _refusal(self.flat, self.name, self.limit, plan.before, best, blockers)
+
+
+def _closeness(err: MemoryLimitError) -> float:
+    """How far a refused plan stayed over its limit: its best footprint (none: the worst)."""
+    return float("inf") if err.footprint is None else err.footprint
 
 
 class MemsafeFunction:

@@ -22,6 +22,8 @@ class PassContext:
     carry (the program is to be differentiated); otherwise only their primal computation is kept.
     ``mesh``: where set (a :class:`memsafe.mesh.Sharding`), the split pass shards the axis of
     each top-level region over its devices, and the limit is per device.
+    ``roll``: whether the roll pass may turn repeated blocks into scans (the driver plans the
+    program as written again, without, when no rolled attempt fits).
     """
 
     memory_limit: int
@@ -30,6 +32,7 @@ class PassContext:
     chunk_scale: float = 1.0
     keep_custom_derivatives: bool = False
     mesh: Any = None
+    roll: bool = True
     blockers: list[Blocker] = field(default_factory=list)
 
     @property

@@ -313,6 +313,8 @@ def _record(pair: Pair, graph: Graph) -> PassRecord:
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Roll each forward run and the run that reads its residuals, where worth it."""
+    if not ctx.roll:
+        return closed
     graph = Graph(closed)
     pairs = chosen(graph, ctx.temp_budget)
     rolled = sorted((lp for p in pairs for lp in p.loops), key=lambda lp: lp.run.start)
