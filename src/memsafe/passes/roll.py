@@ -69,13 +69,15 @@ class _Rewrite:
     def _in_order(self, rolled: Rolled, vars_of_block: Any) -> Stack:
         return Stack(tuple(vars_of_block(b) for b in rolled.order))
 
+    def _scanned(self, rolled: Rolled) -> list[Stack]:
+        """The loop's scanned operands, each as the stack its scan reads."""
+        return [Stack(tuple(s.vars[b] for b in rolled.order)) for s in rolled.loop.sources(Scanned)]
+
     def _orient(self, loop: Loop) -> Rolled:
         """Reverse where more of the loop's scanned operands are stacks given already."""
         found = {
-            r: sum(self._in_order(Rolled(loop, r), lambda b, s=s: s.vars[b]) in self.stacks
-                   for s in loop.sources(Scanned))
-            for r in (False, True)
-        }  # fmt: skip
+            r: sum(s in self.stacks for s in self._scanned(Rolled(loop, r))) for r in (False, True)
+        }
         return Rolled(loop, found[True] > found[False])
 
     def _carried_in(self, rolled: Rolled, carry: Carried) -> Stack:
@@ -87,14 +89,14 @@ class _Rewrite:
     def _group(self, loop: Loop) -> Group:
         """The group computing ``loop``'s equations as one scan."""
         rolled = self._orient(loop)
-        scanned = [self._in_order(rolled, lambda b, s=s: s.vars[b]) for s in loop.sources(Scanned)]
+        scanned = self._scanned(rolled)
         shared = loop.sources(Shared)
         inits = [c.init for c in loop.carries]
         # each scanned operand: a stack given by an earlier group, or its variables to stack
         operands = [[s] if s in self.stacks else list(s.vars) for s in scanned]
-        sources = [at for _, at in loop.read_outside if at not in {c.source for c in loop.carries}]
-        stacked = list(dict.fromkeys(sources))
-        gives, picks = self._gives(rolled, stacked)
+        carried = {c.source for c in loop.carries}
+        stacked = list(dict.fromkeys(at for _, at in loop.read_outside if at not in carried))
+        gives, picks = self._gives(rolled, stacked, scanned)
 
         def run(values: list[Any]) -> list[Any]:
             consts, values = values[: len(shared)], values[len(shared) :]
@@ -114,9 +116,12 @@ class _Rewrite:
         first = loop.run.start
         return Group(frozenset(range(first, loop.run.stop)), needs, gives, first, run)
 
-    def _gives(self, rolled: Rolled, stacked: list[Inner]) -> tuple[tuple[Any, ...], list[Pick]]:
-        """What the group gives (the values read after it, and its stacks for later groups),
-        each with how it is picked from the scan's results."""
+    def _gives(
+        self, rolled: Rolled, stacked: list[Inner], scanned: list[Stack]
+    ) -> tuple[tuple[Any, ...], list[Pick]]:
+        """What the group gives (the values read after it, and its stacks for later groups:
+        those of ``stacked`` values and of the ``scanned`` operands), each with how it is
+        picked from the scan's results."""
         loop, eqns = rolled.loop, self.eqns
         carries = {c.source: k for k, c in enumerate(loop.carries)}
         gives: list[Any] = []
@@ -130,8 +135,8 @@ class _Rewrite:
         for n, at in enumerate(stacked):
             gives.append(self._in_order(rolled, lambda b, at=at: loop.var(eqns, b, at)))
             picks.append(lambda r, n=n: r.ys[n])
-        for n, s in enumerate(loop.sources(Scanned)):
-            gives.append(self._in_order(rolled, lambda b, s=s: s.vars[b]))
+        for n, stack in enumerate(scanned):
+            gives.append(stack)
             picks.append(lambda r, n=n: r.xs[n])
         new = [(g, p) for g, p in zip(gives, picks) if g not in self.stacks]
         self.stacks.update(g for g, _ in new if isinstance(g, Stack))
@@ -195,9 +200,10 @@ def _body(loop: Loop, consts: dict[Var, Any], stacked: list[Inner]) -> Callable[
     source; it carries the carries' sources on, and stacks the values at ``stacked`` and the
     incoming carries."""
     sources = [c.source for c in loop.carries]
+    scanned = loop.sources(Scanned)
 
     def body(carry: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[Any, ...]:
-        frame = _Frame([], dict(zip(sources, carry)), consts, dict(zip(loop.sources(Scanned), x)))
+        frame = _Frame([], dict(zip(sources, carry)), consts, dict(zip(scanned, x)))
         for eqn, row in zip(loop.body, loop.reads):
             frame.outs.append(bind_eqn(eqn, [src.value(frame) for src in row]))
         new = tuple(frame.inner(at) for at in sources)
