@@ -38,7 +38,7 @@ from memsafe._jax import (
 from memsafe.graph import Graph, evaluate, inline_calls
 from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
-from memsafe.primitives import FUSIBLE
+from memsafe.primitives import FUSIBLE, REDUCTIONS
 
 #: Primitives cheap enough to recompute inside every loop iteration (fused into the consumer).
 CHEAP = FUSIBLE
@@ -51,6 +51,41 @@ SMALL_LEAF_BYTES = 64 * 1024
 
 #: Which loops a transform leaves alone.
 Skip = Callable[[JaxprEqn], bool]
+#: Whether the constant at an operand position of a loop may move into its body.
+Takes = Callable[[JaxprEqn, int], bool]
+
+#: Primitives a value that cannot be held at all may be recomputed with per iteration, besides
+#: :data:`CHEAP`: reductions and matrix products (a distance matrix ``sum((x[:, None] - y) ** 2,
+#: -1)`` or ``x @ y.T`` read by every iteration of a Sinkhorn loop). KeOps and geomloss recompute
+#: such a matrix in every iteration; holding it is what does not fit.
+UNHELD = CHEAP | REDUCTIONS | {"dot_general"}
+
+
+def _never(eqn: JaxprEqn) -> bool:
+    return False
+
+
+def _any(eqn: JaxprEqn, position: int) -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class Moving:
+    """Which loop constants a transform recomputes inside the loops that read them.
+
+    Attributes:
+        min_bytes: constants smaller than this stay where they are.
+        ops: the primitives a constant's computation may use (:data:`CHEAP` by default).
+        skip: loops to leave as they are.
+        takes: which constants of the other loops may move, by operand position.
+        whiles: whether the constants of ``while`` loops move too (:func:`loop_const_positions`).
+    """
+
+    min_bytes: int = MIN_BYTES
+    ops: frozenset[str] = CHEAP
+    skip: Skip = _never
+    takes: Takes = _any
+    whiles: bool = False
 
 #: Longest generator chain recomputed per iteration.
 MAX_CONE = 256
@@ -67,21 +102,25 @@ class Generator:
     leaves: tuple[Var, ...]
 
 
-def loop_const_positions(eqn: JaxprEqn) -> list[int]:
+def loop_const_positions(eqn: JaxprEqn, whiles: bool = False) -> list[int]:
     """Operand positions of a loop equation whose constants are worth moving into its body.
 
-    Only ``scan`` (fori_loop with static bounds, lax.scan): in a ``while`` loop XLA's
-    while-loop-invariant-code-motion hoists the recomputation straight back out (measured on CPU:
-    a k-mesh written by hand inside a while_loop body still costs the full temporary), so moving
-    it there buys nothing. ``while`` bodies are still searched for inner scans.
+    ``scan`` (fori_loop with static bounds, lax.scan); ``while`` only where ``whiles``: in a
+    ``while`` loop XLA's while-loop-invariant-code-motion hoists the recomputation straight back
+    out (measured on CPU: a k-mesh written by hand inside a while_loop body still costs the full
+    temporary), unless the body is split afterwards, the recomputation then sitting inside its
+    chunk loops. ``while`` bodies are still searched for inner scans.
     """
     if eqn.primitive.name == "scan":
         return list(range(scan_counts(eqn.params)[0]))
+    if eqn.primitive.name == "while" and whiles:
+        return list(range(eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]))
     return []
 
 
-def cheap_generator(graph: Graph, var: Any) -> Generator | None:
-    """The cheap computation of ``var`` back to small, literal or always-live leaves, or None."""
+def cheap_generator(graph: Graph, var: Any, ops: frozenset[str] = CHEAP) -> Generator | None:
+    """The computation of ``var`` by primitives in ``ops`` back to small, literal or always-live
+    leaves, or None."""
     if not isinstance(var, Var) or graph.info(var).producer is None:
         return None
     eqns = graph.eqns
@@ -99,7 +138,7 @@ def cheap_generator(graph: Graph, var: Any) -> Generator | None:
             leaves.append(v)
             continue
         eqn = eqns[vi.producer]
-        if eqn.primitive.name in CHEAP and not eqn.effects:
+        if eqn.primitive.name in ops and not eqn.effects:
             cone.add(vi.producer)
             if len(cone) > MAX_CONE:
                 return None
@@ -136,12 +175,12 @@ def _body_jaxprs(eqn: JaxprEqn) -> dict[str, ClosedJaxpr]:
 
 
 def _process_body(
-    body: ClosedJaxpr, records: list[PassRecord], depth: int, min_bytes: int, skip: Skip
+    body: ClosedJaxpr, records: list[PassRecord], depth: int, moving: Moving
 ) -> ClosedJaxpr:
     """``body`` transformed (with nested calls inlined first), or ``body`` itself if unchanged."""
     names = {e.primitive.name for e in body.jaxpr.eqns}
     flat = inline_calls(body) if names & (CALL_PRIMITIVES | CUSTOM_DIFF_PRIMITIVES) else body
-    new = transform(flat, records, depth + 1, min_bytes, skip)
+    new = transform(flat, records, depth + 1, moving)
     return body if new is flat else new
 
 
@@ -210,30 +249,31 @@ def transform(
     closed: ClosedJaxpr,
     records: list[PassRecord],
     depth: int = 0,
-    min_bytes: int = MIN_BYTES,
-    skip: Skip = lambda eqn: False,
+    moving: Moving = Moving(),
 ) -> ClosedJaxpr:
-    """Move cheap loop constants of at least ``min_bytes`` into loop bodies in ``closed`` and,
-    recursively, its loops; loops ``skip`` holds for are left as they are."""
+    """Move the loop constants ``moving`` selects into loop bodies in ``closed`` and,
+    recursively, its loops."""
     graph = Graph(closed)
     eqns = graph.eqns
     plans: dict[int, tuple[dict[str, ClosedJaxpr], dict[int, Generator]]] = {}
     removed: set[tuple[int, int]] = set()
     for i, eqn in enumerate(eqns):
-        if eqn.primitive.name not in ("scan", "while") or skip(eqn):
+        if eqn.primitive.name not in ("scan", "while") or moving.skip(eqn):
             continue
-        positions = loop_const_positions(eqn)
+        positions = loop_const_positions(eqn, moving.whiles)
         bodies = {
-            k: _process_body(b, records, depth, min_bytes, skip)
+            k: _process_body(b, records, depth, moving)
             for k, b in _body_jaxprs(eqn).items()
         }
         changed = any(bodies[k] is not b for k, b in _body_jaxprs(eqn).items())
         gens: dict[int, Generator] = {}
         for pos in positions:
             var = eqn.invars[pos]
-            if not isinstance(var, Var) or graph.info(var).bytes < min_bytes:
+            if not isinstance(var, Var) or graph.info(var).bytes < moving.min_bytes:
                 continue
-            gen = cheap_generator(graph, var)
+            if not moving.takes(eqn, pos):
+                continue
+            gen = cheap_generator(graph, var, moving.ops)
             if gen is not None:
                 gens[pos] = gen
         if gens or changed:
@@ -247,7 +287,7 @@ def transform(
                         "recompute",
                         f"recomputed a loop-invariant {gen.var.aval.str_short()} "
                         f"({nbytes} B) inside the {eqn.primitive.name} body instead of holding "
-                        f"it for the whole loop ({len(gen.eqns)} cheap ops: {', '.join(prims)})",
+                        f"it for the whole loop ({len(gen.eqns)} ops: {', '.join(prims)})",
                         where=source_line(eqns[gen.eqns[-1]]),
                         bytes_saved=nbytes,
                         data={"loop": eqn.primitive.name, "ops": prims, "depth": depth},
@@ -281,16 +321,11 @@ def transform(
     return new
 
 
-def run(
-    closed: ClosedJaxpr,
-    ctx: PassContext,
-    min_bytes: int = MIN_BYTES,
-    skip: Skip = lambda eqn: False,
-) -> ClosedJaxpr:
-    """Recompute cheap loop-invariant values of at least ``min_bytes`` inside the bodies of the
-    loops ``skip`` does not hold for; records each move."""
+def run(closed: ClosedJaxpr, ctx: PassContext, moving: Moving = Moving()) -> ClosedJaxpr:
+    """Recompute the loop-invariant values ``moving`` selects inside the bodies of the loops
+    that read them; records each move."""
     records: list[PassRecord] = []
-    new = transform(closed, records, min_bytes=min_bytes, skip=skip)
+    new = transform(closed, records, moving=moving)
     for rec in records:
         ctx.record(rec)
     return new

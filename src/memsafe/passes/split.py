@@ -12,7 +12,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from memsafe._jax import LOOP_BODIES, ClosedJaxpr, Var, bind_eqn_with, programs, source_line
+from memsafe._jax import (
+    LOOP_BODIES,
+    ClosedJaxpr,
+    JaxprEqn,
+    Var,
+    bind_eqn_with,
+    programs,
+    source_line,
+)
 from memsafe.errors import Blocker
 from memsafe.graph import Graph, estimate
 from memsafe.graph.interpret import inline_calls, retrace
@@ -23,6 +31,7 @@ from memsafe.primitives import FUSIBLE
 from memsafe.split import online, recompute
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
 from memsafe.split.region import Region, SplitFailure, grow
+from memsafe.split.registry import NoRule, axis_map
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, speed_cap, two_chunks
 
 #: A value is split when it exceeds this share of the temporary budget.
@@ -165,7 +174,22 @@ def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Split every too-large intermediate that some axis allows, at the top level and inside
     loop bodies; block the rest."""
+    closed = _invariants_inside(closed, {}, ctx, _held_whole)
     return _split_bodies(*_split_top(closed, ctx), ctx)
+
+
+def _held_whole(eqn: JaxprEqn, position: int) -> bool:
+    """Whether no axis of a loop's operand at ``position`` passes through the loop: a split at
+    the top level cannot slice it per chunk (a Sinkhorn loop's cost matrix, reduced along both
+    axes in its body), so it is made inside the loop before the top level is split."""
+    var = eqn.invars[position]
+    for axis in range(len(var.aval.shape)):
+        try:
+            axis_map(eqn, ("in", position), axis)
+        except NoRule:
+            continue
+        return False
+    return True
 
 
 def _largest_inside(eqn: Any) -> int:
@@ -215,15 +239,21 @@ def _is_kept(eqn: Any, kept: dict[int, ClosedJaxpr]) -> bool:
 
 
 def _invariants_inside(
-    closed: ClosedJaxpr, kept: dict[int, ClosedJaxpr], ctx: PassContext
+    closed: ClosedJaxpr,
+    kept: dict[int, ClosedJaxpr],
+    ctx: PassContext,
+    takes: recompute_pass.Takes = lambda eqn, position: True,
 ) -> ClosedJaxpr:
-    """``closed`` with the loop invariants too large for the budget made inside the loops that
-    read them (the recompute pass's move, for cheap generators: a causal mask broadcast to
-    ``[batch, heads, L, L]``), so that splitting a body chunks them with the rest; held
-    outside, they stay whole beside the split body. Done after the top-level split, which may
-    slice them per chunk instead; kept loops stay as they are."""
+    """``closed`` with the loop invariants too large for the budget (those ``takes`` holds for)
+    made inside the loops that read them (the recompute pass's move, with reductions and
+    products allowed: a causal mask broadcast to ``[batch, heads, L, L]``, a cost matrix), so
+    that splitting a body chunks them with the rest; held outside, they stay whole beside the
+    split body. ``while`` loops too: XLA hoists nothing out of the chunk loops of a split body. Done after the top-level split, which may slice them per chunk instead, except
+    for those it cannot (:func:`_held_whole`); kept loops stay as they are."""
     floor = max(recompute_pass.MIN_BYTES, ctx.temp_budget // SHARE)
-    return recompute_pass.run(closed, ctx, min_bytes=floor, skip=lambda e: _is_kept(e, kept))
+    skip = lambda e: _is_kept(e, kept)
+    moving = recompute_pass.Moving(floor, recompute_pass.UNHELD, skip, takes, whiles=True)
+    return recompute_pass.run(closed, ctx, moving)
 
 
 def _live(graph: Graph, eqn: Any) -> int:
