@@ -467,3 +467,33 @@ def test_only_invariants_no_axis_of_which_passes_the_loop_move_before_the_top_sp
         (loop,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
         large = [p for p, v in enumerate(loop.invars) if v.aval.size >= 64 * 8]
         assert {_held_whole(loop, p) for p in large[:1]} == {whole}
+
+
+def test_a_normalized_affinity_is_made_inside_the_loop_from_its_row_sums_read_once():
+    """Label propagation: ``S = W / sqrt(d_i d_j)`` with ``d = W.sum(1)``, read by every
+    iteration. ``d`` is small and made by a reduction of all of ``W``: it is read from outside
+    (made once, split at the top level), not recomputed with ``S`` in every chunk."""
+
+    def fun(x, y):
+        w = jnp.exp(-jnp.sum((x[:, None] - x[None]) ** 2, -1))
+        d = w.sum(1)
+        s = w / jnp.sqrt(d[:, None] * d[None])
+        return lax.fori_loop(0, 5, lambda i, f: 0.9 * s @ f + 0.1 * y, y)
+
+    k1, k2 = jax.random.split(jax.random.key(3))
+    x = jax.random.normal(k1, (768, 4))
+    y = jax.nn.one_hot(jax.random.randint(k2, (768,), 0, 6), 6)
+    limit = limit_between(fun, (x, y), 0.25)
+    g = memsafe.jit(fun, memory_limit=limit)
+    plan = g.plan(x, y)
+    assert plan.after.total <= limit, plan
+    assert any(r.pass_name == "recompute" for r in plan.passes), plan
+    assert_like_jit(g(x, y), fun, x, y)
+
+    from memsafe.graph import Graph
+    from memsafe.passes import recompute
+
+    graph = Graph(jax.make_jaxpr(fun)(x, y))
+    (loop,) = [e for e in graph.eqns if e.primitive.name == "scan"]
+    gen = recompute.cheap_generator(graph, loop.invars[0], recompute.UNHELD)
+    assert [v.aval.shape for v in gen.leaves if v.aval.shape == (768,)], gen.leaves

@@ -87,6 +87,7 @@ class Moving:
     takes: Takes = _any
     whiles: bool = False
 
+
 #: Longest generator chain recomputed per iteration.
 MAX_CONE = 256
 
@@ -138,7 +139,11 @@ def cheap_generator(graph: Graph, var: Any, ops: frozenset[str] = CHEAP) -> Gene
             leaves.append(v)
             continue
         eqn = eqns[vi.producer]
-        if eqn.primitive.name in ops and not eqn.effects:
+        name = eqn.primitive.name
+        # A small value a reduction or product made is read, not recomputed: the row sums of a
+        # matrix the loop reads, made per iteration, would need the whole matrix each time.
+        recomputed = name in CHEAP or vi.bytes > SMALL_LEAF_BYTES
+        if name in ops and recomputed and not eqn.effects:
             cone.add(vi.producer)
             if len(cone) > MAX_CONE:
                 return None
@@ -261,10 +266,7 @@ def transform(
         if eqn.primitive.name not in ("scan", "while") or moving.skip(eqn):
             continue
         positions = loop_const_positions(eqn, moving.whiles)
-        bodies = {
-            k: _process_body(b, records, depth, moving)
-            for k, b in _body_jaxprs(eqn).items()
-        }
+        bodies = {k: _process_body(b, records, depth, moving) for k, b in _body_jaxprs(eqn).items()}
         changed = any(bodies[k] is not b for k, b in _body_jaxprs(eqn).items())
         gens: dict[int, Generator] = {}
         for pos in positions:

@@ -248,8 +248,9 @@ def _invariants_inside(
     made inside the loops that read them (the recompute pass's move, with reductions and
     products allowed: a causal mask broadcast to ``[batch, heads, L, L]``, a cost matrix), so
     that splitting a body chunks them with the rest; held outside, they stay whole beside the
-    split body. ``while`` loops too: XLA hoists nothing out of the chunk loops of a split body. Done after the top-level split, which may slice them per chunk instead, except
-    for those it cannot (:func:`_held_whole`); kept loops stay as they are."""
+    split body. ``while`` loops too: XLA hoists nothing out of the chunk loops of a split
+    body. Done after the top-level split, which may slice them per chunk instead, except for
+    those it cannot (:func:`_held_whole`); kept loops stay as they are."""
     floor = max(recompute_pass.MIN_BYTES, ctx.temp_budget // SHARE)
     skip = lambda e: _is_kept(e, kept)
     moving = recompute_pass.Moving(floor, recompute_pass.UNHELD, skip, takes, whiles=True)
