@@ -165,6 +165,13 @@ def targets(workload: str, record: dict) -> list[dict]:
             _ratio_target("kernel_vs_chunked", big, "memsafe", "best_chunked", "<= 1.0"),
             _under_limit("kernel_under_limit", big),
         ]
+    elif workload == "sinkhorn":  # KeOps's own workload: held to the kernel matvec's goals
+        big = _find(record, lambda c: True)
+        out += [
+            _ratio_target("sinkhorn_vs_keops", big, "keops", "memsafe", ">= 3"),
+            _ratio_target("sinkhorn_vs_chunked", big, "memsafe", "chunked", "<= 1.0"),
+            _under_limit("sinkhorn_under_limit", big),
+        ]
     elif workload == "sgpr":
         g = _find(record, lambda c: c["what"] == "grad" and "gpflow" in c["methods"])
         b = _find(record, lambda c: c["what"] == "bound" and "gpflow" in c["methods"])
@@ -291,7 +298,12 @@ def _load(record: dict) -> str:
 # -- plots -----------------------------------------------------------------------------------
 
 #: Per workload: the parameter that measures problem size, and the one that separates series.
-SWEEPS = {"kernel_matvec": ("n", None), "attention": ("L", "mode"), "sgpr": ("n", "what")}
+SWEEPS = {
+    "kernel_matvec": ("n", None),
+    "sinkhorn": ("n", None),
+    "attention": ("L", "mode"),
+    "sgpr": ("n", "what"),
+}
 
 
 def plots(record: dict, out_dir: Path) -> list[Path]:

@@ -29,7 +29,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 from benchmarks import gemm, report
 
-WORKLOADS = ("knn", "kernel_matvec", "sgpr", "attention", "hutchinson")
+WORKLOADS = ("knn", "kernel_matvec", "sinkhorn", "sgpr", "attention", "hutchinson")
 ROOT = Path(__file__).resolve().parent.parent
 
 

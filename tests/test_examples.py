@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import memsafe
-from examples import attention, hutchinson, kernel_matvec, knn
+from examples import attention, hutchinson, kernel_matvec, knn, sinkhorn
 
 
 def _need(fun, *args) -> int:
@@ -152,3 +152,15 @@ def test_hutchinson_forms_agree_and_memsafe_footprint_no_larger():
     safe = memsafe.jit(hutchinson.traces_tiled, memory_limit=need)
     np.testing.assert_allclose(safe(*inputs), tiled, rtol=1e-5, atol=1e-6)
     assert safe.plan(*inputs).after.total <= need
+
+
+def test_sinkhorn_under_memsafe_limit():
+    """The cost matrix every iteration reads is made inside the loop, chunk by chunk."""
+    x, y = sinkhorn.make_inputs(1500, 1000)
+    need = _need(sinkhorn.sinkhorn, x, y)
+    limit = need // 4
+    safe = memsafe.jit(sinkhorn.sinkhorn, memory_limit=limit)
+    plan = safe.plan(x, y)
+    assert plan.splits and plan.after.total <= limit, plan
+    want = sinkhorn.reference(x, y)
+    assert sinkhorn.max_error(safe(x, y), want) < 1e-5

@@ -10,7 +10,7 @@ import pytest
 
 from benchmarks import report, run
 from benchmarks.peers import chunked_attention, chunked_jax
-from examples import attention, kernel_matvec, knn
+from examples import attention, kernel_matvec, knn, sinkhorn
 
 
 @pytest.mark.parametrize("metric", ["l2", "l1", "cosine"])
@@ -40,6 +40,17 @@ def test_hand_chunked_kernel_matvec():
     fun = chunked_jax.jit(chunked_jax.gaussian_kernel_matvec, ynn=False, static_argnums=4)
     out = fun(x, y, v, np.float32(0.5), 64)
     assert kernel_matvec.relative_error(out, kernel_matvec.reference(x, y, v, 0.5)) < 1e-5
+
+
+def test_sinkhorn_peers_give_the_float64_potentials():
+    x, y = sinkhorn.make_inputs(300, 200)
+    want = sinkhorn.reference(x, y, 0.05, 5)
+    fun = chunked_jax.jit(chunked_jax.sinkhorn, ynn=False, static_argnums=(2, 3, 4))
+    assert sinkhorn.max_error(fun(x, y, 0.05, 5, 64), want) < 1e-5
+    pytest.importorskip("pykeops")
+    from benchmarks.peers import keops
+
+    assert sinkhorn.max_error(keops.sinkhorn(x, y, 0.05, 5), want) < 1e-5
 
 
 @pytest.mark.parametrize("causal", [False, True])

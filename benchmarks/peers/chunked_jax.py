@@ -99,3 +99,25 @@ def make_knn(kind: str, metric: str, k: int, ynn: bool, chunk: int) -> Callable:
     else:
         raise ValueError(f"unknown chunking {kind!r}; expected 'database' or 'queries'")
     return jit(fun, ynn)
+
+
+def sinkhorn(
+    x: jax.Array, y: jax.Array, eps: float, steps: int, batch: int = 256
+) -> tuple[jax.Array, jax.Array]:
+    """Log-domain Sinkhorn with each half-step a ``lax.map`` over rows in batches of ``batch``:
+    the cost of a row block against every point, made and reduced at once (never stored)."""
+    n, m = x.shape[0], y.shape[0]
+    log_a, log_b = -jnp.log(n) * jnp.ones(n), -jnp.log(m) * jnp.ones(m)
+
+    def half(pot: jax.Array, a: jax.Array, b: jax.Array, log_w: jax.Array) -> jax.Array:
+        def row(ai):
+            c = jnp.sum((ai[None, :] - b) ** 2, axis=-1)
+            return -eps * jax.nn.logsumexp((pot - c) / eps + log_w)
+
+        return lax.map(row, a, batch_size=batch)
+
+    def step(i, fg):
+        f = half(fg[1], x, y, log_b)
+        return f, half(f, y, x, log_a)
+
+    return lax.fori_loop(0, steps, step, (jnp.zeros(n), jnp.zeros(m)))

@@ -45,3 +45,24 @@ def gaussian_kernel_matvec(
     dij = ((lazy(x[:, None, :]) - lazy(y[None, :, :])) ** 2).sum(-1)
     out = (-dij / np.float32(2 * lengthscale**2)).exp() @ v2
     return out.reshape((x.shape[0], *v.shape[1:]))
+
+
+def sinkhorn(x: np.ndarray, y: np.ndarray, eps: float, steps: int) -> tuple[np.ndarray, np.ndarray]:
+    """Log-domain Sinkhorn with each half-step a KeOps ``logsumexp`` reduction over a symbolic
+    cost matrix (geomloss's scheme, without its annealing)."""
+    lazy = _lazy()
+    x = np.ascontiguousarray(x, np.float32)
+    y = np.ascontiguousarray(y, np.float32)
+    n, m = x.shape[0], y.shape[0]
+    log_a = np.full((n, 1), -np.log(n), np.float32)
+    log_b = np.full((m, 1), -np.log(m), np.float32)
+    cxy = ((lazy(x[:, None, :]) - lazy(y[None, :, :])) ** 2).sum(-1)
+    cyx = ((lazy(y[:, None, :]) - lazy(x[None, :, :])) ** 2).sum(-1)
+    inv = np.float32(1 / eps)
+    f, g = np.zeros((n, 1), np.float32), np.zeros((m, 1), np.float32)
+    for _ in range(steps):
+        gj = lazy((g * inv + log_b)[None, :, :])
+        f = -eps * (gj - cxy * inv).logsumexp(dim=1)
+        fj = lazy((f * inv + log_a)[None, :, :])
+        g = -eps * (fj - cyx * inv).logsumexp(dim=1)
+    return f.reshape(n), g.reshape(m)

@@ -38,7 +38,12 @@ class PassContext:
     @property
     def temp_budget(self) -> int:
         """Bytes left for temporaries once arguments, outputs and constants are placed."""
-        return max(0, int((self.memory_limit - self.fixed_bytes) * self.chunk_scale))
+        return int(self.room * self.chunk_scale)
+
+    @property
+    def room(self) -> int:
+        """Bytes left for temporaries, not scaled by ``chunk_scale``: what fits at all."""
+        return max(0, self.memory_limit - self.fixed_bytes)
 
     def record(self, rec: Record) -> None:
         self.plan.records.append(rec)

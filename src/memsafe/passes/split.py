@@ -174,7 +174,7 @@ def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Split every too-large intermediate that some axis allows, at the top level and inside
     loop bodies; block the rest."""
-    closed = _invariants_inside(closed, {}, ctx, _held_whole)
+    closed = _unheld_inside(closed, ctx, takes=_held_whole)
     return _split_bodies(*_split_top(closed, ctx), ctx)
 
 
@@ -239,20 +239,31 @@ def _is_kept(eqn: Any, kept: dict[int, ClosedJaxpr]) -> bool:
 
 
 def _invariants_inside(
-    closed: ClosedJaxpr,
-    kept: dict[int, ClosedJaxpr],
-    ctx: PassContext,
-    takes: recompute_pass.Takes = lambda eqn, position: True,
+    closed: ClosedJaxpr, kept: dict[int, ClosedJaxpr], ctx: PassContext
 ) -> ClosedJaxpr:
-    """``closed`` with the loop invariants too large for the budget (those ``takes`` holds for)
-    made inside the loops that read them (the recompute pass's move, with reductions and
-    products allowed: a causal mask broadcast to ``[batch, heads, L, L]``, a cost matrix), so
-    that splitting a body chunks them with the rest; held outside, they stay whole beside the
-    split body. ``while`` loops too: XLA hoists nothing out of the chunk loops of a split
-    body. Done after the top-level split, which may slice them per chunk instead, except for
-    those it cannot (:func:`_held_whole`); kept loops stay as they are."""
+    """``closed`` with the loop invariants too large for the budget made inside the loops that
+    read them (the recompute pass's move, for cheap generators: a causal mask broadcast to
+    ``[batch, heads, L, L]``), so that splitting a body chunks them with the rest; held
+    outside, they stay whole beside the split body. Done after the top-level split, which may
+    slice them per chunk instead; kept loops stay as they are. Then :func:`_unheld_inside`."""
     floor = max(recompute_pass.MIN_BYTES, ctx.temp_budget // SHARE)
     skip = lambda e: _is_kept(e, kept)
+    closed = recompute_pass.run(closed, ctx, recompute_pass.Moving(floor, skip=skip))
+    return _unheld_inside(closed, ctx, skip)
+
+
+def _unheld_inside(
+    closed: ClosedJaxpr,
+    ctx: PassContext,
+    skip: recompute_pass.Skip = lambda eqn: False,
+    takes: recompute_pass.Takes = lambda eqn, position: True,
+) -> ClosedJaxpr:
+    """``closed`` with the loop invariants larger than all the room for temporaries (those
+    ``takes`` holds for) made inside the loops that read them, their reductions and products
+    included (a Sinkhorn loop's cost matrix); ``while`` loops too, since XLA hoists nothing out
+    of a split body's chunk loops. One the room could hold stays outside: made inside, its
+    computation would have to split within the body (fuzz seed 1389 was refused so)."""
+    floor = max(recompute_pass.MIN_BYTES, ctx.room)
     moving = recompute_pass.Moving(floor, recompute_pass.UNHELD, skip, takes, whiles=True)
     return recompute_pass.run(closed, ctx, moving)
 
