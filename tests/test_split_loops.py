@@ -497,5 +497,5 @@ def test_a_normalized_affinity_is_made_inside_the_loop_from_its_row_sums_read_on
 
     graph = Graph(jax.make_jaxpr(fun)(x, y))
     (loop,) = [e for e in graph.eqns if e.primitive.name == "scan"]
-    gen = recompute.cheap_generator(graph, loop.invars[0], recompute.UNHELD)
+    gen = recompute.generator(graph, loop.invars[0], recompute.UNHELD)
     assert [v.aval.shape for v in gen.leaves if v.aval.shape == (768,)], gen.leaves

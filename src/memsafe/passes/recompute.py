@@ -119,7 +119,7 @@ def loop_const_positions(eqn: JaxprEqn, whiles: bool = False) -> list[int]:
     return []
 
 
-def cheap_generator(graph: Graph, var: Any, ops: frozenset[str] = CHEAP) -> Generator | None:
+def generator(graph: Graph, var: Any, ops: frozenset[str] = CHEAP) -> Generator | None:
     """The computation of ``var`` by primitives in ``ops`` back to small, literal or always-live
     leaves, or None."""
     if not isinstance(var, Var) or graph.info(var).producer is None:
@@ -275,7 +275,7 @@ def transform(
                 continue
             if not moving.takes(eqn, pos):
                 continue
-            gen = cheap_generator(graph, var, moving.ops)
+            gen = generator(graph, var, moving.ops)
             if gen is not None:
                 gens[pos] = gen
         if gens or changed:
