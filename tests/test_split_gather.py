@@ -15,6 +15,8 @@ from jax import lax
 
 import memsafe
 from memsafe.xla import Footprint, memsafe_jit
+from tests.agree import assert_like_jit
+from tests.limits import limit_between
 
 
 def _sinks(plan) -> set[str]:
@@ -192,3 +194,81 @@ def test_batched_dynamic_slice_splits_along_its_full_window():
     assert plan.after.total <= limit and any(s.axis == 1 for s in plan.splits), plan
     for got, want in zip(f(x, y, idx), memsafe_jit(fun)(x, y, idx)):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def _segments(kind: str, mode: str):
+    """Messages made per edge (a large ``[edges, width]`` value) scattered into their nodes
+    by ``kind`` (the ``.at[]`` method), on top of a given operand; integer inputs make integer
+    messages."""
+
+    def f(x, w, base, dst):
+        prod = x[:, :, None] * w[None, None, :]
+        messages = jnp.tanh(prod) if prod.dtype == jnp.float32 else prod % 7 - 3
+        at = base.at[dst]
+        return getattr(at, kind)(messages.reshape(x.shape[0], -1), mode=mode), jnp.sum(prod, 0)
+
+    return f
+
+
+@settings(max_examples=8, deadline=None)
+@given(
+    kind=st.sampled_from(["add", "max", "min", "multiply"]),
+    mode=st.sampled_from(["drop", "clip", "promise_in_bounds"]),
+    special=st.booleans(),
+    dtype=st.sampled_from(["float32", "int32"]),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_a_scatter_of_chunked_updates_is_a_sink_equal_to_jax(kind, mode, special, dtype, seed):
+    """``segment_sum``/``max``/``min``/``prod`` of per-edge values split along the edges: each
+    chunk scatters into the combiner's identity (the first into the operand) and the chunks
+    fold. Duplicate and out-of-range indices, NaN and infinities in the updates and the
+    operand, integer updates; the split result obeys the accuracy rule against jax.jit."""
+    rng = np.random.default_rng(seed)
+    edges, nodes, width = 6000, 50, 8
+    x = rng.standard_normal((edges, 4)).astype(np.float32)
+    if special:
+        x[rng.integers(0, edges, 3), 0] = [np.nan, np.inf, -np.inf]
+    w = rng.standard_normal(width).astype(np.float32)
+    base = rng.standard_normal((nodes, 4 * width)).astype(np.float32)
+    if special:
+        base[1, 2], base[2, 3] = np.nan, -np.inf
+    dst = rng.integers(0, nodes + (5 if mode != "promise_in_bounds" else 0), edges)
+    f = _segments(kind, mode)
+    args = [jnp.asarray(x), jnp.asarray(w), jnp.asarray(base)]
+    if dtype == "int32":
+        args = [jnp.nan_to_num(a * 3).astype(jnp.int32) for a in args]
+    args = (*args, jnp.asarray(dst, jnp.int32))
+    limit = limit_between(f, args, 0.25)
+    ms = memsafe.jit(f, memory_limit=limit)
+    plan = ms.plan(*args)
+    assert f"scatter-{'mul' if kind == 'multiply' else kind}" in _sinks(plan), plan
+    assert plan.after.total <= limit, plan
+    assert_like_jit(ms(*args), f, *args)
+
+
+def test_a_message_passing_gradient_splits_along_the_edges():
+    """A graph network layer's gradient (gathers of both endpoints, an MLP per edge, a
+    ``segment_sum`` into the nodes) was refused ("scatter updates split along a non-batch
+    axis"; best 49.0 MiB under 13.0 MiB at 65,536 edges); the messages now run in chunks of
+    edges, the node features' gradient a scatter-add sink too."""
+    nodes, edges, width = 512, 8192, 16
+    k = jax.random.split(jax.random.key(5), 5)
+    h = jax.random.normal(k[0], (nodes, width))
+    src, dst = (jax.random.randint(k[i], (edges,), 0, nodes) for i in (1, 2))
+    w1 = jax.random.normal(k[3], (2 * width, width)) / 6
+    w2 = jax.random.normal(k[4], (width, width)) / 4
+
+    def f(w1, w2, h, src, dst):
+        def loss(w1, w2, h):
+            m = jnp.concatenate([h[src], h[dst]], 1)
+            agg = jax.ops.segment_sum(jax.nn.relu(m @ w1) @ w2, dst, nodes)
+            return jnp.sum(jnp.tanh(agg) ** 2)
+
+        return jax.value_and_grad(loss, argnums=(0, 1, 2))(w1, w2, h)
+
+    args = (w1, w2, h, src, dst)
+    limit = limit_between(f, args, 0.25)
+    ms = memsafe.jit(f, memory_limit=limit)
+    plan = ms.plan(*args)
+    assert "scatter-add" in _sinks(plan) and plan.after.total <= limit, plan
+    assert_like_jit(ms(*args), f, *args)

@@ -250,6 +250,51 @@ class SlicePick(Pick):
         return (lax.select(keep, taken, jnp.full(taken.shape, additive_identity(taken.dtype))),)
 
 
+class ScatterInto(Reducer):
+    """A combining scatter (``segment_sum``, the gradient of a gather) whose updates and indices
+    are split along their scatter axis: each chunk scatters its updates into the operand (chunk
+    0, the one at the axis's start) or into the combiner's identity (the others), and the chunks'
+    results are folded by the combiner. Sums fold in another order than one scatter adds its
+    updates, as every split sum does.
+
+    Attributes:
+        name: shown in plans.
+        op: the combiner (``lax.add``, ``lax.mul``, ``lax.max``, ``lax.min``).
+        identity: the combiner's identity for a dtype.
+    """
+
+    def __init__(self, name: str, op: Any, identity: Any) -> None:
+        self.name, self.op, self.identity = name, op, identity
+
+    def partial(
+        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+    ) -> Partial:
+        operand, indices, updates = invals
+        fill = jnp.full(operand.shape, self.identity(operand.dtype), operand.dtype)
+        base = lax.select(jnp.full(operand.shape, start == 0), operand, fill)
+        return tuple(bind_eqn(eqn, [base, indices, updates]))
+
+    def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
+        return tuple(self.op(a, b) for a, b in zip(acc, new))
+
+    def chunk_bytes(self, eqn: JaxprEqn, axis: int, chunk: int) -> int:
+        """The identity-filled operand and the chunk's scattered copy of it."""
+        aval = eqn.invars[0].aval
+        return 2 * math.prod(aval.shape) * aval.dtype.itemsize
+
+
+def _lowest(dtype: Any) -> Any:
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return -jnp.inf
+    return jnp.iinfo(dtype).min if dtype != jnp.bool_ else False
+
+
+def _highest(dtype: Any) -> Any:
+    if jnp.issubdtype(dtype, jnp.inexact):
+        return jnp.inf
+    return jnp.iinfo(dtype).max if dtype != jnp.bool_ else True
+
+
 def additive_identity(dtype: Any) -> Any:
     """The exact additive identity: x + (-0.0) == x for every float x, signed zeros included."""
     return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
@@ -262,6 +307,17 @@ MAX, MIN, PROD = Monoid("max", lax.max), Monoid("min", lax.min), Monoid("prod", 
 AND, OR = Monoid("and", lax.bitwise_and), Monoid("or", lax.bitwise_or)
 XOR = Monoid("xor", lax.bitwise_xor)
 SLICE = SlicePick()
+#: The reducer of each combining scatter, by primitive name.
+SCATTER_INTO: dict[str, Reducer] = {
+    name: reducer
+    for names, reducer in (
+        (("scatter-add", "scatter_add"), ScatterInto("scatter-add", lax.add, additive_identity)),
+        (("scatter-mul", "scatter_mul"), ScatterInto("scatter-mul", lax.mul, lambda d: 1)),
+        (("scatter-max", "scatter_max"), ScatterInto("scatter-max", lax.max, _lowest)),
+        (("scatter-min", "scatter_min"), ScatterInto("scatter-min", lax.min, _highest)),
+    )
+    for name in names
+}
 ARGMAX, ARGMIN, TOP_K, PICK = ArgMax(), ArgMin(), TopK(), Pick()
 
 #: The reducer of each reduction monoid named in ``memsafe.primitives``.

@@ -109,17 +109,29 @@ def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
             raise NoRule("scatter along the split axis")
         j = idx_b[op_b.index(a)]
     elif side == ("in", 1):
+        if axis == len(shape(eqn.invars[1])) - 1:
+            raise NoRule("scatter index vectors cannot be split")
         if axis not in idx_b:
-            raise NoRule("scatter indices split along a non-batch axis")
+            return _into(eqn, axis, upd_scatter[axis])
         j, a = axis, op_b[idx_b.index(axis)]
     else:
         if axis not in upd_scatter:
             raise NoRule("scatter updates split along a window axis")
         j = upd_scatter.index(axis)
         if j not in idx_b:
-            raise NoRule("scatter updates split along a non-batch axis")
+            return _into(eqn, j, axis)
         a = op_b[idx_b.index(j)]
     return Mapping(ins=(a, j, upd_scatter[j]), outs=(a,))
+
+
+def _into(eqn: JaxprEqn, index_axis: int, update_axis: int) -> Sink:
+    """Updates (and their indices) split along a scatter axis land anywhere in the operand: a
+    sink that scatters each chunk's updates and folds the results by the scatter's combiner
+    (``segment_sum`` over chunks of edges, the gradient of a gather by chunks of indices)."""
+    reducer = sinks.SCATTER_INTO.get(eqn.primitive.name)
+    if reducer is None:
+        raise NoRule("scatter updates split along a non-batch axis (a scatter that overwrites)")
+    return Sink(reducer, ins=(None, index_axis, update_axis))
 
 
 def _scatter_window(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | None:
