@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import on_device, run_jax, run_memsafe, run_plain
+from benchmarks.measure import on_device, run_jax, run_memsafe, run_plain, square_cases
 from examples import kernel_matvec as ex
 
 METHODS = ("jax", "memsafe", "keops", "chunked", "chunked_ynn")
@@ -31,10 +31,7 @@ def cases(size: str) -> list[dict]:
         ]
     else:
         raise ValueError(f"unknown size {size!r}; expected 'quick', 'full' or 'gpu'")
-    return [
-        {"label": f"n=m={n}", "n": n, "m": n, "d": 3, "limit": limit, "methods": list(METHODS)}
-        for n in sweep
-    ]
+    return square_cases(sweep, limit, METHODS)
 
 
 def gemm_flops(params: dict) -> tuple[float, str]:

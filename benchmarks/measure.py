@@ -196,3 +196,11 @@ def run_plain(fn: Callable[[], Any], params: dict) -> tuple[Any, dict]:
     rss0 = current_rss()
     out, times = timed(fn, params["repeats"], params["budget_s"])
     return out, {**times, "rss_growth_bytes": peak_rss() - rss0}
+
+
+def square_cases(sizes: tuple[int, ...], limit: str, methods: tuple[str, ...]) -> list[dict]:
+    """Cases with n = m points in 3 dimensions for each of ``sizes``, under ``limit``."""
+    return [
+        {"label": f"n=m={n}", "n": n, "m": n, "d": 3, "limit": limit, "methods": list(methods)}
+        for n in sizes
+    ]

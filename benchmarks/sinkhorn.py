@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks.measure import on_device, run_jax, run_memsafe, run_plain
+from benchmarks.measure import on_device, run_jax, run_memsafe, run_plain, square_cases
 from examples import sinkhorn as ex
 
 METHODS = ("jax", "memsafe", "keops", "chunked", "chunked_ynn")
@@ -28,10 +28,7 @@ def cases(size: str) -> list[dict]:
         sweep, limit = (20_000, 100_000), "1GiB"
     else:
         raise ValueError(f"unknown size {size!r}; expected 'quick', 'full' or 'gpu'")
-    return [
-        {"label": f"n=m={n}", "n": n, "m": n, "d": 3, "limit": limit, "methods": list(METHODS)}
-        for n in sweep
-    ]
+    return square_cases(sweep, limit, METHODS)
 
 
 def gemm_flops(params: dict) -> tuple[float, str]:
