@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax
+from jax import lax
 
 from memsafe._jax import (
     ClosedJaxpr,
@@ -196,6 +197,11 @@ def _backward(
         for k, v in zip(pair.carries, st[:n_carry]):
             carries[k] = v
         res = eval_jaxpr(res_body.jaxpr, res_body.consts, *cf_, *carries, *xf_, *st[n_carry:])
+        # read from the stacks, the residuals were opaque to XLA; recomputed in the same body,
+        # XLA simplifies across: ``a * convert(p)`` of a recomputed decision became
+        # ``select(p, a, 0)``, which keeps no NaN from ``inf * 0`` (fuzz seed 3194). One
+        # barrier per residual, which the split rules pass chunk by chunk
+        res = [lax.optimization_barrier(r) for r in res]
         xs = dict(zip(own, xs_own)) | dict(zip(pair.slots, res))
         ordered = [xs[p] for p in range(b_consts + b_carry, len(invals))]
         return eval_jaxpr(old.jaxpr, old.consts, *cb, *carry_, *ordered)

@@ -16,3 +16,12 @@ def _bitcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     if axis >= min(rank_in, rank_out):
         raise NoRule("the split axis is the bytes axis of a bitcast")
     return Mapping(ins=(axis,), outs=(axis,))
+
+
+@split_rule("optimization_barrier")
+def _barrier(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    """A barrier around one value is the identity on each chunk of it (the remat pass hands
+    each recomputed residual to the backward behind its own barrier)."""
+    if len(eqn.invars) != 1:
+        raise NoRule("optimization_barrier around several values")
+    return Mapping(ins=(axis,), outs=(axis,))
