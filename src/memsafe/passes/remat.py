@@ -16,6 +16,9 @@ which operand won; flax's layer norm clamps its variance with a maximum), the fo
 stacks those decisions, and the backward reads them instead of deciding again: recomputed in
 another compile, a comparison may see its operands rounded otherwise and break a tie the other
 way (fuzz seed 1871 gave 40 NaNs where jax.jit gives 19 when the backward decided again).
+Each recomputed residual reaches the backward behind its own ``optimization_barrier``: read from
+a stack it was opaque to XLA, which otherwise simplifies across the two (``a * convert(p)`` of a
+recomputed decision became ``select(p, a, 0)`` and dropped the NaN of ``inf * 0``, seed 3194).
 """
 
 from __future__ import annotations
