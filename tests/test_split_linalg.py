@@ -16,6 +16,7 @@ from jax.scipy.linalg import solve_triangular
 import memsafe
 from memsafe.graph import Graph, inline_calls
 from memsafe.split.registry import Mapping, NoRule, axis_map
+from memsafe.split.sinks import Sink
 from memsafe.xla import Footprint, memsafe_jit
 
 N, M, D = 3000, 24, 3
@@ -195,8 +196,11 @@ def test_scatter_window_axis_mapping():
     assert axis_map(eqn, ("out", 0), 0) == Mapping(ins=(0, None, 0), outs=(0,))
     # an indexed axis: each chunk takes the updates whose position it holds (indices whole)
     assert axis_map(eqn, ("out", 0), 1) == Mapping(ins=(1, None, None), outs=(1,))
+    # chunks of the index vectors (and their updates) land anywhere: a scatter-add sink
+    into = axis_map(eqn, ("in", 1), 0)
+    assert isinstance(into, Sink) and into.kind == "scatter-add" and into.ins[0] is None
     with pytest.raises(NoRule):
-        axis_map(eqn, ("in", 1), 0)  # the index vectors themselves
+        axis_map(eqn, ("in", 1), 1)  # the index vectors themselves
 
 
 # -- platform-dependent code (jnp.diagonal, lax.platform_dependent) -------------------------
