@@ -71,7 +71,7 @@ class _Rewrite:
 
     def _scanned(self, rolled: Rolled) -> list[Stack]:
         """The loop's scanned operands, each as the stack its scan reads."""
-        return [Stack(tuple(s.vars[b] for b in rolled.order)) for s in rolled.loop.sources(Scanned)]
+        return [self._in_order(rolled, s.vars.__getitem__) for s in rolled.loop.sources(Scanned)]
 
     def _orient(self, loop: Loop) -> Rolled:
         """Reverse where more of the loop's scanned operands are stacks given already."""

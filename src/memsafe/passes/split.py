@@ -249,22 +249,18 @@ def _invariants_inside(
     floor = max(recompute_pass.MIN_BYTES, ctx.temp_budget // SHARE)
     skip = lambda e: _is_kept(e, kept)
     closed = recompute_pass.run(closed, ctx, recompute_pass.Moving(floor, skip=skip))
-    return _unheld_inside(closed, ctx, skip)
+    return _unheld_inside(closed, ctx, skip=skip)
 
 
-def _unheld_inside(
-    closed: ClosedJaxpr,
-    ctx: PassContext,
-    skip: recompute_pass.Skip = lambda eqn: False,
-    takes: recompute_pass.Takes = lambda eqn, position: True,
-) -> ClosedJaxpr:
-    """``closed`` with the loop invariants larger than all the room for temporaries (those
-    ``takes`` holds for) made inside the loops that read them, their reductions and products
-    included (a Sinkhorn loop's cost matrix); ``while`` loops too, since XLA hoists nothing out
-    of a split body's chunk loops. One the room could hold stays outside: made inside, its
-    computation would have to split within the body (fuzz seed 1389 was refused so)."""
+def _unheld_inside(closed: ClosedJaxpr, ctx: PassContext, **which: Any) -> ClosedJaxpr:
+    """``closed`` with the loop invariants larger than all the room for temporaries (those the
+    ``skip``/``takes`` of ``which`` choose, :class:`memsafe.passes.recompute.Moving`) made inside
+    the loops that read them, their reductions and products included (a Sinkhorn loop's cost
+    matrix); ``while`` loops too, since XLA hoists nothing out of a split body's chunk loops.
+    One the room could hold stays outside: made inside, its computation would have to split
+    within the body (fuzz seed 1389 was refused so)."""
     floor = max(recompute_pass.MIN_BYTES, ctx.room)
-    moving = recompute_pass.Moving(floor, recompute_pass.UNHELD, skip, takes, whiles=True)
+    moving = recompute_pass.Moving(floor, recompute_pass.UNHELD, whiles=True, **which)
     return recompute_pass.run(closed, ctx, moving)
 
 
