@@ -176,6 +176,21 @@ def test_checkpointed_layers_recompute_in_a_rolled_backward():
     assert_like_jit(f(*args), fun, *args)
 
 
+def test_checkpointed_layers_where_one_head_of_scores_is_over_the_limit():
+    """``jax.checkpoint`` around each layer at L=2048 under 10 MiB, where one head's scores
+    (16 MiB) exceed the limit: the backward splits along the queries. Refused before (best
+    71.8 MiB): the split chose the heads, since the model held values for the query split that
+    its loops never read, and the online-softmax loops ran their first chunk outside the loop,
+    where XLA merged the forward's with the recomputation's and kept both alive."""
+    shape = models.Shape(blocks=4, batch=1, length=2048, width=32, heads=2)
+    loss, params, batch = models.transformer(shape, checkpointed=True)
+    fun, args = jax.value_and_grad(loss), (params, *batch)
+    limit = 10 * 2**20
+    f = memsafe.jit(fun, memory_limit=limit)
+    assert f.plan(*args).after.total <= limit
+    assert_like_jit(f(*args), fun, *args)
+
+
 def test_a_read_from_two_blocks_back_is_not_a_carry():
     """A skip connection from two layers back: no run with that read reads as a loop over one
     layer per block, and what is rolled gives the unrolled answers."""

@@ -12,6 +12,7 @@ from jax.scipy.special import logsumexp
 
 import memsafe
 import memsafe.passes.split as split_pass
+from memsafe._jax import jaxpr_as_fun
 from memsafe.graph import Graph, inline_calls
 from memsafe.split import online
 from memsafe.split.region import grow
@@ -260,6 +261,24 @@ def test_online_loop_emits_one_scan():
     splits = (StagedSplit(region), online.plan(graph, region))
     scans = [str(emit(closed, graph, s, 96).jaxpr).count("scan[") for s in splits]
     assert scans == [3, 1]
+
+
+@pytest.mark.parametrize("fun", [attention, late_keys_attention])
+def test_online_loop_runs_its_first_chunk_inside(fun):
+    """Every chunk's product runs inside the online loop, the first one too: computed before
+    the loop, XLA can merge it with a recomputation of the same chunk (a checkpointed layer's
+    backward) and keep it alive in between. Keys masked with -inf on the first chunks still
+    give jax.jit's answers."""
+    args = _attention_args(lq=8, lk=960)  # ten chunks of 96: no remainder after the loop
+    closed = inline_calls(jax.make_jaxpr(fun)(*args))
+    graph, region = _region_along(fun, args, 2, closed)
+    from memsafe.split.emit import emit
+
+    emitted = emit(closed, graph, online.plan(graph, region), 96)
+    top = [e.primitive.name for e in emitted.jaxpr.eqns]
+    before = set(top[: top.index("scan")])  # a chunk body runs under jax.checkpoint
+    assert top.count("scan") == 1 and not before & {"dot_general", "remat2", "checkpoint"}, top
+    _close(jax.jit(jaxpr_as_fun(emitted))(*args)[0], jax.jit(fun)(*args))
 
 
 # -- issue 6: attention at sequence length 32,768 under 2 GiB -------------------------------

@@ -128,7 +128,10 @@ def best_split(
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
     before the fallbacks: the smallest chunks of axes where none does, two chunks of axes it
-    expects to fit whole), or why each axis failed."""
+    expects to fit whole), or why each axis failed. Among smallest chunks, those whose own
+    bytes fit the budget come first: what the model holds beside them may be alive anyway,
+    while a chunk over the budget by itself cannot fit (a transformer block's backward at
+    L=8192: one head's scores, 813 MiB, against a query chunk's 0.4 MiB)."""
     options: list[tuple[Split, ChunkPlan]] = []
     failures: list[tuple[int, SplitFailure]] = []
     for axis, n in enumerate(graph.info(var).shape):
@@ -140,7 +143,11 @@ def best_split(
             failures.append((axis, failure))
     if not options:
         return failures
-    options = [o for o in options if not (o[1].floored or o[1].halved)] or options
+    options = (
+        [o for o in options if not (o[1].floored or o[1].halved)]
+        or [o for o in options if o[1].per_unit * o[1].chunk <= budget]
+        or options
+    )
     fewest = min(_cost(*o) for o in options)
     close = [o for o in options if _cost(*o) <= SIMILAR_COST * fewest]
     return min(

@@ -58,6 +58,19 @@ class Carry:
         traced bool, whether the device holds the axis's first positions); None: nothing."""
         return None
 
+    def feed_in_loop(self, first: Any, state: Any) -> Any:
+        """What a chunk reads of the state in a loop that runs the first chunk too (``first``:
+        a traced bool, whether this is the first chunk, whose state is not yet made). Only for
+        carries whose body reads a :class:`Started` (:attr:`starts_in_loop`)."""
+        return None if not self.reads_state else Started(first, self.feed(state))
+
+    @property
+    def starts_in_loop(self) -> bool:
+        """Whether the loop can run its first chunk like the others (see :meth:`_Chunks.in_loop`):
+        the body reads nothing of the state, or reads a :class:`Started` and ignores the state
+        on the first chunk."""
+        return not self.reads_state
+
     def start(self, parts: Any) -> Any:
         """The state after the first chunk."""
         return parts
@@ -134,6 +147,24 @@ class DeviceStart:
     traced under ``jax.checkpoint``)."""
 
     first: Any  # traced bool: the device holds the axis's first positions
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["first", "old"], meta_fields=[])
+@dataclass(frozen=True)
+class Started:
+    """What a chunk reads of the running state in a loop that runs its first chunk too: on the
+    first chunk (``first``, a traced bool) ``old`` is a placeholder the body must not use (it
+    selects its own partials then, see :func:`first_or_folded`)."""
+
+    first: Any
+    old: Any
+
+
+def first_or_folded(first: Any, part: Any, folded: Any) -> Any:
+    """``part`` (a chunk's own partials) on the first chunk, ``folded`` (the running state
+    folded with them) after it; elementwise selects, so the first chunk's values are exactly
+    those of a chunk run before the loop, whatever the placeholder state made of ``folded``."""
+    return jax.tree.map(lambda p, f: jnp.where(first, p, f), part, folded)
 
 
 @dataclass(frozen=True)
@@ -230,7 +261,7 @@ def chunked(
         return origin + (size - (i + 1) * chunk if carry.reverse else i * chunk)
 
     chunks = _Chunks(at(chunk), n_full, start_of, operands, carry, written, size, first_fed)
-    state, bufs = chunks.in_loop() if n_full > 1 and not carry.reads_state else chunks.peeled()
+    state, bufs = chunks.in_loop() if n_full > 1 and carry.starts_in_loop else chunks.peeled()
     if rem:
         start = origin + (0 if carry.reverse else n_full * chunk)
         parts, vals = at(rem)(start, operands, carry.feed(state))
@@ -284,10 +315,11 @@ class _Chunks:
         at the top level, where XLA's CSE merges them and keeps the forward's chunk alive until
         the backward (the 4-block GPT gradient at L=4096: two 64 MiB values per layer, 889 MiB
         against a 512 MiB limit). ``lax.optimization_barrier`` does not stop that on the CPU
-        (XLA expands it before CSE). A body that reads the carry (an online softmax's running
-        maxima, a scan along the axis) reads nothing on its first chunk, which therefore still
-        runs before the loop (:meth:`peeled`): the same step under a ``lax.cond`` made the split
-        of gradients of such loops explode (fuzz seed 422: over 400 s and 13 GB against 15 s)."""
+        (XLA expands it before CSE). A body that reads the carry reads a :class:`Started` (an
+        online softmax's running maxima): on the first chunk it selects its own partials. A
+        body that cannot (a scan along the axis) runs its first chunk before the loop
+        (:meth:`peeled`): the same step under a ``lax.cond`` made the split of gradients of
+        such loops explode (fuzz seed 422: over 400 s and 13 GB against 15 s)."""
         carry, written = self.carry, self.written
 
         def first(start: Any) -> tuple[Any, list[Any]]:
@@ -300,7 +332,7 @@ class _Chunks:
         def step(c: tuple[Any, list[Any]], i: Any) -> tuple[Any, list[Any]]:
             state, bufs = c
             start = self.start_of(i)
-            parts, vals = self.full(start, self.operands, None)
+            parts, vals = self.full(start, self.operands, carry.feed_in_loop(i == 0, state))
             pick = functools.partial(jnp.where, i == 0)
             state = jax.tree.map(pick, carry.start(parts), carry.fold(state, parts))
             return state, written.write(bufs, vals, start)

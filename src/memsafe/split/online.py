@@ -443,6 +443,14 @@ class Rescale(Carry):
     def feed(self, state: tuple) -> Any:
         return state[0]
 
+    @property
+    def starts_in_loop(self) -> bool:
+        """The body selects its own maxima on the first chunk (:class:`chunk_loop.Started`): the
+        first chunk runs in the loop, where XLA cannot merge it with a recomputation of the
+        same chunk elsewhere and keep it alive in between (a checkpointed transformer's
+        forward and backward at L=8192: four peeled 205 MiB chunks alive at once)."""
+        return True
+
     def fold(self, state: tuple, parts: tuple) -> tuple:
         _, u_old, accs = state
         maxes, u_new, new = parts
@@ -620,9 +628,7 @@ class _OnlineBody:
             elif not isinstance(m, Sink):
                 env.bind(i)
             elif i in plan.sources:
-                part = env.partial(i)
-                if old is not None:
-                    part = m.reducer.fold(eqns[i], old[plan.sources.index(i)], part)
+                part = self._running(i, env.partial(i), old)
                 running[i] = part
                 env.whole.update(zip(eqns[i].outvars, m.reducer.finish(part)))
             else:
@@ -633,6 +639,18 @@ class _OnlineBody:
             [partials[i] for i in self.others],
         )
         return parts, [env.local[v] for v in region.surviving]
+
+    def _running(self, i: int, part: Any, old: Any) -> Any:
+        """Max sink ``i``'s running partials after this chunk: its own (``old`` None, or the
+        first chunk of a :class:`chunk_loop.Started`), else folded into ``old``'s."""
+        if old is None:
+            return part
+        eqn, reducer = self.graph.eqns[i], self.region.maps[i].reducer
+        k = self.plan.sources.index(i)
+        if isinstance(old, chunk_loop.Started):
+            folded = reducer.fold(eqn, old.old[k], part)
+            return chunk_loop.first_or_folded(old.first, part, folded)
+        return reducer.fold(eqn, old[k], part)
 
     def _pass_through(self, env: ChunkEnv, i: int, n: int) -> None:
         """A product with (or division by) a late factor: the kept operand, broadcast."""
