@@ -443,13 +443,16 @@ def test_a_cost_matrix_every_iteration_reads_is_made_inside_the_split_loop(loop)
     k1, k2 = jax.random.split(jax.random.key(7))
     x, y = jax.random.normal(k1, (512, 2)), jax.random.normal(k2, (384, 2)) + 1
     fun = _sinkhorn(loop)
-    limit = limit_between(fun, (x, y), 0.25)
+    # the gradient under 4% of jax.jit's temporaries, half the cost matrix: refused before the
+    # accumulate pass (best 3.8 MiB under 474 KiB), the backward carrying the matrix's cotangent
+    limit = limit_between(fun, (x, y), 0.04 if loop == "grad" else 0.25)
     g = memsafe.jit(fun, memory_limit=limit)
     plan = g.plan(x, y)
     assert plan.splits and plan.after.total <= limit, plan
     moved = [r for r in plan.passes if r.pass_name == "recompute"]
-    # the gradient's temporaries hold every iteration's residuals: a quarter holds the matrix
-    if loop != "grad":
+    if loop == "grad":
+        assert "accumulate" in [r.pass_name for r in plan.passes], plan
+    else:
         assert any({"reduce_sum", "dot_general"} & set(r.data["ops"]) for r in moved), plan
     assert_like_jit(g(x, y), fun, x, y)
 
