@@ -125,8 +125,8 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
     for v in region.surviving:
         if not graph.info(v).is_output:
             fixed += graph.info(v).bytes
-    # a region equation no sink or surviving value needs is left out of the loops, and what
-    # only it reads is not held for them (a checkpointed block's backward: 1.6 GiB of 1.8)
+    # only what the loops read is held for them: the growth gives an axis to values no loop
+    # reads (a checkpointed block's backward: 1.6 GiB of the 1.8 GiB it counted)
     for v in (region.sliced | region.whole) & read:
         info = graph.info(v)
         if info.producer is not None and not info.is_output:
