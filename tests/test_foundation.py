@@ -154,7 +154,6 @@ def test_a_failing_pass_is_an_error_when_strict(monkeypatch):
 def test_pipeline_is_the_pass_modules_in_order():
     from memsafe import passes
     from memsafe.passes import (
-        accumulate,
         constants,
         distribute,
         fission,
@@ -177,7 +176,6 @@ def test_pipeline_is_the_pass_modules_in_order():
         distribute,
         roll,
         remat,
-        accumulate,
         fission,
         split,
         schedule,
@@ -186,8 +184,8 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "unflatten", "hoist", "distribute", "roll", "remat",
-        "accumulate", "fission", "split",
+        "match_replace", "reorder", "unflatten", "hoist", "distribute", "roll", "remat", "fission",
+        "split",
         "schedule", "recompute", "constants",
     ]  # fmt: skip
 

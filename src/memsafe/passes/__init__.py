@@ -1,5 +1,5 @@
 """The rewriting pipeline, in order: match-and-replace, reorder, unflatten, hoist, distribute,
-roll, remat, accumulate, fission, split, schedule, recompute, constants. Each pass is a module with
+roll, remat, fission, split, schedule, recompute, constants. Each pass is a module with
 ``run(closed, ctx) -> closed``; its name is the module's. ``memsafe.lapack_order`` is applied
 to every program memsafe compiles."""
 
@@ -8,7 +8,6 @@ from __future__ import annotations
 from types import ModuleType
 
 from memsafe.passes import (
-    accumulate,
     constants,
     distribute,
     fission,
@@ -33,7 +32,6 @@ PIPELINE: tuple[ModuleType, ...] = (
     distribute,
     roll,
     remat,
-    accumulate,
     fission,
     split,
     schedule,

@@ -260,15 +260,13 @@ def _invariants_inside(
 
 
 def _unheld_inside(closed: ClosedJaxpr, ctx: PassContext, **which: Any) -> ClosedJaxpr:
-    """``closed`` with the loop invariants larger than half the room for temporaries (those the
+    """``closed`` with the loop invariants larger than all the room for temporaries (those the
     ``skip``/``takes`` of ``which`` choose, :class:`memsafe.passes.recompute.Moving`) made inside
     the loops that read them, their reductions and products included (a Sinkhorn loop's cost
     matrix); ``while`` loops too, since XLA hoists nothing out of a split body's chunk loops.
-    Held whole for the whole loop, one over half the room leaves too little for the rest (the
-    gradient of conjugate gradients on a 4 MiB kernel matrix under 5 MiB: best 32.9 MiB). One
-    the room holds easily stays outside: made inside, its computation would have to split
-    within the body (fuzz seed 1389 was refused so, when the scaled budget decided)."""
-    floor = max(recompute_pass.MIN_BYTES, ctx.room // 2)
+    One the room could hold stays outside: made inside, its computation would have to split
+    within the body (fuzz seed 1389 was refused so)."""
+    floor = max(recompute_pass.MIN_BYTES, ctx.room)
     moving = recompute_pass.Moving(floor, recompute_pass.UNHELD, whiles=True, **which)
     return recompute_pass.run(closed, ctx, moving)
 

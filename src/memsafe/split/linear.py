@@ -15,12 +15,10 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import Any
 
 import numpy as np
 
-from memsafe._jax import JaxprEqn, Literal
-from memsafe.graph import Graph
+from memsafe._jax import JaxprEqn
 from memsafe.primitives import Scaling, facts
 
 
@@ -79,14 +77,3 @@ def _all_of(roles: Sequence[Role], where: slice) -> bool:
 
 def _inexact(eqn: JaxprEqn) -> bool:
     return all(np.issubdtype(o.aval.dtype, np.inexact) for o in eqn.outvars)
-
-
-def is_zero(graph: Graph, atom: Any) -> bool:
-    """A literal zero or a broadcast of one (``jnp.where(mask, e, 0)``, a sum's zero start)."""
-    if isinstance(atom, Literal):
-        return bool(np.all(np.asarray(atom.val) == 0))  # numpy: this may run inside a trace
-    p = graph.info(atom).producer
-    if p is None:
-        return False
-    eqn = graph.eqns[p]
-    return eqn.primitive.name == "broadcast_in_dim" and is_zero(graph, eqn.invars[0])

@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn, is_var
@@ -39,7 +40,6 @@ from memsafe.split import loop as chunk_loop
 from memsafe.split import peephole
 from memsafe.split import sinks as sink_ops
 from memsafe.split.emit import OneDevice
-from memsafe.split.linear import is_zero
 from memsafe.split.loop import Carry, ChunkEnv, Written
 from memsafe.split.region import Region, region_depends
 from memsafe.split.sinks import Sink
@@ -150,6 +150,17 @@ def _through(i: int, ins: list[Role]) -> Through:
 
 def _times(scaled: Role, base: Base) -> Factor:
     return base if isinstance(scaled, Plain) else Product(scaled, base)  # type: ignore[arg-type]
+
+
+def _is_zero(graph: Graph, atom: Any) -> bool:
+    """A literal zero or a broadcast of one (``jnp.where(mask, e, 0)``)."""
+    if isinstance(atom, Literal):
+        return bool(np.all(np.asarray(atom.val) == 0))  # numpy: this may run inside a trace
+    p = graph.info(atom).producer
+    if p is None:
+        return False
+    eqn = graph.eqns[p]
+    return eqn.primitive.name == "broadcast_in_dim" and _is_zero(graph, eqn.invars[0])
 
 
 # -- the analysis ------------------------------------------------------------------------------
@@ -273,7 +284,7 @@ class _Analysis:
             if isinstance(ins[0], Factor):
                 raise NotOnline("select_n on a rescaled predicate")
             cases = cases[1:]
-        trees = {k for a, k in cases if not is_zero(self.graph, a) or isinstance(k, Factor)}
+        trees = {k for a, k in cases if not _is_zero(self.graph, a) or isinstance(k, Factor)}
         if len(trees) != 1 or not isinstance(next(iter(trees)), Factor):
             raise NotOnline(f"{name} mixes differently scaled values")
         return trees.pop()
