@@ -13,6 +13,7 @@ chunk's partial is the initial carry.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -283,16 +284,17 @@ class ScatterInto(Reducer):
         return 2 * math.prod(aval.shape) * aval.dtype.itemsize
 
 
-def _lowest(dtype: Any) -> Any:
+def extreme_identity(name: str, dtype: Any) -> Any:
+    """The identity of ``max`` (the lowest value of ``dtype``) or ``min`` (the highest)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return np.asarray(name == "min")
     if jnp.issubdtype(dtype, jnp.inexact):
-        return -jnp.inf
-    return jnp.iinfo(dtype).min if dtype != jnp.bool_ else False
-
-
-def _highest(dtype: Any) -> Any:
-    if jnp.issubdtype(dtype, jnp.inexact):
-        return jnp.inf
-    return jnp.iinfo(dtype).max if dtype != jnp.bool_ else True
+        lowest, highest = -np.inf, np.inf
+    else:
+        info = np.iinfo(dtype)
+        lowest, highest = info.min, info.max
+    return np.asarray(lowest if name == "max" else highest, dtype)
 
 
 def additive_identity(dtype: Any) -> Any:
@@ -307,14 +309,16 @@ MAX, MIN, PROD = Monoid("max", lax.max), Monoid("min", lax.min), Monoid("prod", 
 AND, OR = Monoid("and", lax.bitwise_and), Monoid("or", lax.bitwise_or)
 XOR = Monoid("xor", lax.bitwise_xor)
 SLICE = SlicePick()
+_max_identity = functools.partial(extreme_identity, "max")
+_min_identity = functools.partial(extreme_identity, "min")
 #: The reducer of each combining scatter, by primitive name.
 SCATTER_INTO: dict[str, Reducer] = {
     name: reducer
     for names, reducer in (
         (("scatter-add", "scatter_add"), ScatterInto("scatter-add", lax.add, additive_identity)),
         (("scatter-mul", "scatter_mul"), ScatterInto("scatter-mul", lax.mul, lambda d: 1)),
-        (("scatter-max", "scatter_max"), ScatterInto("scatter-max", lax.max, _lowest)),
-        (("scatter-min", "scatter_min"), ScatterInto("scatter-min", lax.min, _highest)),
+        (("scatter-max", "scatter_max"), ScatterInto("scatter-max", lax.max, _max_identity)),
+        (("scatter-min", "scatter_min"), ScatterInto("scatter-min", lax.min, _min_identity)),
     )
     for name in names
 }

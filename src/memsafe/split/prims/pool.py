@@ -25,6 +25,7 @@ from jax import lax
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split.halo import Window, take
 from memsafe.split.registry import Mapping, NoRule, Side, split_rule
+from memsafe.split.sinks import extreme_identity
 
 
 def _window(eqn: JaxprEqn, axis: int) -> Window:
@@ -38,17 +39,9 @@ def _window(eqn: JaxprEqn, axis: int) -> Window:
 
 def _identity(name: str, dtype: Any) -> Any:
     """The value ``reduce_window_<name>`` pads with (the identity of its monoid)."""
-    dtype = np.dtype(dtype)
     if name == "sum":
         return np.zeros((), dtype)
-    if dtype == np.bool_:
-        return np.asarray(name == "min")
-    if jnp.issubdtype(dtype, jnp.inexact):
-        lowest, highest = -np.inf, np.inf
-    else:
-        info = np.iinfo(dtype)
-        lowest, highest = info.min, info.max
-    return np.asarray(lowest if name == "max" else highest, dtype)
+    return extreme_identity(name, dtype)
 
 
 def _operands(eqn: JaxprEqn) -> int:
