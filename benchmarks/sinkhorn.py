@@ -52,8 +52,8 @@ def run_case(method: str, params: dict) -> dict[str, Any]:
 
         # the fastest of 64, 256, 1024 and 2048 rows at n = m = 10,000, YNNPACK off (1.6 s)
         # and on (3.8-4.3 s, at 2048 rows)
-        batch = params.get("batch", 2048 if method == "chunked_ynn" else 64)
         ynn = method == "chunked_ynn"
+        batch = params.get("batch", 2048 if ynn else 64)
         fun = chunked_jax.jit(chunked_jax.sinkhorn, ynn=ynn, static_argnums=(2, 3, 4))
         args = on_device(x, y)
         out, info = run_plain(lambda: fun(*args, EPS, STEPS, batch), params)
