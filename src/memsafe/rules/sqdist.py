@@ -108,26 +108,19 @@ def frame(x: jnp.ndarray) -> Frame:
 
 
 class _Rows(NamedTuple):
-    """Per-row facts of one side: finite rows, rows holding a NaN, and a code for the pairs
-    (finite 0, infinite 1, NaN ``nan_code``: a pair's codes add up to 1 exactly where one row
-    is finite and the other infinite)."""
+    """Per-row facts of one side: finite rows, and a code for the pairs (finite 0, infinite 1,
+    NaN ``nan_code``: a pair's codes add up to 1 exactly where one row is finite and the other
+    infinite). The code is one reduction over the row, so the per-pair epilogue reads it as it
+    is, with nothing left for XLA's fusion to recompute per pair."""
 
     finite: jnp.ndarray
-    nan: jnp.ndarray
     code: jnp.ndarray
 
     @classmethod
     def of(cls, v: jnp.ndarray, nan_code: int) -> _Rows:
-        finite = jnp.all(jnp.isfinite(v), axis=-1)
-        nan = jnp.any(jnp.isnan(v), axis=-1)
-        code = jnp.where(nan, nan_code, jnp.where(finite, 0, 1)).astype(jnp.int32)
-        return cls(finite, nan, code)
-
-    def norms(self, squares: jnp.ndarray) -> jnp.ndarray:
-        """The rows' squared norms in the frame, NaN for a row with a NaN and +inf for one
-        with an infinity: added to every pair of the row, they give it that value."""
-        special = jnp.where(self.nan, jnp.nan, jnp.inf).astype(squares.dtype)
-        return jnp.where(self.finite, squares, special)
+        each = jnp.where(jnp.isnan(v), nan_code, jnp.where(jnp.isinf(v), 1, 0))
+        code = jnp.max(each.astype(jnp.int32), axis=-1)
+        return cls(code == 0, code)
 
 
 def _operands(
@@ -159,23 +152,26 @@ def gram(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
 
 def _forward(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
     """``max(|x_i|^2 + |y_j|^2 - 2 x_i.y_j, 0)`` in the frame, scaled back, where each row's
-    non-finite values ride on its norm (NaN, +inf) and one select per pair covers the pairs
-    the GEMM cannot: a finite row against an infinite one (+inf; their product may be NaN).
-    Two infinite rows give NaN through the GEMM exactly where they share an infinity."""
+    non-finite values ride on its squared norm (a NaN gives NaN, an infinity +inf: the sum of
+    squares carries them as it is) and one select per pair covers the pairs the GEMM cannot: a
+    finite row against an infinite one (+inf; their product may be NaN). Two infinite rows give
+    NaN through the GEMM exactly where they share an infinity.
+
+    The norms and codes are reductions, not selects over them: XLA fuses the per-pair epilogue
+    into the top-k's blocks and would recompute a select of a row's facts for every pair."""
     fr = frame(x)
     rx, ry = _Rows.of(x, nan_code=10), _Rows.of(y, nan_code=20)
-    placed_y = fr.place(y)
-    yy_finite = jnp.sum(placed_y * placed_y, -1)
-    too_large = ry.finite & jnp.isinf(yy_finite)  # farther from every x than overflow allows
+    placed_x, placed_y = fr.place(x), fr.place(y)
+    xx = jnp.sum(placed_x * placed_x, -1)
+    yy = jnp.sum(placed_y * placed_y, -1)
+    too_large = ry.finite & jnp.isinf(yy)  # farther from every x than overflow allows
     placed_y = jnp.where(too_large[:, None], 0, placed_y)
-    xt, yt = _operands(x, y, rx, ry, fr.place(x), placed_y)
-    xx = rx.norms(jnp.sum(xt * xt, -1))
-    yy = ry.norms(yy_finite)
+    xt, yt = _operands(x, y, rx, ry, placed_x, placed_y)
     g = gram(xt, yt)
     d2 = jnp.maximum(xx[:, None] + yy[None, :] - 2 * g, 0) * fr.unscale * fr.unscale
     mixed = rx.code[:, None] + ry.code[None, :] == 1
-    # abs: a NaN of the arithmetic may come out with its sign bit set (x86's default NaN),
-    # which top_k ranks apart from the direct form's NaN of a NaN input
+    # abs: a NaN of the arithmetic may come out with its sign bit set (x86's default NaN), as
+    # may a NaN input's; top_k ranks those apart from the direct form's NaN
     return jnp.abs(jnp.where(mixed, jnp.asarray(jnp.inf, d2.dtype), d2))
 
 
