@@ -69,7 +69,7 @@ def test_the_loops_of_such_a_split_are_not_split_again():
     (new, kept), ctx = _split_top(_ties_of_the_minimum)
     assert [s.stages for s in ctx.plan.splits] == [2]
     loops = [e for e in new.jaxpr.eqns if e.primitive.name in LOOP_BODIES]
-    assert loops and all(kept.get(id(b)) is b for e in loops for b in programs(e))
+    assert loops and all(kept.get(id(b.jaxpr)) is b for e in loops for b in programs(e))
     tiny = PassContext(memory_limit=64, fixed_bytes=0, plan=Plan(memory_limit=64))
     again = split_pass._split_bodies(new, kept, tiny)
     assert again is new or [e.params for e in again.jaxpr.eqns] == [

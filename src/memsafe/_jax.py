@@ -57,6 +57,17 @@ def inner_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
     return None
 
 
+def call_again(eqn: JaxprEqn, invals: Sequence[Any], run: Callable[..., Any]) -> list[Any]:
+    """``run`` (a function of the operands) called where the call-like ``eqn`` was: under
+    ``jax.checkpoint`` with the same policy where ``eqn`` is a remat (chunk bodies are, so
+    that differentiating them stores nothing per chunk), else inlined."""
+    if eqn.primitive.name in ("remat2", "checkpoint"):
+        p = eqn.params
+        run = jax.checkpoint(run, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))
+    with eqn_context(eqn):
+        return list(run(*invals))
+
+
 def _bind_params(eqn: JaxprEqn) -> tuple[Sequence[Any], dict[str, Any]]:
     got = eqn.primitive.get_bind_params(eqn.params)
     if isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], dict):

@@ -10,25 +10,30 @@ stopped each axis.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 from memsafe._jax import (
+    CALL_PRIMITIVES,
     LOOP_BODIES,
     ClosedJaxpr,
     JaxprEqn,
     Var,
     bind_eqn_with,
+    call_again,
+    inner_jaxpr,
+    nbytes_of_aval,
     programs,
     source_line,
 )
 from memsafe.errors import Blocker
 from memsafe.graph import Graph, estimate
-from memsafe.graph.interpret import inline_calls, retrace
+from memsafe.graph.interpret import evaluate, inline_calls, retrace
 from memsafe.passes import recompute as recompute_pass
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
-from memsafe.split import online, recompute
+from memsafe.split import online, recompute, replay
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import NoRule, axis_map
@@ -126,6 +131,20 @@ def _option(
 def best_split(
     graph: Graph, var: Var, budget: int, mesh: Any = None
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
+    """:func:`cheapest_split`; where no axis splits, the same with loops replayed per chunk of
+    an accumulator (:mod:`memsafe.split.replay`: their work once per chunk), and the first
+    failures where that finds none either."""
+    got = cheapest_split(graph, var, budget, mesh)
+    if not isinstance(got, list):
+        return got
+    with replay.replaying():
+        replayed = cheapest_split(graph, var, budget, mesh)
+    return got if isinstance(replayed, list) else replayed
+
+
+def cheapest_split(
+    graph: Graph, var: Var, budget: int, mesh: Any = None
+) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
     before the fallbacks: the smallest chunks of axes where none does, two chunks of axes it
     expects to fit whole), or why each axis failed. Among smallest chunks, those whose own
@@ -199,11 +218,38 @@ def _held_whole(eqn: JaxprEqn, position: int) -> bool:
     return True
 
 
-def _largest_inside(eqn: Any) -> int:
-    values = [
-        vi.bytes for b in programs(eqn) for vi in Graph(b).values() if vi.producer is not None
-    ]
-    return max(values, default=0)
+def _bodies(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...]:
+    """The programs a loop, cond or call (a chunk body under ``jax.checkpoint``) runs; none
+    for other equations."""
+    if eqn.primitive.name in LOOP_BODIES:
+        return programs(eqn)
+    sub = inner_jaxpr(eqn) if eqn.primitive.name in CALL_PRIMITIVES else None
+    return () if sub is None else (sub,)
+
+
+def _largest_inside(eqn: JaxprEqn) -> int:
+    """Bytes of the largest value the programs ``eqn`` runs make (a loop's or cond's: its own
+    and those of loops replayed per chunk within them; a call's: those of such loops only). A
+    replayed loop makes its term whole in each iteration, wherever it sits: in a chunk loop's
+    body, or in its first or last chunk, a call under ``jax.checkpoint``."""
+    own = eqn.primitive.name in LOOP_BODIES
+    return max((_largest_made(b.jaxpr, own) for b in _bodies(eqn)), default=0)
+
+
+@functools.lru_cache(maxsize=256)
+def _largest_made(jaxpr: Any, own: bool) -> int:
+    """Bytes of the largest value ``jaxpr``'s equations make (with ``own``; not those in the
+    calls among them) and the loops replayed per chunk in it make, calls looked through."""
+    largest = 0
+    for eqn in jaxpr.eqns:
+        if own:
+            largest = max([largest, *(nbytes_of_aval(v.aval) for v in eqn.outvars)])
+        if eqn.primitive.name in LOOP_BODIES:
+            replayed = (b for b in programs(eqn) if replay.made(b))
+            largest = max([largest, *(_largest_made(b.jaxpr, True) for b in replayed)])
+        elif sub := _bodies(eqn):  # a chunk body: what its split sized, but for replays
+            largest = max(largest, _largest_made(sub[0].jaxpr, False))
+    return largest
 
 
 def _split_bodies(
@@ -211,38 +257,48 @@ def _split_bodies(
 ) -> ClosedJaxpr:
     """Loops whose body makes a too-large value get their body split, under the budget left once
     the loop's operands and results are placed (each iteration runs the split body); a cond's
-    branches likewise. Loops whose bodies' ``id`` are in ``kept`` stay as they are."""
+    branches likewise, and the loops replayed per chunk in a call (a chunk loop's first or last
+    chunk, run under ``jax.checkpoint`` beside the loop). Loops whose bodies are in ``kept``
+    stay as they are."""
     closed = _invariants_inside(closed, kept, ctx)
     graph = Graph(closed)
     budget = ctx.temp_budget
-    loops = {
-        i: LOOP_BODIES[e.primitive.name]
+    targets = {
+        i
         for i, e in enumerate(graph.eqns)
-        if e.primitive.name in LOOP_BODIES
-        and _largest_inside(e) > budget // SHARE
-        and not _is_kept(e, kept)
+        if _bodies(e) and _largest_inside(e) > budget // SHARE and not _is_kept(e, kept)
     }
-    if not loops:
+    if not targets:
         return closed
 
     def override(i: int, eqn: Any, invals: list[Any]) -> list[Any] | None:
-        if i not in loops:
+        if i not in targets:
             return None
         sub = PassContext(
             ctx.memory_limit, ctx.fixed_bytes + _live(graph, eqn), ctx.plan, ctx.chunk_scale
         )
-        split = tuple(run(inline_calls(b), sub) for b in programs(eqn))
-        for blocker in sub.blockers:
-            ctx.block(blocker)
-        held = split if isinstance(eqn.params[loops[i]], tuple) else split[0]
-        return bind_eqn_with(eqn, invals, **{loops[i]: held})
+        if eqn.primitive.name not in LOOP_BODIES:  # the replayed loops in a call
+            inner = _split_bodies(inline_calls(_bodies(eqn)[0]), kept, sub)
+            _block_all(ctx, sub)
+            return call_again(eqn, invals, lambda *ops: evaluate(inner, list(ops)))
+        split = tuple(run(inline_calls(b), sub) for b in _bodies(eqn))
+        _block_all(ctx, sub)
+        key = LOOP_BODIES[eqn.primitive.name]
+        held = split if isinstance(eqn.params[key], tuple) else split[0]
+        return bind_eqn_with(eqn, invals, **{key: held})
 
     return retrace(closed, override)
 
 
+def _block_all(ctx: PassContext, sub: PassContext) -> None:
+    """Report in ``ctx`` what blocked splits in ``sub``."""
+    for blocker in sub.blockers:
+        ctx.block(blocker)
+
+
 def _is_kept(eqn: Any, kept: dict[int, ClosedJaxpr]) -> bool:
-    """Whether a loop's (or cond's) bodies are among ``kept``, not to be touched again."""
-    return any(id(b) in kept for b in programs(eqn))
+    """Whether a loop's (cond's, call's) bodies are among ``kept``, not to be touched again."""
+    return any(id(b.jaxpr) in kept for b in _bodies(eqn))
 
 
 def _invariants_inside(
@@ -281,10 +337,9 @@ def _live(graph: Graph, eqn: Any) -> int:
 
 
 def _loop_bodies(closed: ClosedJaxpr) -> dict[int, ClosedJaxpr]:
-    """Each loop body and cond branch at the top level of ``closed``, by ``id``."""
-    return {
-        id(b): b for e in closed.jaxpr.eqns if e.primitive.name in LOOP_BODIES for b in programs(e)
-    }
+    """Each loop body, cond branch and call body at the top level of ``closed``, by the ``id``
+    of its jaxpr (a call's is wrapped anew each time it is asked for)."""
+    return {id(b.jaxpr): b for e in closed.jaxpr.eqns for b in _bodies(e)}
 
 
 def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict[int, ClosedJaxpr]]:

@@ -16,6 +16,7 @@ from jax import lax
 from memsafe._jax import JaxprEqn, bind_eqn_with, scan_counts, scan_layout
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
+from memsafe.split import replay
 from memsafe.split.registry import Mapping, NoRule, Running, Side, split_rule
 from memsafe.split.sinks import additive_identity
 
@@ -131,6 +132,30 @@ class Summed(Running):
         return {k: lax.psum(v, axis_name) for k, v in carried[0].items()}, carried[1]
 
 
+@dataclass(frozen=True)
+class Replayed(Running):
+    """A scan replayed per chunk of an accumulator (:mod:`memsafe.split.replay`): its other
+    results are the same on every chunk; the last chunk's are the results after the loop (of
+    those at positions ``kept``; None: all)."""
+
+    kept: frozenset[int] | None = None
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return isinstance(mapping, replay.Replay)
+
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Replayed | None:
+        return Replayed(live) if live else None
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        kept = range(len(outs)) if self.kept is None else self.kept
+        return outs, {k: outs[k] for k in kept if mapping.outs[k] is None}
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return dict(carried)
+
+
 def _zero_sums(eqn: JaxprEqn, invals: list[Any], sums: Any) -> list[Any]:
     """The scan's operands with the initial carries of the summed results ``sums`` (result
     positions) at zero."""
@@ -206,13 +231,42 @@ def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return Mapping(ins=ins, outs=outs)
 
 
-@split_rule("scan", rebind=lambda *a: _rebind_scan(*a), running=(Threaded(), Summed()))
+def _accumulator(eqn: JaxprEqn, side: Side) -> int | None:
+    """The carry at ``side`` where the body only adds each iteration's term to it, else None."""
+    consts, carry = scan_counts(eqn.params)
+    k = side[1] - consts if side[0] == "in" else side[1]
+    if not 0 <= k < carry:
+        return None
+    body = _inlined(eqn.params["jaxpr"]).jaxpr
+    return k if replay.accumulator_adds(body, consts + k, k) is not None else None
+
+
+def _replay_map(eqn: JaxprEqn, side: Side, axis: int) -> replay.Replay | None:
+    """The scan replayed per chunk of the accumulator carry at ``side`` (while replays are
+    tried and the carry is one), else None."""
+    k = _accumulator(eqn, side) if replay.enabled() else None
+    if k is None:
+        return None
+    consts, _ = scan_counts(eqn.params)
+    ins = tuple(axis if j == consts + k else None for j in range(len(eqn.invars)))
+    outs = tuple(axis if j == k else None for j in range(len(eqn.outvars)))
+    return replay.Replay(ins=ins, outs=outs)
+
+
+@split_rule("scan", rebind=lambda *a: _rebind_scan(*a), running=(Threaded(), Replayed(), Summed()))
 def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     """Along the loop's length: the iterations run in chunks (threading the carry). Along
-    another axis: the body must map it through (the whole loop runs on each chunk)."""
+    another axis: the body must map it through (the whole loop runs on each chunk), or, while
+    replays are tried, the loop replays per chunk of an accumulator carry."""
     if _along_length(eqn, side, axis):
         return _length_map(eqn)
-    return _body_map(eqn, side, axis)
+    try:
+        return _body_map(eqn, side, axis)
+    except NoRule:
+        replayed = _replay_map(eqn, side, axis)
+        if replayed is None:
+            raise
+        return replayed
 
 
 def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
@@ -222,8 +276,13 @@ def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     consts, carry = scan_counts(eqn.params)
     if _along_length_mapped(eqn, m):
         return bind_eqn_with(eqn, invals, length=n)
-    body, got = _split_body(eqn, m)
-    in_avals = [v.aval for v in body.jaxpr.invars]
-    new = loop_body.chunk_body(body, got, n, in_avals)
+    if isinstance(m, replay.Replay):
+        k = next(j for j, a in enumerate(m.outs) if a is not None)
+        body = _inlined(eqn.params["jaxpr"])
+        new = replay.chunk_body(body, consts + k, k, m.outs[k], n)
+    else:
+        body, got = _split_body(eqn, m)
+        in_avals = [v.aval for v in body.jaxpr.invars]
+        new = loop_body.chunk_body(body, got, n, in_avals)
     layout = scan_layout(eqn.params, consts + 1, carry, len(invals) + 1, len(eqn.outvars))
     return bind_eqn_with(eqn, [jnp.asarray(start, jnp.int32), *invals], jaxpr=new, **layout)

@@ -1,0 +1,126 @@
+"""Replaying a loop per chunk of an accumulator it only adds to.
+
+The backward loop of a loop that reads a large invariant (a Sinkhorn loop's cost matrix) sums
+the invariant's cotangent over the iterations: a carry as large as the matrix that the body reads
+only to add the iteration's term to it (``acc + delta``). No axis of that carry passes through
+the body when the other carries (the cotangents of the small potentials) are sums over the whole
+term, so the body split (:mod:`memsafe.split.body`) refuses it, and held whole it stops every
+split of the program.
+
+Such a loop can still run per chunk of the accumulator: each chunk runs the whole loop again,
+every other carry computed as before, and adds to its chunk only the chunk's part of each term.
+The results are exactly the loop's: the chunk's sums are the same additions in the same order.
+The work is the loop's once per chunk, so a replay is only tried where no other split of a value
+exists (:func:`replaying`). The term is still made whole in each iteration; a split of the body
+(the pass's next level) chunks it there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import weakref
+from collections.abc import Iterator
+
+import jax
+from jax import lax
+
+from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Var, bind_eqn
+from memsafe.split.registry import Mapping
+
+_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("replay", default=False)
+
+#: Primitives that add the iteration's term to the accumulator.
+ADDS = ("add", "add_any")
+
+#: The bodies of loops replayed per chunk (their jaxprs), for the split pass to split inside.
+_MADE: weakref.WeakSet = weakref.WeakSet()
+
+
+@contextlib.contextmanager
+def replaying() -> Iterator[None]:
+    """Within this context, loops may replay per chunk of an accumulator (scan's split rule)."""
+    token = _ENABLED.set(True)
+    try:
+        yield
+    finally:
+        _ENABLED.reset(token)
+
+
+def enabled() -> bool:
+    """Whether replays are tried (inside :func:`replaying`)."""
+    return _ENABLED.get()
+
+
+def made(body: ClosedJaxpr) -> bool:
+    """Whether ``body`` is the body of a loop replayed per chunk (:func:`chunk_body`): its term
+    is made whole in each iteration, so the split pass splits inside it wherever it sits."""
+    return body.jaxpr in _MADE
+
+
+class Replay(Mapping):
+    """A loop's mapping where it replays per chunk of the accumulator carry its ``ins`` and
+    ``outs`` split; everything else is read whole and every other result is the same on every
+    chunk."""
+
+
+def accumulator_adds(body: Jaxpr, position: int, result: int) -> tuple[int, ...] | None:
+    """The indices of the body equations that add the iteration's terms to the carry entering
+    at input ``position`` and leaving at result ``result`` (a chain: ``acc + t1 + t2``), or None
+    where the carry is not such an accumulator: each sum in the chain must be read by the next
+    addition alone, the last be that result and nothing else, and each term have the carry's
+    shape."""
+    value, adds = body.invars[position], []
+    while True:
+        if sum(v is value for v in body.outvars) > (1 if adds else 0):
+            return None
+        uses = [i for i, e in enumerate(body.eqns) if any(a is value for a in e.invars)]
+        if not uses:
+            break
+        if len(uses) != 1 or not _adds_to(body.eqns[uses[0]], value):
+            return None
+        adds.append(uses[0])
+        value = body.eqns[uses[0]].outvars[0]
+    return tuple(adds) if adds and body.outvars[result] is value else None
+
+
+def _adds_to(eqn: JaxprEqn, value: Var) -> bool:
+    """Whether ``eqn`` adds a term of ``value``'s shape to ``value`` (read once)."""
+    if eqn.primitive.name not in ADDS or sum(a is value for a in eqn.invars) != 1:
+        return False
+    term = eqn.invars[1] if eqn.invars[0] is value else eqn.invars[0]
+    return isinstance(term, Var) and term.aval.shape == value.aval.shape
+
+
+def chunk_body(body: ClosedJaxpr, position: int, result: int, axis: int, size: int) -> ClosedJaxpr:
+    """The body with the accumulator (input ``position``, result ``result``) a chunk of ``size``
+    along ``axis``, the chunk's start as an extra first input: every other value as before, the
+    term sliced to the chunk before it is added."""
+    jaxpr = body.jaxpr
+    adds = accumulator_adds(jaxpr, position, result)
+    assert adds is not None, "replayed a loop whose carry is no accumulator"
+    sums = {jaxpr.invars[position], *(jaxpr.eqns[i].outvars[0] for i in adds)}
+
+    def run(start: jax.Array, *args: jax.Array) -> list[jax.Array]:
+        env: dict[Var, jax.Array] = dict(zip(jaxpr.constvars, body.consts))
+        env.update(zip(jaxpr.invars, args))
+        read = lambda a: env[a] if isinstance(a, Var) else a.val
+        for i, eqn in enumerate(jaxpr.eqns):
+            invals = [read(a) for a in eqn.invars]
+            if i in adds:
+                invals = [
+                    v if a in sums else lax.dynamic_slice_in_dim(v, start, size, axis)
+                    for a, v in zip(eqn.invars, invals)
+                ]
+            env.update(zip(eqn.outvars, bind_eqn(eqn, invals)))
+        return [read(a) for a in jaxpr.outvars]
+
+    avals = [v.aval for v in jaxpr.invars]
+    shape = list(avals[position].shape)
+    shape[axis] = size
+    chunked = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in avals]
+    chunked[position] = jax.ShapeDtypeStruct(tuple(shape), avals[position].dtype)
+    start = jax.ShapeDtypeStruct((), jax.numpy.int32)
+    new = jax.make_jaxpr(run)(start, *chunked)
+    _MADE.add(new.jaxpr)
+    return new
