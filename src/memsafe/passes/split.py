@@ -135,7 +135,9 @@ def best_split(
     an accumulator (:mod:`memsafe.split.replay`: their work once per chunk), and the first
     failures where that finds none either."""
     got = cheapest_split(graph, var, budget, mesh)
-    if not isinstance(got, list):
+    if not isinstance(got, list) or not any(
+        e.primitive.name in replay.REPLAYABLE for e in graph.eqns
+    ):
         return got
     with replay.replaying():
         replayed = cheapest_split(graph, var, budget, mesh)

@@ -33,6 +33,9 @@ _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("replay", defaul
 #: Primitives that add the iteration's term to the accumulator.
 ADDS = ("add", "add_any")
 
+#: Primitives whose split rule may replay them (``memsafe.split.prims.loops``).
+REPLAYABLE = ("scan",)
+
 #: The bodies of loops replayed per chunk (their jaxprs), for the split pass to split inside.
 _MADE: weakref.WeakSet = weakref.WeakSet()
 
