@@ -21,11 +21,13 @@ import contextlib
 import contextvars
 import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import jax
 from jax import lax
 
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Var, bind_eqn
+from memsafe.graph.interpret import evaluate
 from memsafe.split.registry import Mapping
 
 _ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("replay", default=False)
@@ -105,18 +107,13 @@ def chunk_body(body: ClosedJaxpr, position: int, result: int, axis: int, size: i
     sums = {jaxpr.invars[position], *(jaxpr.eqns[i].outvars[0] for i in adds)}
 
     def run(start: jax.Array, *args: jax.Array) -> list[jax.Array]:
-        env: dict[Var, jax.Array] = dict(zip(jaxpr.constvars, body.consts))
-        env.update(zip(jaxpr.invars, args))
-        read = lambda a: env[a] if isinstance(a, Var) else a.val
-        for i, eqn in enumerate(jaxpr.eqns):
-            invals = [read(a) for a in eqn.invars]
-            if i in adds:
-                invals = [
-                    v if a in sums else lax.dynamic_slice_in_dim(v, start, size, axis)
-                    for a, v in zip(eqn.invars, invals)
-                ]
-            env.update(zip(eqn.outvars, bind_eqn(eqn, invals)))
-        return [read(a) for a in jaxpr.outvars]
+        def sliced(i: int, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
+            if i not in adds:
+                return None
+            chunk = lambda v: lax.dynamic_slice_in_dim(v, start, size, axis)
+            return bind_eqn(eqn, [v if a in sums else chunk(v) for a, v in zip(eqn.invars, invals)])
+
+        return evaluate(body, args, sliced)
 
     avals = [v.aval for v in jaxpr.invars]
     shape = list(avals[position].shape)
