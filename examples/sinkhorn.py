@@ -61,7 +61,9 @@ def reference(
         blocks = jnp.pad(a, ((0, pad), (0, 0))).reshape(-1, block, a.shape[1])
         return jax.lax.map(one, blocks).reshape(-1)[: a.shape[0]]
 
-    with jax.enable_x64():
+    # on the CPU even where a GPU is the default device: XLA's GPU compile of these float64
+    # reductions ran past 35 s on an H100 (jax 0.11.2), where the CPU's takes a second
+    with jax.enable_x64(), jax.default_device(jax.devices("cpu")[0]):
         x64, y64 = jnp.asarray(x, jnp.float64), jnp.asarray(y, jnp.float64)
         n, m = x64.shape[0], y64.shape[0]
         log_a, log_b = -jnp.log(n) * jnp.ones(n), -jnp.log(m) * jnp.ones(m)

@@ -24,6 +24,17 @@ def test_gpu_measuring_compiles_turn_autotuning_off(monkeypatch):
     }
 
 
+def test_every_gpu_compile_turns_the_fusion_autotuner_off(monkeypatch):
+    """XLA's fusion autotuner compiled one reduction fusion for minutes on an H100: memsafe's
+    programs compile without it on a GPU, unless the user's options turn it back on."""
+    monkeypatch.setattr(xla.jax, "default_backend", lambda: "gpu")
+    assert xla.merged_options() == {"xla_gpu_experimental_enable_fusion_autotuner": False}
+    back_on = {"xla_gpu_experimental_enable_fusion_autotuner": True}
+    assert xla.merged_options(back_on) == back_on
+    assert "xla_gpu_autotune_level" not in xla.merged_options()  # the program run stays tuned
+    assert not any(k.startswith("xla_gpu") for k in xla.compiler_options("cpu"))
+
+
 def test_cpu_measuring_options_are_memsafes_options():
     assert xla.measuring_options() == xla.merged_options()
     assert "xla_gpu_autotune_level" not in xla.measuring_options()

@@ -40,7 +40,20 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
     backend = backend or jax.default_backend()
     if backend == "cpu" and os.environ.get("MEMSAFE_KEEP_YNN") is None and _cpu_option_supported():
         return dict(CPU_COMPILER_OPTIONS)
+    if backend in GPU_BACKENDS:
+        return dict(GPU_COMPILER_OPTIONS)
     return {}
+
+
+GPU_BACKENDS = frozenset({"gpu", "cuda", "rocm"})
+
+#: XLA's fusion autotuner compares its own emitters with Triton's for each fusion while it
+#: compiles. On an H100 with jax 0.11.2 it compiled one reduction fusion (``input_reduce_fusion``)
+#: for minutes: past 140 s in a broadcast kNN's chunk program (256 x 1M x 64 differences), past
+#: 60 s in jax.jit of Sinkhorn at n = m = 20,000, where the same programs compile in under a second
+#: without it. memsafe compiles every program on a GPU without it (``compiler_options`` can turn
+#: it back on); the kernel autotuner, which picks each GEMM's algorithm, stays on.
+GPU_COMPILER_OPTIONS: dict[str, Any] = {"xla_gpu_experimental_enable_fusion_autotuner": False}
 
 
 #: On a GPU, XLA's autotuner runs candidate kernels of each GEMM and fusion on buffers the size of
@@ -83,7 +96,7 @@ def loop_options(user: Mapping[str, Any] | None, dtypes: Iterable[Any]) -> dict[
 def measuring_options(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """:func:`merged_options` for a compile whose program may exceed the limit: on a GPU with
     the autotuner off, so that compiling allocates nothing of the program's size."""
-    extra = GPU_MEASURE_OPTIONS if jax.default_backend() in ("gpu", "cuda", "rocm") else {}
+    extra = GPU_MEASURE_OPTIONS if jax.default_backend() in GPU_BACKENDS else {}
     return {**merged_options(user), **extra}
 
 
