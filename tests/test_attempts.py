@@ -5,6 +5,7 @@ until the passes act, and compile only programs that differ from the last one co
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 
 import memsafe
 from memsafe.passes import split as split_pass
+from memsafe.split import size
 from memsafe.xla import Footprint, memsafe_jit
 from tests.agree import assert_like_jit
 
@@ -64,20 +66,38 @@ def _fori_layers(ws, x):
     return jnp.sum(h**2)
 
 
-def test_smallest_chunks_that_fit_with_room_to_spare_are_grown():
-    """The size model expects no chunk to fit (its accumulators counted thrice), the compile
-    of the smallest chunks uses under half the room: a larger chunk scale is tried, and the
-    program that fits with the larger chunks is kept (measured: 4096 chunks of 1 row in 1.8 MiB
-    of 5 MiB room; then chunks of 94 in 4.4 MiB, 7.7x faster)."""
+def _fori_gradient() -> tuple[Any, tuple]:
     rng = np.random.default_rng(1)
     ws = (rng.standard_normal((6, 256, 256)) / 16).astype(np.float32)
     x = rng.standard_normal((4096, 256)).astype(np.float32)
-    grad = jax.grad(_fori_layers, argnums=(0, 1))
+    return jax.grad(_fori_layers, argnums=(0, 1)), (ws, x)
+
+
+def test_smallest_chunks_that_fit_with_room_to_spare_are_grown(monkeypatch):
+    """The size model expects no chunk to fit (its accumulators counted thrice); floored at the
+    sinks' smallest chunk, the compile uses under half the room: a larger chunk scale is tried,
+    and the program that fits with the larger chunks is kept (measured: 4096 chunks of 1 row in
+    1.8 MiB of 5 MiB room; then chunks of 94 in 4.4 MiB, 7.7x faster)."""
+    monkeypatch.setattr(size, "FLOOR_PART", 2**60)  # floored chunks: the sinks' smallest
+    grad, args = _fori_gradient()
     memsafe.cache.clear()
     f = memsafe.jit(grad, memory_limit="16MiB")
-    plan = f.plan(ws, x)
+    plan = f.plan(*args)
     (split,) = plan.splits
     assert plan.after.total <= 16 * 2**20 and split.chunk > 1, plan
     grown = [a for a in plan.attempts if a.note.startswith("grown")]
     assert grown and grown[-1].fits and grown[-1].chunk_scale > 1, plan.attempts
-    assert_like_jit(f(ws, x), grad, ws, x)
+    assert_like_jit(f(*args), grad, *args)
+
+
+def test_floored_chunks_take_a_part_of_the_budget():
+    """The same program as planned by default: its floored chunk takes up to a
+    ``FLOOR_PART``-th of the budget by itself (not one row), and the first attempt fits."""
+    grad, args = _fori_gradient()
+    memsafe.cache.clear()
+    f = memsafe.jit(grad, memory_limit="16MiB")
+    plan = f.plan(*args)
+    (split,) = plan.splits
+    assert split.floored and split.chunk > 1, plan
+    assert len(plan.attempts) == 1 and plan.attempts[0].fits, plan.attempts
+    assert_like_jit(f(*args), grad, *args)

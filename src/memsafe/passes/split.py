@@ -64,8 +64,17 @@ def _describe(graph: Graph, var: Var) -> str:
     return f"{what} ({eqn.primitive.name}{' at ' + where if where else ''})"
 
 
+def _floor(ctx: PassContext) -> int:
+    """The budget a floored chunk is sized from (:func:`smallest_chunk`): the budget, on a
+    first attempt or a grown one; once the driver shrinks the chunks, the budget scaled again
+    (the chunk scale squared), so that the last attempts reach the sinks' smallest chunks
+    before a refusal."""
+    return int(ctx.temp_budget * min(1.0, ctx.chunk_scale))
+
+
 def _floor_blocker(graph: Graph, var: Var, axis: int, chunk: ChunkPlan) -> Blocker:
-    """Why a split at the smallest chunk may still not fit (reported only if no attempt fits)."""
+    """Why a split at a floored chunk (:func:`smallest_chunk`) may still not fit (reported only
+    if no attempt fits: the last attempts floor at the sinks' smallest chunk)."""
     info = graph.info(var)
     return Blocker(
         value=_describe(graph, var),
@@ -73,8 +82,8 @@ def _floor_blocker(graph: Graph, var: Var, axis: int, chunk: ChunkPlan) -> Block
         dtype=str(info.dtype),
         bytes=info.bytes,
         operation="split",
-        reason=f"axis {axis}: even the smallest chunk ({chunk.chunk}) leaves too little room "
-        "for the rest of the program",
+        reason=f"axis {axis}: the size model expects no chunk to fit, and chunks of "
+        f"{chunk.chunk} left too little room for the rest of the program",
         inherent=True,
     )
 
@@ -112,15 +121,15 @@ def strategy(graph: Graph, region: Region) -> Split:
 
 
 def _option(
-    graph: Graph, var: Var, axis: int, budget: int, mesh: Any = None
+    graph: Graph, var: Var, axis: int, budget: int, mesh: Any = None, floor: int = 0
 ) -> tuple[Split, ChunkPlan]:
     """The split of ``var`` along ``axis`` (sharded over ``mesh``'s devices where given) and
-    its chunk; raises SplitFailure."""
+    its chunk (``floor``: see :func:`smallest_chunk`); raises SplitFailure."""
     region = grow(graph, var, axis, max(1, budget // SMALL), max(1, budget // 2))
     split = strategy(graph, region)
     if mesh is not None:
         split = mesh.shard(graph, split)
-    chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split)
+    chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split, floor)
     if chunk.loops * chunk.devices < 2:
         chunk = two_chunks(graph, split, chunk)
         if chunk is None:
@@ -129,23 +138,23 @@ def _option(
 
 
 def best_split(
-    graph: Graph, var: Var, budget: int, mesh: Any = None
+    graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """:func:`cheapest_split`; where no axis splits, the same with loops replayed per chunk of
     an accumulator (:mod:`memsafe.split.replay`: their work once per chunk), and the first
     failures where that finds none either."""
-    got = cheapest_split(graph, var, budget, mesh)
+    got = cheapest_split(graph, var, budget, mesh, floor)
     if not isinstance(got, list) or not any(
         e.primitive.name in replay.REPLAYABLE for e in graph.eqns
     ):
         return got
     with replay.replaying():
-        replayed = cheapest_split(graph, var, budget, mesh)
+        replayed = cheapest_split(graph, var, budget, mesh, floor)
     return got if isinstance(replayed, list) else replayed
 
 
 def cheapest_split(
-    graph: Graph, var: Var, budget: int, mesh: Any = None
+    graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
     before the fallbacks: the smallest chunks of axes where none does, two chunks of axes it
@@ -159,7 +168,7 @@ def cheapest_split(
         if n < 2:
             continue
         try:
-            options.append(_option(graph, var, axis, budget, mesh))
+            options.append(_option(graph, var, axis, budget, mesh, floor))
         except SplitFailure as failure:
             failures.append((axis, failure))
     if not options:
@@ -359,7 +368,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
         for var in candidates(graph, budget, ctx.memory_limit):
             if _key(graph, var) in failed:
                 continue
-            got = best_split(graph, var, budget, ctx.mesh)
+            got = best_split(graph, var, budget, ctx.mesh, _floor(ctx))
             if isinstance(got, tuple):
                 chosen = (var, *got, absorbed(graph, got[0].region, var, budget))
                 break
