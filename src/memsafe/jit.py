@@ -53,6 +53,11 @@ SHRINK_MARGIN = 0.9
 #: 1.8 MiB of 5 MiB room, 12x slower than jax.jit).
 GROW_BELOW = 0.5
 GROW_MAX = 8.0
+#: An attempt that fits after one over the limit, with its temporaries under REFILL_BELOW of the
+#: room, is tried once more at the scale interpolated between the two (retries at least halve
+#: the scale: the Sinkhorn gradient at 4096^2 under 32 MiB went from 32.1 MiB, 0.1 MiB over, to
+#: 16.5 MiB, and replayed its backward loop 50 times where 27 fit).
+REFILL_BELOW = 0.75
 
 #: Passes that rewrite expressions into cheaper equivalents whatever the limit. The gradient is
 #: taken of the program they produce (custom derivative rules kept), so the backward program
@@ -529,19 +534,38 @@ class _Search:
         compile_with = self._compiler(tried, "candidate options")
         return _with_trial(program, compile_with, tried.options, self.options, self.name)
 
-    def _grown(self, index: int, scale: float, fixed: int, tried: _Tried, plan: Plan) -> _Tried:
+    def _grown(
+        self,
+        index: int,
+        scale: float,
+        fixed: int,
+        tried: _Tried,
+        plan: Plan,
+        over: tuple[float, int] | None = None,
+    ) -> _Tried:
         """``tried`` (which fits), or an attempt at a larger chunk scale that fits too, where
-        ``tried`` split at the smallest chunks with most of the room unused (GROW_BELOW).
+        ``tried`` split at the smallest chunks with most of the room unused (GROW_BELOW), or
+        followed an attempt over the limit (``over``: its scale and temporaries) and left much
+        of the room unused (REFILL_BELOW); the larger attempt is kept only where its splits run
+        fewer loop iterations (at a larger scale the passes may choose other splits: a tiled
+        top_k's 7 iterations became 10 of a query split).
 
-        The first larger scale assumes the temporaries grow with the scale; where that attempt
-        is over the limit, a second one interpolates between the two footprints measured."""
+        The first larger scale assumes the temporaries grow with the scale, or interpolates
+        between ``tried`` and ``over``; where that attempt is over the limit, a second one
+        interpolates between the two footprints measured."""
         room = self.limit - fixed
-        used = tried.got.footprint.total - fixed
-        if not any(s.floored for s in tried.plan.splits) or used >= GROW_BELOW * room:
+        low = (scale, tried.got.footprint.total - fixed)
+        if any(s.floored for s in tried.plan.splits) and low[1] < GROW_BELOW * room:
+            up = scale * min(GROW_MAX, SHRINK_MARGIN * room / max(low[1], 1))
+            if over is not None:  # no further than the scale measured over the limit says
+                up = min(up, _between(low, over, SHRINK_MARGIN * room))
+            note, tries = "grown: the smallest chunks fit", 2
+        elif over is not None and low[1] < REFILL_BELOW * room:
+            up = _between(low, over, SHRINK_MARGIN * room)
+            note, tries = "grown: between the last two attempts", 1
+        else:
             return tried
-        low = (scale, used)
-        up = scale * min(GROW_MAX, SHRINK_MARGIN * room / max(used, 1))
-        for step in range(2):
+        for step in range(tries):
             if index + 1 + step >= MAX_ATTEMPTS:
                 break
             bigger = self.attempt(index + 1 + step, up, fixed, tried.plan.records)
@@ -549,12 +573,10 @@ class _Search:
                 break
             after = bigger.got.footprint
             fits = after.total <= self.limit
-            plan.attempts.append(Attempt(up, after, fits, "grown: the smallest chunks fit"))
-            if fits:
-                return bigger
-            high = (up, after.total - fixed)
-            target = SHRINK_MARGIN * room  # the temporaries, linear between the two scales
-            up = low[0] + (high[0] - low[0]) * (target - low[1]) / max(high[1] - low[1], 1)
+            plan.attempts.append(Attempt(up, after, fits, note))
+            if fits:  # kept where its loops run fewer iterations (it may split otherwise)
+                return bigger if _iterations(bigger) < _iterations(tried) else tried
+            up = _between(low, (up, after.total - fixed), SHRINK_MARGIN * room)
         return tried
 
     def run(self, plan: Plan, fixed: int, first: _Tried | None) -> Program:
@@ -577,7 +599,7 @@ class _Search:
         """The first attempt that fits (``first``, made already, or planned now), recorded in
         ``plan``; raises MemoryLimitError when none does, with the footprint and blockers of
         the attempt that came closest."""
-        scale, last, closest, previous = 1.0, None, None, None
+        scale, last, closest, previous, over = 1.0, None, None, None, None
         for index in range(MAX_ATTEMPTS):
             if index == 0 and first is not None:
                 last = first
@@ -592,7 +614,7 @@ class _Search:
             if closest is None or after.total < closest.got.footprint.total:
                 closest = last
             if fits:
-                last = self._grown(index, scale, fixed, last, plan)
+                last = self._grown(index, scale, fixed, last, plan, over)
                 got = self._tuned(last)
                 plan.records, plan.after = last.plan.records, got.footprint
                 program = Program(
@@ -602,11 +624,22 @@ class _Search:
             # even where nothing was split, a smaller budget may make the passes act: their
             # size model can count less than XLA keeps (the 4-block GPT gradient at L=2048:
             # 431 MiB modelled, 803 MiB compiled, nothing split under 497 MiB of budget)
-            previous = last.plan.records
+            previous, over = last.plan.records, (scale, after.total - fixed)
             scale = _next_scale(scale, index, after, self.limit, fixed)
         best = None if closest is None else closest.got.footprint
         blockers = [] if closest is None else closest.blockers
         raise _refusal(self.flat, self.name, self.limit, plan.before, best, blockers)
+
+
+def _iterations(tried: _Tried) -> int:
+    """Loop iterations an attempt's splits run, all together."""
+    return sum(r.loops for r in tried.plan.splits)
+
+
+def _between(low: tuple[float, int], high: tuple[float, int], target: float) -> float:
+    """The chunk scale whose temporaries reach ``target``, linear between two attempts'
+    (scale, temporaries)."""
+    return low[0] + (high[0] - low[0]) * (target - low[1]) / max(high[1] - low[1], 1)
 
 
 def _closeness(err: MemoryLimitError) -> float:
