@@ -185,7 +185,10 @@ def test_transformer_training_step_under_a_quarter_of_temps(written):
     loss, params, batch = TRANSFORMERS[written]()
     fun, args = jax.value_and_grad(loss), (params, *batch)
     plan = _fits(fun, args, _quarter_of_temps(fun, args))
-    assert any(s.axis == 0 and s.size == 4 for s in plan.splits)  # micro-batches
+    # the scores split by samples (micro-batches) or by heads, whichever the cost model finds
+    # cheaper: heads since a6350b7 (2 loops of 2 stages against 4 micro-batches; the plain-JAX
+    # step 1.50 s against 1.66 s micro-batched)
+    assert any(s.axis in (0, 1) and s.size == 4 for s in plan.splits), plan
 
 
 @pytest.mark.slow
