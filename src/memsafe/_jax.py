@@ -40,6 +40,8 @@ CALL_PRIMITIVES = frozenset(
     {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_vmap_call"}
 )
 CUSTOM_DIFF_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+#: Call primitives that checkpoint their body (``jax.checkpoint``, ``jax.remat``).
+REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
 
 
 def inner_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
@@ -57,15 +59,20 @@ def inner_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
     return None
 
 
+def checkpointed_like(eqn: JaxprEqn, run: Callable[..., Any]) -> Callable[..., Any]:
+    """``run`` under ``jax.checkpoint`` with ``eqn``'s policy where the call ``eqn`` is a remat
+    (chunk bodies are, so that differentiating them stores nothing per chunk), else as it is."""
+    if eqn.primitive.name not in REMAT_PRIMITIVES:
+        return run
+    p = eqn.params
+    return jax.checkpoint(run, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))
+
+
 def call_again(eqn: JaxprEqn, invals: Sequence[Any], run: Callable[..., Any]) -> list[Any]:
-    """``run`` (a function of the operands) called where the call-like ``eqn`` was: under
-    ``jax.checkpoint`` with the same policy where ``eqn`` is a remat (chunk bodies are, so
-    that differentiating them stores nothing per chunk), else inlined."""
-    if eqn.primitive.name in ("remat2", "checkpoint"):
-        p = eqn.params
-        run = jax.checkpoint(run, prevent_cse=p.get("prevent_cse", True), policy=p.get("policy"))
+    """``run`` (a function of the operands) called where the call-like ``eqn`` was,
+    checkpointed like it (:func:`checkpointed_like`)."""
     with eqn_context(eqn):
-        return list(run(*invals))
+        return list(checkpointed_like(eqn, run)(*invals))
 
 
 def _bind_params(eqn: JaxprEqn) -> tuple[Sequence[Any], dict[str, Any]]:

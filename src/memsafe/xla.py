@@ -35,6 +35,10 @@ def _cpu_option_supported() -> bool:
         return False
 
 
+#: Names JAX gives a GPU backend.
+GPU_BACKENDS = frozenset({"gpu", "cuda", "rocm"})
+
+
 def compiler_options(backend: str | None = None) -> dict[str, str]:
     """Per-jit options memsafe compiles with on ``backend`` (default: JAX's default backend)."""
     backend = backend or jax.default_backend()
@@ -44,8 +48,6 @@ def compiler_options(backend: str | None = None) -> dict[str, str]:
         return dict(GPU_COMPILER_OPTIONS)
     return {}
 
-
-GPU_BACKENDS = frozenset({"gpu", "cuda", "rocm"})
 
 #: XLA's fusion autotuner compares its own emitters with Triton's for each fusion while it
 #: compiles. On an H100 with jax 0.11.2 it compiled one reduction fusion (``input_reduce_fusion``)

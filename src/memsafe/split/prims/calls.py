@@ -13,17 +13,16 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, jaxpr_as_fun
+from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, checkpointed_like, jaxpr_as_fun
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import Mapping, NoRule, Side, split_rule
 
-#: Call primitives whose body is the parameter ``jaxpr``, and whether the call checkpoints it.
-CALLS = {"remat2": True, "checkpoint": True, "pjit": False, "jit": False, "closed_call": False}
+#: Call primitives whose body is the parameter ``jaxpr``.
+CALLS = ("remat2", "checkpoint", "pjit", "jit", "closed_call")
 
 
 @functools.lru_cache(maxsize=64)
@@ -86,11 +85,7 @@ def _rebind_call(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     where the call was a checkpoint."""
     side = _side(m)
     axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    fun = _chunk_fun(_axes(_body(eqn), side, axis), n)
-    if CALLS[eqn.primitive.name]:
-        fun = jax.checkpoint(
-            fun, prevent_cse=eqn.params.get("prevent_cse", True), policy=eqn.params.get("policy")
-        )
+    fun = checkpointed_like(eqn, _chunk_fun(_axes(_body(eqn), side, axis), n))
     return list(fun(jnp.asarray(start, jnp.int32), *invals))
 
 
