@@ -33,7 +33,7 @@ from memsafe.passes import recompute as recompute_pass
 from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
-from memsafe.split import online, recompute, replay
+from memsafe.split import halo, online, recompute, replay
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import NoRule, axis_map
@@ -114,6 +114,8 @@ def strategy(graph: Graph, region: Region) -> Split:
     """How ``region`` runs: staged max-shifted exp-sums as one online loop where that applies,
     else one loop per stage (computing the values its later loops recompute and compare the
     same way in every loop, :mod:`memsafe.split.recompute`)."""
+    if region.extend:  # extended chunks run as plain staged loops (memsafe.split.halo)
+        return StagedSplit(region, same=recompute.decides_on_recomputed(graph, region))
     try:
         return online.plan(graph, region)
     except online.NotOnline:
@@ -124,8 +126,9 @@ def _option(
     graph: Graph, var: Var, axis: int, budget: int, mesh: Any = None, floor: int = 0
 ) -> tuple[Split, ChunkPlan]:
     """The split of ``var`` along ``axis`` (sharded over ``mesh``'s devices where given) and
-    its chunk (``floor``: see :func:`smallest_chunk`); raises SplitFailure."""
-    region = grow(graph, var, axis, max(1, budget // SMALL), max(1, budget // 2))
+    its chunk (``floor``: see :func:`smallest_chunk`); raises SplitFailure. Where the program
+    has windowed operations, the region on extended chunks comes first (:func:`_region`)."""
+    region = _region(graph, var, axis, budget, windowed=mesh is None)
     split = strategy(graph, region)
     if mesh is not None:
         split = mesh.shard(graph, split)
@@ -135,6 +138,23 @@ def _option(
         if chunk is None:
             raise SplitFailure("the axis is too short to split", inherent=True)
     return split, chunk
+
+
+def _region(graph: Graph, var: Var, axis: int, budget: int, windowed: bool) -> Region:
+    """The region splitting ``var`` along ``axis``. Where ``windowed`` and the program has
+    windowed operations (convolutions), first the region on extended chunks
+    (:mod:`memsafe.split.halo`), which runs several of them in a row in one loop; the plain
+    region where that fails or needs no extension."""
+    small, large = max(1, budget // SMALL), max(1, budget // 2)
+    if windowed and any(e.primitive.name in halo.WINDOWED for e in graph.eqns):
+        with halo.extending():
+            try:
+                region = grow(graph, var, axis, small, large)
+            except SplitFailure:
+                region = None
+        if region is not None and region.extend:
+            return region
+    return grow(graph, var, axis, small, large)
 
 
 def best_split(

@@ -121,13 +121,14 @@ def _loop_group(
     (a lone ``top_k`` along the axis: in tiles, memsafe.split.selection). With ``same``, the
     values are computed as in every other loop of the region (no peephole moves, no tiles)."""
     sharded = isinstance(runner, chunk_loop.DevicesRunner)
-    tiled = (runner is chunk_loop.run or sharded) and not same
+    tiled = (runner is chunk_loop.run or sharded) and not same and not region.extend
     devices = runner.devices if sharded else 1
     fused = selection.plan(graph, region, loop, chunk, devices) if tiled else None
     if fused is not None:
         return loop.group(dead, functools.partial(fused.run, runner=runner))
     eqns = graph.eqns
-    peep = peephole.plan(graph, region, () if same else loop.eqns, chunk)  # () plans none
+    moved = () if same or region.extend else loop.eqns  # () plans none
+    peep = peephole.plan(graph, region, moved, chunk)
     kept = {i: run for i in loop.eqns if (run := region.running(graph, i)) is not None}
     running = tuple(kept)
     reverse = any(run.reverse(eqns[i]) for i, run in kept.items())
@@ -155,7 +156,7 @@ def _loop_group(
                 env.bind(i)
             elif i in loop.sinks:
                 parts.append(env.partial(i))
-        return (parts, [env.carries[i] for i in running]), [env.local[v] for v in loop.surviving]
+        return (parts, [env.carries[i] for i in running]), [env.written(v) for v in loop.surviving]
 
     axes = chunk_loop.operand_axes(region.axis_of, loop.sliced, loop.whole)
 

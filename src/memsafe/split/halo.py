@@ -9,15 +9,37 @@ the padded positions ``[a * stride, (n - 1) * stride + (size - 1) * window_dilat
 stride)``: neighbouring chunks' windows overlap (the halo). :meth:`Window.read` takes that range
 of the whole operand by index arithmetic, the padding and dilation filled in, so the operation run
 on it without padding or base dilation along the axis gives exactly the chunk's outputs.
+
+That reads the operand whole: one layer at a time. Several windowed layers in a row (a stack of
+3x3 convolutions over one large image) run in one region on *extended chunks* instead: while
+:func:`extending` is on, a windowed operation whose result is as long as its operand along the
+axis (stride 1, "SAME"-like padding) maps the axis through (a
+:class:`~memsafe.split.registry.Halo`), and every region value is computed over ``[start - E,
+start + n + E)`` for the chunk ``[start, start + n)``. Each windowed operation fills the positions
+of its operand outside the axis (``[0, size)``) with its padding value and runs unchanged, so
+its outputs are exact except within its window's reach of the chunk's ends; positional
+operations (elementwise, broadcasts, contractions of other axes) keep each position to itself.
+With ``E`` the most reach any chain of windows adds up to (:func:`extension`), the centre
+``[start, start + n)`` is exact: sinks and written values take only the centre.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
+
+from memsafe._jax import JaxprEqn, Var, is_var
+
+_EXTENDING: contextvars.ContextVar[bool] = contextvars.ContextVar("halo", default=False)
+
+#: Primitives whose split rules map a windowed axis through as a Halo while extending.
+WINDOWED = ("conv_general_dilated",)
 
 
 @dataclass(frozen=True)
@@ -66,3 +88,69 @@ def take(x: Any, axis: int, index: Any, valid: Any, fill: Any) -> Any:
     got = jnp.take(x, jnp.clip(index, 0, x.shape[axis] - 1), axis=axis)
     keep = lax.broadcast_in_dim(valid, got.shape, (axis,))
     return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
+
+
+@contextlib.contextmanager
+def extending() -> Iterator[None]:
+    """Within this context, windowed operations map the axis through on extended chunks."""
+    token = _EXTENDING.set(True)
+    try:
+        yield
+    finally:
+        _EXTENDING.reset(token)
+
+
+def enabled() -> bool:
+    """Whether regions grow on extended chunks (inside :func:`extending`)."""
+    return _EXTENDING.get()
+
+
+def extension(eqns: Sequence[JaxprEqn], maps: Mapping[int, Any], surviving: Sequence[Var]) -> int:
+    """``E``: how far each chunk must extend on both sides for its centre to be exact.
+
+    Walks the region's equations (``maps``: index -> Mapping or Sink) in program order, tracking
+    how many positions at each end of an extended chunk of every value may be wrong: a
+    :class:`~memsafe.split.registry.Halo` adds its reach to its operand's, other mappings keep
+    the largest of their operands'. Sinks (plus the reach of a sink that reads a window of an
+    operand, ``Reducer.halo_reach``) and written values need their operands exact at the
+    centre."""
+    wrong: dict[Var, int] = {}
+    need = 0
+    for i in sorted(maps):
+        eqn, m = eqns[i], maps[i]
+        split = [(k, a) for k, (a, ax) in enumerate(zip(eqn.invars, m.ins)) if ax is not None]
+        into = [wrong.get(a, 0) for _, a in split if is_var(a)]
+        if not hasattr(m, "outs"):  # a sink
+            reach = m.reducer.halo_reach(eqn, m.ins)
+            need = max(need, *(wrong.get(a, 0) + reach.get(k, 0) for k, a in split if is_var(a)))
+            continue
+        own = max(getattr(m, "lo", 0), getattr(m, "hi", 0))
+        for o, ax in zip(eqn.outvars, m.outs):
+            if ax is not None:
+                wrong[o] = max(into, default=0) + own
+    return max([need, *(wrong.get(v, 0) for v in surviving)])
+
+
+def positions(start: Any, n: int) -> Any:
+    """Global positions ``[start, start + n)`` along the axis (int32)."""
+    return lax.convert_element_type(start, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+
+
+def read_extended(x: Any, axis: int, start: Any, n: int) -> Any:
+    """Positions ``[start, start + n)`` of ``x`` along ``axis``; those outside ``x`` repeat its
+    nearest end (no windowed operation reads them: each fills them, :func:`fill_outside`)."""
+    index = jnp.clip(positions(start, n), 0, x.shape[axis] - 1)
+    return jnp.take(x, index, axis=axis)
+
+
+def fill_outside(x: Any, axis: int, start: Any, size: int, fill: Any) -> Any:
+    """``x``, an extended chunk starting at global position ``start``, with ``fill`` at the
+    positions outside ``[0, size)``."""
+    q = positions(start, x.shape[axis])
+    keep = lax.broadcast_in_dim((q >= 0) & (q < size), x.shape, (axis,))
+    return lax.select(keep, x, jnp.broadcast_to(jnp.asarray(fill, x.dtype), x.shape))
+
+
+def centre(x: Any, axis: int, extend: int, n: int) -> Any:
+    """The chunk's own ``n`` positions of an extended chunk (``extend`` on each side)."""
+    return lax.slice_in_dim(x, extend, extend + n, axis=axis)

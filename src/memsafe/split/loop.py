@@ -28,7 +28,7 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, Literal, Var
 from memsafe.graph import Graph
-from memsafe.split import peephole
+from memsafe.split import halo, peephole
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, Running
 from memsafe.split.sinks import Partial, Sink
@@ -390,6 +390,9 @@ class ChunkEnv:
     whole: dict[Any, Any]
     carried: dict[int, Any] | None = None  # scans' last values from the chunks before
     carries: dict[int, Any] = field(default_factory=dict)  # this chunk's last values
+    #: Positions the chunk extends by on each side (``region.extend``): ``start`` and ``n``
+    #: are the extended chunk's, sinks and written values take its centre.
+    extend: int = 0
 
     @classmethod
     def slice_in(
@@ -403,12 +406,26 @@ class ChunkEnv:
         whole: dict[Any, Any],
         carried: dict[int, Any] | None = None,
     ) -> ChunkEnv:
-        """A body's environment with chunk ``[start, start + n)`` of each sliced input."""
+        """A body's environment with chunk ``[start, start + n)`` of each sliced input, extended
+        by ``region.extend`` on each side (:mod:`memsafe.split.halo`)."""
+        e = region.extend
+        if e:
+            start, n = start - e, n + 2 * e
         local = {}
         for v, val in sliced:
             ax = region.axis_of[v]
-            local[v] = lax.dynamic_slice_in_dim(val, local_start(start, val.shape[ax]), n, ax)
-        return cls(graph, region, peep, start, n, local, whole, carried)
+            if e:
+                local[v] = halo.read_extended(val, ax, start, n)
+            else:
+                local[v] = lax.dynamic_slice_in_dim(val, local_start(start, val.shape[ax]), n, ax)
+        return cls(graph, region, peep, start, n, local, whole, carried, extend=e)
+
+    def written(self, v: Var) -> Any:
+        """The chunk's own positions of region value ``v`` (its centre, on extended chunks)."""
+        value = self.local[v]
+        if not self.extend:
+            return value
+        return halo.centre(value, self.region.axis_of[v], self.extend, self.n - 2 * self.extend)
 
     def read(self, atom: Any, ax: int | None) -> Any:
         if isinstance(atom, Literal):
@@ -426,11 +443,13 @@ class ChunkEnv:
 
     def partial(self, i: int) -> Partial:
         """The partial result of sink ``i`` on this chunk."""
-        sink = self.region.maps[i]
+        sink, e = self.region.maps[i], self.extend
         assert isinstance(sink, Sink)
-        return sink.reducer.partial(
-            self.graph.eqns[i], self.invals(i), sink.axis, self.start, self.n
-        )
+        eqn = self.graph.eqns[i]
+        if e:
+            start, n = self.start + e, self.n - 2 * e
+            return sink.reducer.extended_partial(eqn, self.invals(i), sink.ins, start, n, e)
+        return sink.reducer.partial(eqn, self.invals(i), sink.axis, self.start, self.n)
 
     def bind(self, i: int) -> None:
         """Evaluate mapped equation ``i`` at chunk shape into ``local``; a scan along the axis

@@ -22,7 +22,8 @@ from typing import Any
 from memsafe._jax import JaxprEqn, Var, is_var, source_line
 from memsafe.graph import Graph
 from memsafe.primitives import CHEAP
-from memsafe.split.registry import Mapping, NoRule, Running, axis_map, running_along
+from memsafe.split import halo
+from memsafe.split.registry import Mapping, NoRule, Running, axis_map, positional, running_along
 from memsafe.split.sinks import Sink
 
 #: Most equations :func:`grow` leaves out of a region for reading a large value whole.
@@ -72,6 +73,8 @@ class Region:
     whole: frozenset[Var]  # outside values used whole
     surviving: tuple[Var, ...]  # region values needed outside: written chunk by chunk
     stage: dict[int, int]  # region equation index -> the loop (stage) that evaluates it
+    #: Positions each chunk extends by on both sides (:mod:`memsafe.split.halo`; 0: none).
+    extend: int = 0
 
     @property
     def eqns(self) -> list[int]:
@@ -188,6 +191,8 @@ class _Growth:
             if self.maps[index] != m:
                 raise SplitFailure("the axis reaches this operation in two ways", eqn)
             return
+        if halo.enabled() and isinstance(m, Mapping) and not positional(eqn, m):
+            raise NoRule(f"{eqn.primitive.name} does not run on extended chunks (halos)")
         self._check_direction(eqn, m)
         self.maps[index] = m
         for atom, ax in zip(eqn.invars, m.ins):
@@ -311,9 +316,10 @@ def _grow(
     surviving = _surviving(g, produced, large)
     _check_saves(g, seed, produced, surviving)
     stage = _assign_stages(graph, g.maps, frozenset(produced))
+    extend = halo.extension(graph.eqns, g.maps, surviving) if halo.enabled() else 0
     return Region(
         seed, axis, g.size, g.maps, g.axis_of, frozenset(produced), frozenset(sliced),
-        frozenset(whole), tuple(surviving), stage,
+        frozenset(whole), tuple(surviving), stage, extend,
     )  # fmt: skip
 
 

@@ -36,6 +36,17 @@ class Mapping:
     outs: tuple[Axis, ...]
 
 
+@dataclass(frozen=True)
+class Halo(Mapping):
+    """A windowed equation run on an extended chunk (:mod:`memsafe.split.halo`): output position
+    ``o`` reads operand positions ``o - lo`` to ``o + hi`` along the split axis, at the same
+    length, so a chunk's outputs are exact ``lo`` and ``hi`` positions in from where its operand
+    is."""
+
+    lo: int = 0
+    hi: int = 0
+
+
 class NoRule(Exception):
     """The split axis cannot pass through this equation (the message says why).
 
@@ -159,12 +170,17 @@ class SplitRule:
             or sums over it into results that exist after the loop (the first that applies).
         piece_rebind: the equation on one piece of a concatenation (the distribute pass), where
             ``rebind`` uses a device meant for chunk loops (None: ``rebind``).
+        positional: whether, where the axis passes (a :class:`Mapping`, no running carry),
+            result position ``o`` along it is computed from operand position ``o`` alone and
+            from values read whole, whatever the chunk's start: such equations run unchanged
+            on an extended chunk (:mod:`memsafe.split.halo`).
     """
 
     axis_map: AxisMap
     rebind: Rebind = bind_unchanged
     running: tuple[Running, ...] = ()
     piece_rebind: Rebind | None = None
+    positional: bool | Callable[[JaxprEqn, Mapping], bool] = False
 
 
 #: Split rules by primitive name.
@@ -176,15 +192,18 @@ def split_rule(
     rebind: Rebind = bind_unchanged,
     running: Running | tuple[Running, ...] = (),
     piece_rebind: Rebind | None = None,
+    positional: bool | Callable[[JaxprEqn, Mapping], bool] | None = None,
 ) -> Callable[[AxisMap], AxisMap]:
     """Register the decorated axis map, with ``rebind`` (``running`` for scans, ``piece_rebind``
-    where pieces bind otherwise than chunks), as the split rule of ``names``."""
+    where pieces bind otherwise than chunks), as the split rule of ``names``. ``positional``
+    (see :class:`SplitRule`) defaults to whether the equation is re-bound unchanged."""
 
     runs = running if isinstance(running, tuple) else (running,)
+    plain = rebind is bind_unchanged if positional is None else positional
 
     def deco(axis_map: AxisMap) -> AxisMap:
         for n in names:
-            SPLIT_RULES[n] = SplitRule(axis_map, rebind, runs, piece_rebind)
+            SPLIT_RULES[n] = SplitRule(axis_map, rebind, runs, piece_rebind, plain)
         return axis_map
 
     return deco
@@ -203,6 +222,17 @@ def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
     results after the loop), else None."""
     runs = SPLIT_RULES[eqn.primitive.name].running
     return next((run for run in runs if run.applies(eqn, mapping)), None)
+
+
+def positional(eqn: JaxprEqn, mapping: Mapping) -> bool:
+    """Whether ``eqn``, mapped as ``mapping``, runs unchanged on an extended chunk: a windowed
+    equation's :class:`Halo`, or a positional rule's (:class:`SplitRule`) that carries nothing
+    from chunk to chunk."""
+    if isinstance(mapping, Halo):
+        return True
+    rule = SPLIT_RULES[eqn.primitive.name]
+    plain = rule.positional(eqn, mapping) if callable(rule.positional) else rule.positional
+    return plain and running_along(eqn, mapping) is None
 
 
 def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:

@@ -23,7 +23,7 @@ import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
-from memsafe.split import topk
+from memsafe.split import halo, topk
 from memsafe.split.indices import chunk_local_indices
 
 #: The running result of a sink: a tuple of arrays.
@@ -53,6 +53,28 @@ class Reducer:
     ) -> Partial:
         """The sink's result on one chunk of ``size`` starting at ``start`` along ``axis``."""
         return tuple(bind_eqn(eqn, invals))
+
+    def extended_partial(
+        self,
+        eqn: JaxprEqn,
+        invals: list[Any],
+        ins: tuple[Axis, ...],
+        start: Any,
+        size: int,
+        extend: int,
+    ) -> Partial:
+        """The result on chunk ``[start, start + size)`` from operands split along ``ins`` that
+        hold an extended chunk (``extend`` more positions on each side, :mod:`memsafe.split.halo`):
+        :meth:`partial` of their centres."""
+        invals = [
+            v if ax is None else halo.centre(v, ax, extend, size) for v, ax in zip(invals, ins)
+        ]
+        return self.partial(eqn, invals, next(a for a in ins if a is not None), start, size)
+
+    def halo_reach(self, eqn: JaxprEqn, ins: tuple[Axis, ...]) -> dict[int, int]:
+        """Positions beyond the centre of an extended chunk that :meth:`extended_partial` reads,
+        by operand position (none: it reads the centres)."""
+        return {}
 
     def piece_partial(
         self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int

@@ -23,7 +23,7 @@ def _rebind_broadcast(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, 
     return bind_eqn_with(eqn, invals, shape=with_size(eqn.params["shape"], m.outs[0], size))
 
 
-@split_rule("broadcast_in_dim", rebind=_rebind_broadcast)
+@split_rule("broadcast_in_dim", rebind=_rebind_broadcast, positional=True)
 def _broadcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     if len(eqn.invars) != 1:
         raise NoRule("broadcast_in_dim with dynamic shapes")
@@ -42,7 +42,7 @@ def _rebind_reshape(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, si
     return bind_eqn_with(eqn, invals, new_sizes=with_size(eqn.params["new_sizes"], m.outs[0], size))
 
 
-@split_rule("reshape", rebind=_rebind_reshape)
+@split_rule("reshape", rebind=_rebind_reshape, positional=True)
 def _reshape(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1:
         raise NoRule("reshape with a dimension permutation or dynamic shape")
@@ -95,7 +95,7 @@ def _rebind_iota(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size:
     return [out]
 
 
-@split_rule("iota", rebind=_rebind_iota)
+@split_rule("iota", rebind=_rebind_iota, positional=True)
 def _iota(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return Mapping(ins=tuple(None for _ in eqn.invars), outs=(axis,))
 
