@@ -1,0 +1,170 @@
+"""Halos across layers: stride-1 convolutions in a row run in one region on extended chunks
+(memsafe.split.halo), forward and gradient, against jax.jit, with NaN and infinities."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import Phase, given, settings
+from hypothesis import strategies as st
+from jax import lax
+
+import memsafe
+from memsafe.graph import Graph, inline_calls
+from memsafe.passes.split import strategy
+from memsafe.split import halo
+from memsafe.split.emit import emit
+from memsafe.split.region import SplitFailure, grow
+from memsafe.xla import memsafe_jit
+from tests.budget import examples
+from tests.fuzz.accuracy import check
+from tests.test_conv import _a_third, _arrays, _float64, _under_limit
+
+LAYOUTS = {"nhwc": ("NHWC", "HWIO", "NHWC"), "nchw": ("NCHW", "OIHW", "NCHW")}
+ACTIVATIONS = {"relu": jax.nn.relu, "tanh": jnp.tanh, "silu": jax.nn.silu, "none": lambda h: h}
+
+
+def _layer(kernel, dilation, lo, stride, layout):
+    """A convolution along both spatial axes with ``lo`` padding before and the rest of the
+    window's reach after (stride 1: as long as its input)."""
+    reach = (kernel - 1) * dilation
+    pad = ((lo, reach - lo),) * 2 if stride == 1 else "VALID"
+    return lambda h, w: lax.conv_general_dilated(
+        h, w, (stride, stride), pad, rhs_dilation=(dilation,) * 2, dimension_numbers=layout
+    )
+
+
+@st.composite
+def _stacks(draw):
+    """A random stack of convolutions (kernel 1-4, dilation 1-2, any split of the padding, a
+    strided one now and then after the first), activations and residual adds over one image."""
+    layout = draw(st.sampled_from(sorted(LAYOUTS)))
+    depth = draw(st.integers(1, 4))
+    channels = draw(st.integers(1, 3))
+    layers = []
+    for k in range(depth):
+        kernel, dilation = draw(st.integers(1, 4)), draw(st.integers(1, 2))
+        lo = draw(st.integers(0, (kernel - 1) * dilation))
+        stride = draw(st.sampled_from([1, 1, 1, 2])) if k else 1  # the split's seed: stride 1
+        act = draw(st.sampled_from(sorted(ACTIVATIONS)))
+        layers.append((kernel, dilation, lo, stride, act, draw(st.booleans())))
+    size = draw(st.integers(6, 20))
+    bad = draw(st.sampled_from([None, np.nan, np.inf]))
+    return layout, channels, layers, size, bad
+
+
+def _program(layout, layers):
+    """The stack as a function of (kernels, image), and the kernels' shapes."""
+    dn = LAYOUTS[layout]
+
+    def fun(ws, x):
+        h = x
+        for w, (kernel, dilation, lo, stride, act, residual) in zip(ws, layers):
+            out = ACTIVATIONS[act](_layer(kernel, dilation, lo, stride, dn)(h, w))
+            h = out + h if residual and out.shape == h.shape else out
+        return h
+
+    return fun
+
+
+def _inputs(layout, channels, layers, size, bad, seed):
+    shape = (1, size, size, channels) if layout == "nhwc" else (1, channels, size, size)
+    (x,) = _arrays(shape, seed=seed)
+    if bad is not None:
+        x = x.at[(0, size // 2, 1, 0) if layout == "nhwc" else (0, 0, size // 2, 1)].set(bad)
+    kshape = (lambda k: (k, k, channels, channels)) if layout == "nhwc" else None
+    kshape = kshape or (lambda k: (channels, channels, k, k))
+    ws = _arrays(*(kshape(layer[0]) for layer in layers), seed=seed + 1)
+    return [0.5 * w for w in ws], x
+
+
+def _float64_of(fun):
+    return lambda *args: _float64(fun, *args)
+
+
+def _split_extended(fun, args, axis, chunk):
+    """``fun`` with the result of its first convolution split along ``axis`` on extended
+    chunks of ``chunk``, evaluated (its results' leaves); and the region."""
+    closed = inline_calls(jax.make_jaxpr(fun)(*args))
+    leaves = jax.tree.leaves(args)
+    graph = Graph(closed)
+    seed = next(e.outvars[0] for e in graph.eqns if e.primitive.name == "conv_general_dilated")
+    with halo.extending():
+        region = grow(graph, seed, axis, 1, 10**9)
+    new = emit(closed, graph, strategy(graph, region), chunk)
+    got = memsafe_jit(lambda *a: jax.core.eval_jaxpr(new.jaxpr, new.consts, *a))(*leaves)
+    return got, region
+
+
+@settings(
+    max_examples=examples(40), phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
+)
+@given(_stacks(), st.integers(1, 8), st.sampled_from(["rows", "loss", "grad"]), st.integers(0, 9))
+def test_random_conv_stacks_on_extended_chunks(stack, chunk, output, seed):
+    """Any stack, any chunk; its value summed over channels (written chunk by chunk), a loss
+    over it or its gradient: jax.jit's answers."""
+    layout, channels, layers, size, bad = stack
+    forward = _program(layout, layers)
+    fun = {
+        "rows": lambda ws, x: jnp.sum(forward(ws, x), 3 if layout == "nhwc" else 1),
+        "loss": lambda ws, x: jnp.sum(forward(ws, x) ** 2),
+        "grad": jax.grad(lambda ws, x: jnp.sum(jnp.sin(forward(ws, x))), argnums=(0, 1)),
+    }[output]
+    args = _inputs(layout, channels, layers, size, bad, seed)
+    axis = 1 if layout == "nhwc" else 2
+    try:
+        got, region = _split_extended(fun, args, axis, min(chunk, size - 1))
+    except SplitFailure:  # a strided layer reads the layer before it whole
+        assert any(layer[3] > 1 for layer in layers)
+        return
+    want, wide = (jax.tree.leaves(f(*args)) for f in (memsafe_jit(fun), _float64_of(fun)))
+    assert check(got, want, wide) == []
+    reach = (layers[0][0] - 1) * layers[0][1]
+    if layers[0][3] == 1 and reach:  # the first layer has a window along the axis
+        assert region.extend >= max(layers[0][2], reach - layers[0][2])
+
+
+def test_extension_adds_the_reaches_along_the_longest_chain():
+    """Three 3x3 layers and a 5x5 one (reach 2): the loss needs 5 positions on each side. Its
+    gradient runs the cotangent back through the input gradients of layers 4, 3 and 2 (the
+    first layer's is not needed): 4 more. Each kernel gradient reads a window of its layer's
+    input, which needs less."""
+    layers = [(3, 1, 1, 1, "relu", False)] * 3 + [(5, 1, 2, 1, "relu", False)]
+    forward = _program("nhwc", layers)
+    args = _inputs("nhwc", 2, layers, 16, None, 0)
+    loss = lambda ws, x: jnp.sum(forward(ws, x) ** 2)
+    assert _split_extended(loss, args, 1, 4)[1].extend == 5
+    assert _split_extended(jax.grad(loss), args, 1, 4)[1].extend == 9
+
+
+def _deep_convs(ws, x):
+    h = x
+    for w in ws:
+        h = jax.nn.relu(
+            lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=LAYOUTS["nhwc"])
+        )
+    return jnp.sum(h**2)
+
+
+def _deep_inputs():
+    x, *ws = _arrays((1, 96, 96, 8), *[(3, 3, 8, 8)] * 4, seed=3)
+    return [0.3 * w for w in ws], x
+
+
+def test_four_conv_layers_on_one_image_fit_a_third():
+    """Batch 1: the gradient of four 3x3 conv+ReLU layers runs in one loop over rows, the
+    kernel gradients summed over chunks of extended rows; jax.jit's answers."""
+    fun, args = jax.grad(_deep_convs), _deep_inputs()
+    plan = _under_limit(fun, args, _a_third)
+    assert [s.axis for s in plan.splits] in ([1], [2])
+    assert "conv taps (halo)" in plan.splits[0].sinks
+
+
+def test_without_halos_the_four_layers_are_refused(monkeypatch):
+    """The same limit without extended chunks: each layer reads the one before whole."""
+    monkeypatch.setattr(halo, "WINDOWED", ())
+    fun, args = jax.grad(_deep_convs), _deep_inputs()
+    with pytest.raises(memsafe.MemoryLimitError):
+        memsafe.jit(fun, memory_limit=_a_third(fun, args)).plan(*args)
