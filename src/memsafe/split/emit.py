@@ -141,7 +141,7 @@ def _loop_group(
         tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse, finals,
         tuple((eqns[i], run) for i, run in kept.items()),
     )  # fmt: skip
-    written = Written.of(loop.surviving, region.axis_of)
+    written = Written.of(loop.surviving, region.axis_of, region.scale_of)
     n_sliced = len(loop.sliced)
 
     def body(start: Any, n: int, ops: list[Any], fed: Any) -> tuple[list, list]:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,7 @@ from memsafe._jax import JaxprEqn, Var, is_var
 _EXTENDING: contextvars.ContextVar[bool] = contextvars.ContextVar("halo", default=False)
 
 #: Primitives whose split rules map a windowed axis through as a Halo while extending.
-WINDOWED = ("conv_general_dilated",)
+WINDOWED = ("conv_general_dilated", "reduce_window_max", "reduce_window_sum", "reduce_window")
 
 
 @dataclass(frozen=True)
@@ -105,16 +106,42 @@ def enabled() -> bool:
     return _EXTENDING.get()
 
 
-def extension(eqns: Sequence[JaxprEqn], maps: Mapping[int, Any], surviving: Sequence[Var]) -> int:
-    """``E``: how far each chunk must extend on both sides for its centre to be exact.
+def lengths_agree(eqn: JaxprEqn, m: Any) -> bool:
+    """Whether the operands and results a mapping splits have lengths along the axis it can run
+    chunk for chunk (``Mapping.lengths_agree``)."""
+    ins = [a.aval.shape[ax] if ax is not None else None for a, ax in zip(eqn.invars, m.ins)]
+    outs = [o.aval.shape[ax] if ax is not None else None for o, ax in zip(eqn.outvars, m.outs)]
+    return m.lengths_agree(ins, outs)
+
+
+def scales(lengths: Mapping[Var, int]) -> tuple[int, dict[Var, int]]:
+    """(the region's axis length, each longer value's multiple of it) from every region value's
+    length along the axis (a pooling halves it): the axis runs over their greatest common
+    divisor, so that a chunk of it is whole positions of every value."""
+    size = math.gcd(*lengths.values())
+    return size, {v: n // size for v, n in lengths.items() if n != size}
+
+
+def extension(
+    eqns: Sequence[JaxprEqn],
+    maps: Mapping[int, Any],
+    surviving: Sequence[Var],
+    scale: Mapping[Var, int],
+) -> int:
+    """``E``: how far each chunk must extend on both sides (in positions of the region's axis)
+    for its centre to be exact.
 
     Walks the region's equations (``maps``: index -> Mapping or Sink) in program order, tracking
     how many positions at each end of an extended chunk of every value may be wrong: a
-    :class:`~memsafe.split.registry.Halo` adds its reach to its operand's, other mappings keep
-    the largest of their operands'. Sinks (plus the reach of a sink that reads a window of an
-    operand, ``Reducer.halo_reach``) and written values need their operands exact at the
-    centre."""
+    :class:`~memsafe.split.registry.Halo` adds its reach (in its operand's positions, ``scale``
+    of them to one of the axis) to its operand's, other mappings keep the largest of their
+    operands'. Sinks (plus the reach of a sink that reads a window of an operand,
+    ``Reducer.halo_reach``) and written values need their operands exact at the centre."""
     wrong: dict[Var, int] = {}
+
+    def units(rows: int, v: Any) -> int:
+        return -(-rows // scale.get(v, 1))
+
     need = 0
     for i in sorted(maps):
         eqn, m = eqns[i], maps[i]
@@ -122,9 +149,10 @@ def extension(eqns: Sequence[JaxprEqn], maps: Mapping[int, Any], surviving: Sequ
         into = [wrong.get(a, 0) for _, a in split if is_var(a)]
         if not hasattr(m, "outs"):  # a sink
             reach = m.reducer.halo_reach(eqn, m.ins)
-            need = max(need, *(wrong.get(a, 0) + reach.get(k, 0) for k, a in split if is_var(a)))
+            for k, a in split:
+                need = max(need, wrong.get(a, 0) + units(reach.get(k, 0), a))
             continue
-        own = max(getattr(m, "lo", 0), getattr(m, "hi", 0))
+        own = units(m.reach, split[0][1]) if hasattr(m, "reach") else 0
         for o, ax in zip(eqn.outvars, m.outs):
             if ax is not None:
                 wrong[o] = max(into, default=0) + own

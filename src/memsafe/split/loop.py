@@ -26,7 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import JaxprEqn, Literal, Var
+from memsafe._jax import JaxprEqn, Literal, Var, is_var
 from memsafe.graph import Graph
 from memsafe.split import halo, peephole
 from memsafe.split.region import Region
@@ -173,15 +173,24 @@ class Written:
 
     values: tuple[Var, ...]
     axes: tuple[int, ...]
+    #: Positions of each value per position of the loop's axis (empty: 1 each; see
+    #: ``Region.scale``).
+    scales: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, values: Sequence[Var], axis_of: Mapping_[Var, int]) -> Written:
-        return cls(tuple(values), tuple(axis_of[v] for v in values))
+    def of(cls, values: Sequence[Var], axis_of: Mapping_[Var, int], scale_of: Any = None):
+        scales = tuple(scale_of(v) for v in values) if scale_of is not None else ()
+        return cls(tuple(values), tuple(axis_of[v] for v in values), scales)
+
+    def scale(self, k: int) -> int:
+        return self.scales[k] if self.scales else 1
 
     def write(self, bufs: list[Any], vals: list[Any], start: Any) -> list[Any]:
         return [
-            lax.dynamic_update_slice_in_dim(b, v, local_start(start, b.shape[ax]), ax)
-            for b, v, ax in zip(bufs, vals, self.axes)
+            lax.dynamic_update_slice_in_dim(
+                b, v, local_start(start * self.scale(k), b.shape[ax]), ax
+            )
+            for k, (b, v, ax) in enumerate(zip(bufs, vals, self.axes))
         ]
 
 
@@ -284,8 +293,11 @@ class _Chunks:
     first_fed: Any = None  # what the first chunk reads (a device's first: Carry.first_feed)
 
     def _empty(self, vals: Sequence[Any]) -> list[Any]:
-        axes = self.written.axes
-        return [jnp.zeros(_with_axis(v, ax, self.size), v.dtype) for v, ax in zip(vals, axes)]
+        written = self.written
+        return [
+            jnp.zeros(_with_axis(v, ax, self.size * written.scale(k)), v.dtype)
+            for k, (v, ax) in enumerate(zip(vals, written.axes))
+        ]
 
     def peeled(self) -> tuple[Any, list[Any]]:
         """The first chunk before the loop (its partials start the carry), then a
@@ -413,9 +425,9 @@ class ChunkEnv:
             start, n = start - e, n + 2 * e
         local = {}
         for v, val in sliced:
-            ax = region.axis_of[v]
+            ax, k = region.axis_of[v], region.scale_of(v)
             if e:
-                local[v] = halo.read_extended(val, ax, start, n)
+                local[v] = halo.read_extended(val, ax, start * k, n * k)
             else:
                 local[v] = lax.dynamic_slice_in_dim(val, local_start(start, val.shape[ax]), n, ax)
         return cls(graph, region, peep, start, n, local, whole, carried, extend=e)
@@ -425,7 +437,15 @@ class ChunkEnv:
         value = self.local[v]
         if not self.extend:
             return value
-        return halo.centre(value, self.region.axis_of[v], self.extend, self.n - 2 * self.extend)
+        k, e = self.region.scale_of(v), self.extend
+        return halo.centre(value, self.region.axis_of[v], k * e, k * (self.n - 2 * e))
+
+    def _scale(self, i: int) -> int:
+        """Positions of equation ``i``'s split results (else operands) per position of the
+        region's axis."""
+        eqn, m = self.graph.eqns[i], self.region.maps[i]
+        pairs = [*zip(eqn.outvars, getattr(m, "outs", ())), *zip(eqn.invars, m.ins)]
+        return next((self.region.scale_of(a) for a, ax in pairs if ax is not None), 1)
 
     def read(self, atom: Any, ax: int | None) -> Any:
         if isinstance(atom, Literal):
@@ -448,7 +468,9 @@ class ChunkEnv:
         eqn = self.graph.eqns[i]
         if e:
             start, n = self.start + e, self.n - 2 * e
-            return sink.reducer.extended_partial(eqn, self.invals(i), sink.ins, start, n, e)
+            scales = tuple(self.region.scale_of(a) if is_var(a) else 1 for a in eqn.invars)
+            invals = self.invals(i)
+            return sink.reducer.extended_partial(eqn, invals, sink.ins, scales, start, n, e)
         return sink.reducer.partial(eqn, self.invals(i), sink.axis, self.start, self.n)
 
     def bind(self, i: int) -> None:
@@ -463,9 +485,10 @@ class ChunkEnv:
             invals, prev = run.device_start(eqn, invals, m, prev.first), None
         if prev is not None:
             invals = run.feed(eqn, invals, prev)
+        k = self._scale(i) if self.extend else 1
         outs = peephole.bind_mapped(
             self.peep, i, eqn, invals, m, self.read, self.local, self.graph.eqns,
-            self.start, self.n,
+            self.start * k, self.n * k,
         )  # fmt: skip
         if run is not None:
             outs, self.carries[i] = run.record(eqn, outs, m, self.n, prev)

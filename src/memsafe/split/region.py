@@ -75,6 +75,13 @@ class Region:
     stage: dict[int, int]  # region equation index -> the loop (stage) that evaluates it
     #: Positions each chunk extends by on both sides (:mod:`memsafe.split.halo`; 0: none).
     extend: int = 0
+    #: On extended chunks, values whose axis is a multiple of ``size`` long (a pooling's
+    #: operand): that multiple; every other value's axis is ``size`` long.
+    scale: dict[Var, int] = field(default_factory=dict)
+
+    def scale_of(self, v: Var) -> int:
+        """Positions of ``v`` along the axis per position of the region's axis."""
+        return self.scale.get(v, 1)
 
     @property
     def eqns(self) -> list[int]:
@@ -177,8 +184,8 @@ class _Growth:
             return
         prev = self.axis_of.get(atom)
         if prev is None:
-            if self.graph.info(atom).shape[ax] != self.size:
-                raise SplitFailure("axis sizes do not match", eqn)
+            if not halo.enabled() and self.graph.info(atom).shape[ax] != self.size:
+                raise SplitFailure("axis sizes do not match", eqn)  # on extended chunks: add
             self.axis_of[atom] = ax
             self.queue.append(atom)
         elif prev != ax:
@@ -191,8 +198,11 @@ class _Growth:
             if self.maps[index] != m:
                 raise SplitFailure("the axis reaches this operation in two ways", eqn)
             return
-        if halo.enabled() and isinstance(m, Mapping) and not positional(eqn, m):
-            raise NoRule(f"{eqn.primitive.name} does not run on extended chunks (halos)")
+        if halo.enabled() and isinstance(m, Mapping):
+            if not positional(eqn, m):
+                raise NoRule(f"{eqn.primitive.name} does not run on extended chunks (halos)")
+            if not halo.lengths_agree(eqn, m):
+                raise SplitFailure("axis sizes do not match", eqn)
         self._check_direction(eqn, m)
         self.maps[index] = m
         for atom, ax in zip(eqn.invars, m.ins):
@@ -316,10 +326,13 @@ def _grow(
     surviving = _surviving(g, produced, large)
     _check_saves(g, seed, produced, surviving)
     stage = _assign_stages(graph, g.maps, frozenset(produced))
-    extend = halo.extension(graph.eqns, g.maps, surviving) if halo.enabled() else 0
+    size, scale, extend = g.size, {}, 0
+    if halo.enabled():
+        size, scale = halo.scales({v: graph.info(v).shape[ax] for v, ax in g.axis_of.items()})
+        extend = halo.extension(graph.eqns, g.maps, surviving, scale)
     return Region(
-        seed, axis, g.size, g.maps, g.axis_of, frozenset(produced), frozenset(sliced),
-        frozenset(whole), tuple(surviving), stage, extend,
+        seed, axis, size, g.maps, g.axis_of, frozenset(produced), frozenset(sliced),
+        frozenset(whole), tuple(surviving), stage, extend, scale,
     )  # fmt: skip
 
 

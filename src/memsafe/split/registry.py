@@ -35,16 +35,33 @@ class Mapping:
     ins: tuple[Axis, ...]
     outs: tuple[Axis, ...]
 
+    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
+        """Whether operands and results of these lengths along the axis (None: not split) can
+        run chunk for chunk: all equally long."""
+        return len({n for n in (*ins, *outs) if n is not None}) <= 1
+
 
 @dataclass(frozen=True)
 class Halo(Mapping):
     """A windowed equation run on an extended chunk (:mod:`memsafe.split.halo`): output position
-    ``o`` reads operand positions ``o - lo`` to ``o + hi`` along the split axis, at the same
-    length, so a chunk's outputs are exact ``lo`` and ``hi`` positions in from where its operand
-    is."""
+    ``o`` reads operand positions ``o * stride - lo`` to ``o * stride + hi`` along the split
+    axis, and the operand is ``stride`` times as long as the result; ``fill`` is the value it
+    pads with."""
 
     lo: int = 0
     hi: int = 0
+    stride: int = 1
+
+    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
+        """Operands ``stride`` times as long as the results."""
+        long = {n for n in ins if n is not None} | {self.stride * n for n in outs if n is not None}
+        return len(long) <= 1
+
+    @property
+    def reach(self) -> int:
+        """Operand positions beyond a chunk's own (``[o * stride, (o + 1) * stride)`` for each
+        output ``o``) that a window reads, on the farther side."""
+        return max(self.lo, self.hi - self.stride + 1, 0)
 
 
 class NoRule(Exception):

@@ -59,17 +59,21 @@ class Reducer:
         eqn: JaxprEqn,
         invals: list[Any],
         ins: tuple[Axis, ...],
+        scales: tuple[int, ...],
         start: Any,
         size: int,
         extend: int,
     ) -> Partial:
-        """The result on chunk ``[start, start + size)`` from operands split along ``ins`` that
-        hold an extended chunk (``extend`` more positions on each side, :mod:`memsafe.split.halo`):
+        """The result on chunk ``[start, start + size)`` of the region's axis from operands split
+        along ``ins`` that hold an extended chunk (``extend`` more positions on each side,
+        :mod:`memsafe.split.halo`; each operand ``scales`` positions per position of the axis):
         :meth:`partial` of their centres."""
         invals = [
-            v if ax is None else halo.centre(v, ax, extend, size) for v, ax in zip(invals, ins)
+            v if ax is None else halo.centre(v, ax, k * extend, k * size)
+            for v, ax, k in zip(invals, ins, scales)
         ]
-        return self.partial(eqn, invals, next(a for a in ins if a is not None), start, size)
+        k, axis = next((k, a) for k, a in zip(scales, ins) if a is not None)
+        return self.partial(eqn, invals, axis, start * k, size * k)
 
     def halo_reach(self, eqn: JaxprEqn, ins: tuple[Axis, ...]) -> dict[int, int]:
         """Positions beyond the centre of an extended chunk that :meth:`extended_partial` reads,

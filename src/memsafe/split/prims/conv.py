@@ -143,25 +143,34 @@ class HaloTaps(sinks.Monoid):
 
     def _taps(self, eqn: JaxprEqn, axis: int) -> tuple[int, Window]:
         """(spatial dimension, the window of taps over every output) of the sink along
-        ``axis`` of the input."""
+        ``axis`` of the input: cotangent position ``c`` and tap ``j`` read input position ``c *
+        window_dilation + j * stride - pad_lo``."""
         lhs_spec, _, out_spec = _specs(eqn)
         k = lhs_spec.index(axis) - 2
         w = window(eqn, k)
         outputs = shape(eqn.outvars[0])[out_spec[2 + k]]
-        return k, Window(outputs, 1, w.pad_lo, w.pad_hi, 1, w.stride)
+        return k, Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, 1, w.stride)
 
     def halo_reach(self, eqn: JaxprEqn, ins: tuple[int | None, ...]) -> dict[int, int]:
-        _, taps = self._taps(eqn, ins[0])
-        return {0: max(taps.pad_lo, taps.width(1) - 1 - taps.pad_lo, 0)}
+        _, t = self._taps(eqn, ins[0])
+        return {0: max(t.pad_lo, t.width(1) - t.pad_lo - t.stride, 0)}
 
     def extended_partial(
-        self, eqn: JaxprEqn, invals: list[Any], ins: tuple, start: Any, size: int, extend: int
+        self,
+        eqn: JaxprEqn,
+        invals: list[Any],
+        ins: tuple,
+        scales: tuple[int, ...],
+        start: Any,
+        size: int,
+        extend: int,
     ) -> tuple[Any, ...]:
-        x, ct = invals
+        (x, ct), (sx, sc) = invals, scales
         k, taps = self._taps(eqn, ins[0])
-        x = halo.fill_outside(x, ins[0], start - extend, shape(eqn.invars[0])[ins[0]], 0)
-        ct = halo.centre(ct, ins[1], extend, size)
-        lhs = taps.read(x, ins[0], extend, size, 0)
+        n = shape(eqn.invars[0])[ins[0]]
+        x = halo.fill_outside(x, ins[0], (start - extend) * sx, n, 0)
+        ct = halo.centre(ct, ins[1], extend * sc, size * sc)
+        lhs = taps.read(x, ins[0], extend * sc, size * sc, 0)
         return tuple(_bind(eqn, [lhs, ct], **_unpadded(eqn, k)))
 
     def partial(self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int):
@@ -179,26 +188,28 @@ def _unpadded(eqn: JaxprEqn, k: int) -> dict[str, Any]:
     return {"padding": tuple(padding), "lhs_dilation": tuple(dilation)}
 
 
-def _same_length(eqn: JaxprEqn, k: int) -> Halo | None:
-    """Spatial dimension ``k`` as a :class:`Halo` where its result is as long as its input and
-    output ``o`` reads input positions around ``o`` (stride 1, no lhs dilation); else None."""
+def _windowed(eqn: JaxprEqn, k: int) -> Halo | None:
+    """Spatial dimension ``k`` as a :class:`Halo` where output ``o`` reads input positions
+    around ``o * stride`` and the input is ``stride`` times as long as the result (no lhs
+    dilation); else None."""
     lhs, _, out = _specs(eqn)
     w = window(eqn, k)
     n_in, n_out = shape(eqn.invars[0])[lhs[2 + k]], shape(eqn.outvars[0])[out[2 + k]]
-    if w.stride != 1 or w.base_dilation != 1 or n_in != n_out:
+    if w.base_dilation != 1 or n_in != w.stride * n_out:
         return None
-    lo, hi = max(w.pad_lo, 0), max(w.pad_hi, 0)
-    return Halo(ins=(lhs[2 + k], None), outs=(out[2 + k],), lo=lo, hi=hi)
+    hi = (w.size - 1) * w.window_dilation - w.pad_lo
+    return Halo(ins=(lhs[2 + k], None), outs=(out[2 + k],), lo=w.pad_lo, hi=hi, stride=w.stride)
 
 
 def _taps_along(eqn: JaxprEqn, k: int) -> Sink | None:
     """Spatial dimension ``k`` of a kernel gradient (the cotangent as the kernel, one tap per
-    output position) as a :class:`HaloTaps` sink where input and cotangent are equally long
-    and consecutive cotangent positions read consecutive input positions; else None."""
+    output position) as a :class:`HaloTaps` sink where consecutive cotangent positions read
+    input positions ``window_dilation`` apart and the input is that many times as long; else
+    None."""
     lhs, rhs, _ = _specs(eqn)
     w = window(eqn, k)
     n_in, n_taps = shape(eqn.invars[0])[lhs[2 + k]], shape(eqn.invars[1])[rhs[2 + k]]
-    if w.window_dilation != 1 or w.base_dilation != 1 or n_in != n_taps:
+    if w.base_dilation != 1 or n_in != w.window_dilation * n_taps:
         return None
     _require_ungrouped(eqn, "spatial", "feature_group_count", "batch_group_count")
     return Sink(HALO_TAPS, ins=(lhs[2 + k], rhs[2 + k]))
@@ -208,7 +219,7 @@ def _extended(eqn: JaxprEqn, side: Side, k: int) -> Mapping | Sink | None:
     """The mapping of spatial dimension ``k`` on extended chunks, where one applies."""
     if side == ("in", 1):
         return _taps_along(eqn, k)
-    return _same_length(eqn, k) or (_taps_along(eqn, k) if side == ("in", 0) else None)
+    return _windowed(eqn, k) or (_taps_along(eqn, k) if side == ("in", 0) else None)
 
 
 def _spatial(eqn: JaxprEqn, side: Side, k: int) -> Mapping | Sink:
@@ -241,7 +252,8 @@ def _rebind_conv(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     """Chunks of batch and features: the same convolution. A chunk of a spatial axis of the
     result: the convolution of its window of the input, unpadded and undilated along the axis."""
     if isinstance(m, Halo):  # an extended chunk: zeros outside the axis, then as it is
-        x = halo.fill_outside(invals[0], m.ins[0], start, shape(eqn.invars[0])[m.ins[0]], 0)
+        n_in = shape(eqn.invars[0])[m.ins[0]]
+        x = halo.fill_outside(invals[0], m.ins[0], start * m.stride, n_in, 0)
         return _bind(eqn, [x, invals[1]])
     if m.ins != (None, None):
         return _bind(eqn, invals)

@@ -8,6 +8,12 @@ the reduction pads with, so the operand is used whole there, as the layout ops o
 ``prims/windows.py`` read theirs. The gradient of average pooling is a ``pad`` and a
 ``reduce_window_sum``, both covered.
 
+On extended chunks (:mod:`memsafe.split.halo`), a pooled axis whose operand is ``stride``
+times as long as its result maps through as a :class:`~memsafe.split.registry.Halo` (the
+operand filled with the padding value outside the axis), and so does the gradient of a max
+pooling whose windows tile the axis (:class:`Tiled`): a stack of convolutions and poolings runs
+in one region.
+
 ``select_and_scatter_add`` routes each window's cotangent to the position its selection picks;
 a chunk of its result reads the windows that overlap it, cotangent and operand. Along a padded
 axis it is refused: which padding position a backend's selection may pick differs (the CPU
@@ -16,6 +22,8 @@ compares padding as a value), so no chunked form is sure to agree.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
@@ -23,8 +31,9 @@ import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
+from memsafe.split import halo
 from memsafe.split.halo import Window, take
-from memsafe.split.registry import Mapping, NoRule, Side, split_rule
+from memsafe.split.registry import Halo, Mapping, NoRule, Side, shape, split_rule
 from memsafe.split.sinks import extreme_identity
 
 
@@ -52,8 +61,14 @@ def _operands(eqn: JaxprEqn) -> int:
 def _reduce_window_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     k, inits = _operands(eqn), len(eqn.invars) - _operands(eqn)
     outs = tuple(axis for _ in eqn.outvars)
-    if _window(eqn, axis).trivial:
+    win = _window(eqn, axis)
+    if win.trivial:
         return Mapping(ins=(axis,) * k + (None,) * inits, outs=outs)
+    n_in, n_out = shape(eqn.invars[0])[axis], shape(eqn.outvars[0])[axis]
+    if halo.enabled() and win.base_dilation == 1 and n_in == win.stride * n_out:
+        hi = (win.size - 1) * win.window_dilation - win.pad_lo
+        ins = (axis,) * k + (None,) * inits
+        return Halo(ins=ins, outs=outs, lo=win.pad_lo, hi=hi, stride=win.stride)
     if side[0] == "out":
         return Mapping(ins=(None,) * len(eqn.invars), outs=outs)  # windows of the whole operand
     raise NoRule(f"{eqn.primitive.name} reads overlapping windows of the split axis")
@@ -82,25 +97,50 @@ def _unpadded(eqn: JaxprEqn, axis: int) -> dict[str, Any]:
 def _rebind_reduce_window(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
     """A chunk of a pooled axis: the reduction of the chunk's windows, read from the whole
     operands with the reduction's own padding values."""
-    axis = m.outs[0]
+    axis, k = m.outs[0], _operands(eqn)
+    if isinstance(m, Halo):  # an extended chunk: the padding value outside the axis, as it is
+        n_in, first = shape(eqn.invars[0])[axis], start * m.stride
+        fills = _fills(eqn, invals)
+        filled = [halo.fill_outside(x, axis, first, n_in, f) for x, f in zip(invals, fills)]
+        return bind_eqn(eqn, filled + invals[k:])
     if axis is None or any(a is not None for a in m.ins):
         return bind_eqn(eqn, invals)
-    k, win = _operands(eqn), _window(eqn, axis)
+    win = _window(eqn, axis)
     read = [win.read(x, axis, start, n, f) for x, f in zip(invals[:k], _fills(eqn, invals))]
     return bind_eqn_with(eqn, read + invals[k:], **_unpadded(eqn, axis))
 
 
+def _passes(eqn: JaxprEqn, m: Mapping) -> bool:
+    """Whether the axis passes through a one-wide window (the equation bound unchanged)."""
+    return any(a is not None for a in m.ins)
+
+
 for _name in ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"):
-    split_rule(_name, rebind=_rebind_reduce_window)(_reduce_window_map)
+    split_rule(_name, rebind=_rebind_reduce_window, positional=_passes)(_reduce_window_map)
 
 
 # -- select_and_scatter_add ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Tiled(Halo):
+    """``select_and_scatter_add`` on extended chunks along an axis its windows tile (as long as
+    their stride, no padding): each window's cotangent lands in the window, so a chunk's result
+    is the equation on its chunks, the source ``stride`` times shorter than the operand."""
+
+    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
+        source, operand = ins
+        scaled = None if source is None else source * self.stride
+        return len({n for n in (scaled, operand, *outs) if n is not None}) <= 1
 
 
 def _select_and_scatter_add_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     win = _window(eqn, axis)
     if win.trivial:
         return Mapping(ins=(axis, axis), outs=(axis,))
+    tiles = win.size == win.stride and (win.pad_lo, win.pad_hi) == (0, 0)
+    if halo.enabled() and tiles and win.base_dilation == win.window_dilation == 1:
+        return Tiled(ins=(axis, axis), outs=(axis,), lo=0, hi=win.size - 1, stride=win.stride)
     if side[0] != "out":
         raise NoRule("select_and_scatter_add scatters overlapping windows along the split axis")
     if (win.pad_lo, win.pad_hi) != (0, 0):
@@ -114,7 +154,7 @@ def _rebind_select_and_scatter_add(
     """Result positions ``[start, start + n)``: the windows that overlap them (the cotangent
     outside the source is 0, adding nothing), scattered into their span, then the chunk's part."""
     axis = m.outs[0]
-    if axis is None or m.ins != (None, None):
+    if axis is None or m.ins != (None, None):  # passing, or tiled on extended chunks
         return bind_eqn(eqn, invals)
     source, operand = invals
     win = _window(eqn, axis)
@@ -131,6 +171,8 @@ def _rebind_select_and_scatter_add(
     return [lax.dynamic_slice_in_dim(scattered, a - first * stride, n, axis)]
 
 
-split_rule("select_and_scatter_add", rebind=_rebind_select_and_scatter_add)(
-    _select_and_scatter_add_map
-)
+split_rule(
+    "select_and_scatter_add",
+    rebind=_rebind_select_and_scatter_add,
+    positional=lambda eqn, m: m.ins != (None, None),
+)(_select_and_scatter_add_map)
