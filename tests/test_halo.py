@@ -20,26 +20,48 @@ from memsafe.split.region import SplitFailure, grow
 from memsafe.xla import memsafe_jit
 from tests.budget import examples
 from tests.fuzz.accuracy import check
-from tests.test_conv import _a_third, _arrays, _float64, _under_limit
+from tests.test_conv import (
+    _a_third,
+    _arrays,
+    _float64,
+    _resnet_inputs,
+    _resnet_loss,
+    _under_limit,
+)
 
 LAYOUTS = {"nhwc": ("NHWC", "HWIO", "NHWC"), "nchw": ("NCHW", "OIHW", "NCHW")}
 ACTIVATIONS = {"relu": jax.nn.relu, "tanh": jnp.tanh, "silu": jax.nn.silu, "none": lambda h: h}
 
 
+POOLS = [None, None, ("max", 2, 2, "VALID"), ("avg", 2, 2, "VALID"), ("max", 3, 1, "SAME"),
+         ("max", 3, 2, "SAME"), ("avg", 3, 1, "SAME")]  # fmt: skip
+
+
 def _layer(kernel, dilation, lo, stride, layout):
-    """A convolution along both spatial axes with ``lo`` padding before and the rest of the
-    window's reach after (stride 1: as long as its input)."""
+    """A convolution along both spatial axes: at stride 1 with ``lo`` padding before and the
+    rest of the window's reach after (as long as its input), else "SAME"."""
     reach = (kernel - 1) * dilation
-    pad = ((lo, reach - lo),) * 2 if stride == 1 else "VALID"
+    pad = ((lo, reach - lo),) * 2 if stride == 1 else "SAME"
     return lambda h, w: lax.conv_general_dilated(
         h, w, (stride, stride), pad, rhs_dilation=(dilation,) * 2, dimension_numbers=layout
     )
 
 
+def _pool(h, pool, layout):
+    """Max or average pooling over both spatial axes."""
+    op, window, stride, padding = pool
+    dims = (1, window, window, 1) if layout == "nhwc" else (1, 1, window, window)
+    steps = (1, stride, stride, 1) if layout == "nhwc" else (1, 1, stride, stride)
+    if op == "max":
+        return lax.reduce_window(h, -jnp.inf, lax.max, dims, steps, padding)
+    return lax.reduce_window(h, 0.0, lax.add, dims, steps, padding) / window**2
+
+
 @st.composite
 def _stacks(draw):
     """A random stack of convolutions (kernel 1-4, dilation 1-2, any split of the padding, a
-    strided one now and then after the first), activations and residual adds over one image."""
+    strided one now and then after the first), activations, residual adds and poolings over one
+    image."""
     layout = draw(st.sampled_from(sorted(LAYOUTS)))
     depth = draw(st.integers(1, 4))
     channels = draw(st.integers(1, 3))
@@ -49,21 +71,23 @@ def _stacks(draw):
         lo = draw(st.integers(0, (kernel - 1) * dilation))
         stride = draw(st.sampled_from([1, 1, 1, 2])) if k else 1  # the split's seed: stride 1
         act = draw(st.sampled_from(sorted(ACTIVATIONS)))
-        layers.append((kernel, dilation, lo, stride, act, draw(st.booleans())))
-    size = draw(st.integers(6, 20))
+        pool = draw(st.sampled_from(POOLS))
+        layers.append((kernel, dilation, lo, stride, act, draw(st.booleans()), pool))
+    size = draw(st.sampled_from([2, 2, 2, 1])) * draw(st.integers(4, 10))
     bad = draw(st.sampled_from([None, np.nan, np.inf]))
     return layout, channels, layers, size, bad
 
 
 def _program(layout, layers):
-    """The stack as a function of (kernels, image), and the kernels' shapes."""
+    """The stack as a function of (kernels, image)."""
     dn = LAYOUTS[layout]
 
     def fun(ws, x):
         h = x
-        for w, (kernel, dilation, lo, stride, act, residual) in zip(ws, layers):
+        for w, (kernel, dilation, lo, stride, act, residual, pool) in zip(ws, layers):
             out = ACTIVATIONS[act](_layer(kernel, dilation, lo, stride, dn)(h, w))
             h = out + h if residual and out.shape == h.shape else out
+            h = h if pool is None else _pool(h, pool, layout)
         return h
 
     return fun
@@ -86,14 +110,15 @@ def _float64_of(fun):
 
 def _split_extended(fun, args, axis, chunk):
     """``fun`` with the result of its first convolution split along ``axis`` on extended
-    chunks of ``chunk``, evaluated (its results' leaves); and the region."""
+    chunks of ``chunk`` (at most the region's axis less one), evaluated (its results' leaves);
+    and the region."""
     closed = inline_calls(jax.make_jaxpr(fun)(*args))
     leaves = jax.tree.leaves(args)
     graph = Graph(closed)
     seed = next(e.outvars[0] for e in graph.eqns if e.primitive.name == "conv_general_dilated")
     with halo.extending():
         region = grow(graph, seed, axis, 1, 10**9)
-    new = emit(closed, graph, strategy(graph, region), chunk)
+    new = emit(closed, graph, strategy(graph, region), max(1, min(chunk, region.size - 1)))
     got = memsafe_jit(lambda *a: jax.core.eval_jaxpr(new.jaxpr, new.consts, *a))(*leaves)
     return got, region
 
@@ -115,15 +140,16 @@ def test_random_conv_stacks_on_extended_chunks(stack, chunk, output, seed):
     args = _inputs(layout, channels, layers, size, bad, seed)
     axis = 1 if layout == "nhwc" else 2
     try:
-        got, region = _split_extended(fun, args, axis, min(chunk, size - 1))
-    except SplitFailure:  # a strided layer reads the layer before it whole
-        assert any(layer[3] > 1 for layer in layers)
+        got, region = _split_extended(fun, args, axis, chunk)
+    except SplitFailure:  # a window that does not tile the axis reads its operand whole
+        assert any(layer[3] > 1 or layer[6] for layer in layers)
         return
     want, wide = (jax.tree.leaves(f(*args)) for f in (memsafe_jit(fun), _float64_of(fun)))
     assert check(got, want, wide) == []
     reach = (layers[0][0] - 1) * layers[0][1]
-    if layers[0][3] == 1 and reach:  # the first layer has a window along the axis
-        assert region.extend >= max(layers[0][2], reach - layers[0][2])
+    if reach:  # the first layer has a window along the axis (its result as long as the image)
+        rows = size // region.size  # the image's positions per position of the region's axis
+        assert region.extend >= -(-max(layers[0][2], reach - layers[0][2]) // rows)
 
 
 def test_extension_adds_the_reaches_along_the_longest_chain():
@@ -131,7 +157,7 @@ def test_extension_adds_the_reaches_along_the_longest_chain():
     gradient runs the cotangent back through the input gradients of layers 4, 3 and 2 (the
     first layer's is not needed): 4 more. Each kernel gradient reads a window of its layer's
     input, which needs less."""
-    layers = [(3, 1, 1, 1, "relu", False)] * 3 + [(5, 1, 2, 1, "relu", False)]
+    layers = [(3, 1, 1, 1, "relu", False, None)] * 3 + [(5, 1, 2, 1, "relu", False, None)]
     forward = _program("nhwc", layers)
     args = _inputs("nhwc", 2, layers, 16, None, 0)
     loss = lambda ws, x: jnp.sum(forward(ws, x) ** 2)
@@ -168,3 +194,15 @@ def test_without_halos_the_four_layers_are_refused(monkeypatch):
     fun, args = jax.grad(_deep_convs), _deep_inputs()
     with pytest.raises(memsafe.MemoryLimitError):
         memsafe.jit(fun, memory_limit=_a_third(fun, args)).plan(*args)
+
+
+def test_resnet_on_one_image_fits_a_third():
+    """The ResNet-style gradient of tests/test_conv.py (stem, residual block, batch-norm with
+    statistics over the image, max pooling) at batch 1: one region over rows crosses the
+    pooling (its axis counts pooled rows, two image rows each), every batch-norm a stage;
+    jax.jit's answers."""
+    params, x, labels = _resnet_inputs(batch=1, size=128, channels=8)
+    plan = _under_limit(jax.grad(_resnet_loss), [params, x, labels], _a_third)
+    assert [s.axis for s in plan.splits] == [1]
+    assert plan.splits[0].size == 64
+    assert "conv taps (halo)" in plan.splits[0].sinks

@@ -114,7 +114,7 @@ def strategy(graph: Graph, region: Region) -> Split:
     """How ``region`` runs: staged max-shifted exp-sums as one online loop where that applies,
     else one loop per stage (computing the values its later loops recompute and compare the
     same way in every loop, :mod:`memsafe.split.recompute`)."""
-    if region.extend:  # extended chunks run as plain staged loops (memsafe.split.halo)
+    if region.windowed:  # extended chunks run as plain staged loops (memsafe.split.halo)
         return StagedSplit(region, same=recompute.decides_on_recomputed(graph, region))
     try:
         return online.plan(graph, region)
@@ -152,7 +152,7 @@ def _region(graph: Graph, var: Var, axis: int, budget: int, windowed: bool) -> R
                 region = grow(graph, var, axis, small, large)
             except SplitFailure:
                 region = None
-        if region is not None and region.extend:
+        if region is not None and region.windowed:
             return region
     return grow(graph, var, axis, small, large)
 

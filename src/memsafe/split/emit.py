@@ -121,13 +121,13 @@ def _loop_group(
     (a lone ``top_k`` along the axis: in tiles, memsafe.split.selection). With ``same``, the
     values are computed as in every other loop of the region (no peephole moves, no tiles)."""
     sharded = isinstance(runner, chunk_loop.DevicesRunner)
-    tiled = (runner is chunk_loop.run or sharded) and not same and not region.extend
+    tiled = (runner is chunk_loop.run or sharded) and not same and not region.windowed
     devices = runner.devices if sharded else 1
     fused = selection.plan(graph, region, loop, chunk, devices) if tiled else None
     if fused is not None:
         return loop.group(dead, functools.partial(fused.run, runner=runner))
     eqns = graph.eqns
-    moved = () if same or region.extend else loop.eqns  # () plans none
+    moved = () if same or region.windowed else loop.eqns  # () plans none
     peep = peephole.plan(graph, region, moved, chunk)
     kept = {i: run for i in loop.eqns if (run := region.running(graph, i)) is not None}
     running = tuple(kept)

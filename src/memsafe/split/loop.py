@@ -405,6 +405,8 @@ class ChunkEnv:
     #: Positions the chunk extends by on each side (``region.extend``): ``start`` and ``n``
     #: are the extended chunk's, sinks and written values take its centre.
     extend: int = 0
+    #: Whether values of the region have several lengths along the axis (``region.scale``).
+    scaled: bool = False
 
     @classmethod
     def slice_in(
@@ -421,21 +423,22 @@ class ChunkEnv:
         """A body's environment with chunk ``[start, start + n)`` of each sliced input, extended
         by ``region.extend`` on each side (:mod:`memsafe.split.halo`)."""
         e = region.extend
-        if e:
-            start, n = start - e, n + 2 * e
+        start, n = start - e, n + 2 * e
         local = {}
         for v, val in sliced:
             ax, k = region.axis_of[v], region.scale_of(v)
             if e:
                 local[v] = halo.read_extended(val, ax, start * k, n * k)
             else:
-                local[v] = lax.dynamic_slice_in_dim(val, local_start(start, val.shape[ax]), n, ax)
-        return cls(graph, region, peep, start, n, local, whole, carried, extend=e)
+                first = local_start(start * k, val.shape[ax])
+                local[v] = lax.dynamic_slice_in_dim(val, first, n * k, ax)
+        scaled = bool(region.scale)
+        return cls(graph, region, peep, start, n, local, whole, carried, extend=e, scaled=scaled)
 
     def written(self, v: Var) -> Any:
         """The chunk's own positions of region value ``v`` (its centre, on extended chunks)."""
         value = self.local[v]
-        if not self.extend:
+        if not self.extend:  # the chunk itself
             return value
         k, e = self.region.scale_of(v), self.extend
         return halo.centre(value, self.region.axis_of[v], k * e, k * (self.n - 2 * e))
@@ -466,7 +469,7 @@ class ChunkEnv:
         sink, e = self.region.maps[i], self.extend
         assert isinstance(sink, Sink)
         eqn = self.graph.eqns[i]
-        if e:
+        if self.region.windowed:
             start, n = self.start + e, self.n - 2 * e
             scales = tuple(self.region.scale_of(a) if is_var(a) else 1 for a in eqn.invars)
             invals = self.invals(i)
@@ -485,7 +488,7 @@ class ChunkEnv:
             invals, prev = run.device_start(eqn, invals, m, prev.first), None
         if prev is not None:
             invals = run.feed(eqn, invals, prev)
-        k = self._scale(i) if self.extend else 1
+        k = self._scale(i) if self.scaled else 1
         outs = peephole.bind_mapped(
             self.peep, i, eqn, invals, m, self.read, self.local, self.graph.eqns,
             self.start * k, self.n * k,

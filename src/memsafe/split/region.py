@@ -79,6 +79,12 @@ class Region:
     #: operand): that multiple; every other value's axis is ``size`` long.
     scale: dict[Var, int] = field(default_factory=dict)
 
+    @property
+    def windowed(self) -> bool:
+        """Whether the region runs on extended chunks or over values of several lengths
+        (:mod:`memsafe.split.halo`)."""
+        return bool(self.extend or self.scale)
+
     def scale_of(self, v: Var) -> int:
         """Positions of ``v`` along the axis per position of the region's axis."""
         return self.scale.get(v, 1)
