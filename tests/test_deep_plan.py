@@ -73,7 +73,7 @@ def test_plan_text_names_stages_and_recompute_flops():
     assert "into 8 chunks of 16; 2 stages recomputing ~1.6e+04 flops" in rec.describe()
     plan = Plan(memory_limit=1, records=[rec], backward=Plan(memory_limit=1, records=[rec]))
     assert plan.recompute_flops == 2 * 16384
-    assert "recompute cost: ~3.3e+04 flops (staged splits, remat)" in str(plan)
+    assert "recompute cost: ~3.3e+04 flops (staged splits, halos, remat)" in str(plan)
     single = SplitRecord("f32[64,16]", 4096, 0, 64, 16, 4, ("exp",), ("sum",))
     assert "stages" not in single.describe() and "recompute cost" not in str(
         Plan(1, records=[single])

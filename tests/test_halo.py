@@ -206,3 +206,13 @@ def test_resnet_on_one_image_fits_a_third():
     assert [s.axis for s in plan.splits] == [1]
     assert plan.splits[0].size == 64
     assert "conv taps (halo)" in plan.splits[0].sinks
+
+
+def test_the_plan_shows_the_halos_and_their_cost():
+    """plan() says how far chunks extend and counts the halos' work in the recompute cost."""
+    fun, args = jax.grad(_deep_convs), _deep_inputs()
+    plan = memsafe.jit(fun, memory_limit=_a_third(fun, args)).plan(*args)
+    (split,) = plan.splits
+    assert split.extend == 7  # 4 layers forward, 3 input gradients back
+    assert split.recompute_flops > 0
+    assert "each chunk extended by 7 on both sides" in split.describe()

@@ -64,12 +64,15 @@ class SplitRecord:
     recompute_flops: int = 0  # estimated flops later stages spend re-evaluating earlier ones
     batch_mesh_axes: tuple[str, ...] = ()  # other mesh axes, splitting inputs read whole
     floored: bool = False  # the size model expected even the smallest chunk over the budget
+    extend: int = 0  # positions each chunk is extended by on both sides (halos), 0: none
 
     def _staging(self) -> str:
-        """``; 3 stages recomputing ~2.1e+09 flops`` (nothing for a single loop)."""
+        """``; 3 stages recomputing ~2.1e+09 flops``, with the extension of chunks where they
+        have halos (nothing for a single loop of plain chunks)."""
+        halos = f"; each chunk extended by {self.extend} on both sides" if self.extend else ""
         if self.stages < 2:
-            return ""
-        return f"; {self.stages} stages recomputing ~{self.recompute_flops:.2g} flops"
+            return halos + (f" (~{self.recompute_flops:.2g} flops)" if halos else "")
+        return f"{halos}; {self.stages} stages recomputing ~{self.recompute_flops:.2g} flops"
 
     def describe(self) -> str:
         where = f"(size {self.size}) into {self.loops} chunks of {self.chunk}"
@@ -170,7 +173,7 @@ class Plan:
             lines.append("  " + rec.describe())
         if self.recompute_flops:
             flops = self.recompute_flops
-            lines.append(f"  recompute cost: ~{flops:.2g} flops (staged splits, remat)")
+            lines.append(f"  recompute cost: ~{flops:.2g} flops (staged splits, halos, remat)")
         if self.after is not None and not self.fits_unchanged:
             lines.append(f"  after:  {self.after.describe()}")
         if len(self.attempts) > 1:

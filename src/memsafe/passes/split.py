@@ -444,7 +444,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
                 ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
                 sinks=tuple(sinks),
                 where=source_line(eqns[graph.info(var).producer]),
-                **recompute.cost(graph, split),
+                **recompute.cost(graph, split, chunk.chunk),
             )
         )
         closed = new

@@ -188,7 +188,7 @@ class Written:
     def write(self, bufs: list[Any], vals: list[Any], start: Any) -> list[Any]:
         return [
             lax.dynamic_update_slice_in_dim(
-                b, v, local_start(start * self.scale(k), b.shape[ax]), ax
+                b, v, local_start(_times(start, self.scale(k)), b.shape[ax]), ax
             )
             for k, (b, v, ax) in enumerate(zip(bufs, vals, self.axes))
         ]
@@ -365,6 +365,12 @@ def _counted_scan(step: Callable[[Any, Any], Any], init: Any, first: int, last: 
     return out
 
 
+def _times(start: Any, k: int) -> Any:
+    """``start * k``, with no equation where ``k`` is 1 (a body that reads no position of the
+    axis must not read its start: memsafe.split.selection)."""
+    return start if k == 1 else start * k
+
+
 def _with_axis(value: Any, axis: int, size: int) -> tuple[int, ...]:
     shape = list(value.shape)
     shape[axis] = size
@@ -423,14 +429,15 @@ class ChunkEnv:
         """A body's environment with chunk ``[start, start + n)`` of each sliced input, extended
         by ``region.extend`` on each side (:mod:`memsafe.split.halo`)."""
         e = region.extend
-        start, n = start - e, n + 2 * e
+        if e:
+            start, n = start - e, n + 2 * e
         local = {}
         for v, val in sliced:
             ax, k = region.axis_of[v], region.scale_of(v)
             if e:
-                local[v] = halo.read_extended(val, ax, start * k, n * k)
+                local[v] = halo.read_extended(val, ax, _times(start, k), n * k)
             else:
-                first = local_start(start * k, val.shape[ax])
+                first = local_start(_times(start, k), val.shape[ax])
                 local[v] = lax.dynamic_slice_in_dim(val, first, n * k, ax)
         scaled = bool(region.scale)
         return cls(graph, region, peep, start, n, local, whole, carried, extend=e, scaled=scaled)
@@ -470,7 +477,7 @@ class ChunkEnv:
         assert isinstance(sink, Sink)
         eqn = self.graph.eqns[i]
         if self.region.windowed:
-            start, n = self.start + e, self.n - 2 * e
+            start, n = (self.start + e, self.n - 2 * e) if e else (self.start, self.n)
             scales = tuple(self.region.scale_of(a) if is_var(a) else 1 for a in eqn.invars)
             invals = self.invals(i)
             return sink.reducer.extended_partial(eqn, invals, sink.ins, scales, start, n, e)
@@ -491,7 +498,7 @@ class ChunkEnv:
         k = self._scale(i) if self.scaled else 1
         outs = peephole.bind_mapped(
             self.peep, i, eqn, invals, m, self.read, self.local, self.graph.eqns,
-            self.start * k, self.n * k,
+            _times(self.start, k), self.n * k,
         )  # fmt: skip
         if run is not None:
             outs, self.carries[i] = run.record(eqn, outs, m, self.n, prev)

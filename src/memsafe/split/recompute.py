@@ -28,17 +28,22 @@ from memsafe.split.emit import StagedSplit, plan_loops, unwrapped
 from memsafe.split.region import Region
 
 
-def cost(graph: Graph, split: Any) -> dict[str, int]:
-    """``stages`` (the loops ``split`` runs) and ``recompute_flops`` (the estimated flops its
-    later loops spend re-evaluating equations of earlier stages), as keyword arguments of
-    :class:`memsafe.plan.SplitRecord`."""
+def cost(graph: Graph, split: Any, chunk: int = 0) -> dict[str, int]:
+    """``stages`` (the loops ``split`` runs), ``recompute_flops`` (the estimated flops its
+    later loops spend re-evaluating equations of earlier stages, and, on extended chunks of
+    ``chunk`` (:mod:`memsafe.split.halo`), every loop computing its halos) and ``extend``, as
+    keyword arguments of :class:`memsafe.plan.SplitRecord`."""
     split = unwrapped(split)
     if not isinstance(split, StagedSplit):
         return {"stages": 1, "recompute_flops": 0}
     region, eqns = split.region, graph.eqns
     loops = plan_loops(graph, region)
     again = [eqns[i] for lp in loops for i in lp.eqns if region.stage[i] < lp.stage]
-    return {"stages": len(loops), "recompute_flops": jaxpr_flops(again)}
+    flops = jaxpr_flops(again)
+    if region.extend and chunk:  # 2E more positions per chunk, in every loop
+        every = jaxpr_flops(eqns[i] for lp in loops for i in lp.eqns)
+        flops += every * 2 * region.extend * -(-region.size // chunk) // region.size
+    return {"stages": len(loops), "recompute_flops": flops, "extend": region.extend}
 
 
 def decides_on_recomputed(graph: Graph, region: Region) -> bool:
