@@ -12,15 +12,19 @@ on it without padding or base dilation along the axis gives exactly the chunk's 
 
 That reads the operand whole: one layer at a time. Several windowed layers in a row (a stack of
 3x3 convolutions over one large image) run in one region on *extended chunks* instead: while
-:func:`extending` is on, a windowed operation whose result is as long as its operand along the
-axis (stride 1, "SAME"-like padding) maps the axis through (a
-:class:`~memsafe.split.registry.Halo`), and every region value is computed over ``[start - E,
-start + n + E)`` for the chunk ``[start, start + n)``. Each windowed operation fills the positions
-of its operand outside the axis (``[0, size)``) with its padding value and runs unchanged, so
-its outputs are exact except within its window's reach of the chunk's ends; positional
-operations (elementwise, broadcasts, contractions of other axes) keep each position to itself.
-With ``E`` the most reach any chain of windows adds up to (:func:`extension`), the centre
-``[start, start + n)`` is exact: sinks and written values take only the centre.
+:func:`extending` is on, a windowed operation whose operand is ``stride`` times as long as its
+result along the axis (stride 1 with "SAME"-like padding, a 2x2 pooling of an even axis) maps
+the axis through (a :class:`~memsafe.split.registry.Halo`), and every region value is computed
+over ``[start - E, start + n + E)`` for the chunk ``[start, start + n)``. Each windowed
+operation fills the positions of its operand outside the axis with its padding value and runs
+unchanged, so its outputs are exact except within its window's reach of the chunk's ends;
+positional operations (elementwise, broadcasts, contractions of other axes) keep each position
+to itself. With ``E`` the most reach any chain of windows adds up to (:func:`extension`), the
+centre ``[start, start + n)`` is exact: sinks and written values take only the centre.
+
+Where strides make values of several lengths, the region's axis is their greatest common divisor
+(:func:`scales`): a value ``k`` times as long holds positions ``[k * (start - E), k * (start + n
++ E))`` of its own axis, and reaches count in positions of the region's axis, rounded up.
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ def cost(graph: Graph, split: Any, chunk: int = 0) -> dict[str, int]:
     keyword arguments of :class:`memsafe.plan.SplitRecord`."""
     split = unwrapped(split)
     if not isinstance(split, StagedSplit):
-        return {"stages": 1, "recompute_flops": 0}
+        return {"stages": 1, "recompute_flops": 0, "extend": 0}
     region, eqns = split.region, graph.eqns
     loops = plan_loops(graph, region)
     again = [eqns[i] for lp in loops for i in lp.eqns if region.stage[i] < lp.stage]
