@@ -216,3 +216,30 @@ def test_the_plan_shows_the_halos_and_their_cost():
     assert split.extend == 7  # 4 layers forward, 3 input gradients back
     assert split.recompute_flops > 0
     assert "each chunk extended by 7 on both sides" in split.describe()
+
+
+def test_flax_cnn_on_one_image_fits_a_third():
+    """A flax.linen CNN as users write it (Conv, ReLU, max pooling twice, a dense head,
+    optax's cross-entropy), batch 1: its gradient runs in one region over pooled rows."""
+    nn = pytest.importorskip("flax.linen")
+    optax = pytest.importorskip("optax")
+
+    class CNN(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            for features in (16, 16, None, 32, 32, None, 32):
+                if features is None:
+                    x = nn.max_pool(x, (2, 2), (2, 2))
+                else:
+                    x = nn.relu(nn.Conv(features, (3, 3))(x))
+            return nn.Dense(10)(jnp.mean(x, (1, 2)))
+
+    model = CNN()
+    (x,) = _arrays((1, 192, 192, 3), seed=9)
+    params = model.init(jax.random.PRNGKey(0), x)
+
+    def loss(p, x, y):
+        return optax.softmax_cross_entropy_with_integer_labels(model.apply(p, x), y).mean()
+
+    plan = _under_limit(jax.grad(loss), [params, x, jnp.array([3])], _a_third)
+    assert [s.axis for s in plan.splits] == [1] and plan.splits[0].extend > 0

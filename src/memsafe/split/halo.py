@@ -24,7 +24,7 @@ centre ``[start, start + n)`` is exact: sinks and written values take only the c
 
 Where strides make values of several lengths, the region's axis is their greatest common divisor
 (:func:`scales`): a value ``k`` times as long holds positions ``[k * (start - E), k * (start + n
-+ E))`` of its own axis, and reaches count in positions of the region's axis, rounded up.
++ E))`` of its own axis.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import JaxprEqn, Var, is_var
+from memsafe._jax import JaxprEqn, Var
 
 _EXTENDING: contextvars.ContextVar[bool] = contextvars.ContextVar("halo", default=False)
 
@@ -136,11 +136,12 @@ def extension(
     for its centre to be exact.
 
     Walks the region's equations (``maps``: index -> Mapping or Sink) in program order, tracking
-    how many positions at each end of an extended chunk of every value may be wrong: a
-    :class:`~memsafe.split.registry.Halo` adds its reach (in its operand's positions, ``scale``
-    of them to one of the axis) to its operand's, other mappings keep the largest of their
-    operands'. Sinks (plus the reach of a sink that reads a window of an operand,
-    ``Reducer.halo_reach``) and written values need their operands exact at the centre."""
+    how many positions at each end of an extended chunk of every value may be wrong, in the
+    value's own positions (``Mapping.wrong_after``: a :class:`~memsafe.split.registry.Halo` adds
+    its reach and divides by its stride, other mappings keep the most of their operands'). Sinks
+    (plus the reach of a sink that reads a window of an operand, ``Reducer.halo_reach``) and
+    written values need their operands exact at the centre, ``scale`` of a value's positions to
+    one of the region's axis."""
     wrong: dict[Var, int] = {}
 
     def units(rows: int, v: Any) -> int:
@@ -149,18 +150,16 @@ def extension(
     need = 0
     for i in sorted(maps):
         eqn, m = eqns[i], maps[i]
-        split = [(k, a) for k, (a, ax) in enumerate(zip(eqn.invars, m.ins)) if ax is not None]
-        into = [wrong.get(a, 0) for _, a in split if is_var(a)]
+        ins = [wrong.get(a, 0) if ax is not None else None for a, ax in zip(eqn.invars, m.ins)]
         if not hasattr(m, "outs"):  # a sink
             reach = m.reducer.halo_reach(eqn, m.ins)
-            for k, a in split:
-                need = max(need, wrong.get(a, 0) + units(reach.get(k, 0), a))
+            for k, (a, w) in enumerate(zip(eqn.invars, ins)):
+                if w is not None:
+                    need = max(need, units(w + reach.get(k, 0), a))
             continue
-        own = units(m.reach, split[0][1]) if hasattr(m, "reach") else 0
-        for o, ax in zip(eqn.outvars, m.outs):
-            if ax is not None:
-                wrong[o] = max(into, default=0) + own
-    return max([need, *(wrong.get(v, 0) for v in surviving)])
+        after = m.wrong_after(ins)
+        wrong.update((o, after) for o, ax in zip(eqn.outvars, m.outs) if ax is not None)
+    return max([need, *(units(wrong.get(v, 0), v) for v in surviving)])
 
 
 def positions(start: Any, n: int) -> Any:

@@ -40,6 +40,12 @@ class Mapping:
         run chunk for chunk: all equally long."""
         return len({n for n in (*ins, *outs) if n is not None}) <= 1
 
+    def wrong_after(self, ins: Sequence[int | None]) -> int:
+        """On extended chunks (:mod:`memsafe.split.halo`): positions at each end of the results
+        that may be wrong, given those of the split operands (None: not split). Each result
+        position reads its own position of each operand."""
+        return max((w for w in ins if w is not None), default=0)
+
 
 @dataclass(frozen=True)
 class Halo(Mapping):
@@ -56,6 +62,10 @@ class Halo(Mapping):
         """Operands ``stride`` times as long as the results."""
         long = {n for n in ins if n is not None} | {self.stride * n for n in outs if n is not None}
         return len(long) <= 1
+
+    def wrong_after(self, ins: Sequence[int | None]) -> int:
+        """A result position is wrong where its window reads a wrong operand position."""
+        return -(-(super().wrong_after(ins) + self.reach) // self.stride)
 
     @property
     def reach(self) -> int:

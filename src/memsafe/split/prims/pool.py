@@ -133,6 +133,11 @@ class Tiled(Halo):
         scaled = None if source is None else source * self.stride
         return len({n for n in (scaled, operand, *outs) if n is not None}) <= 1
 
+    def wrong_after(self, ins: Sequence[int | None]) -> int:
+        """A wrong source position spoils its window's ``stride`` result positions."""
+        source, operand = ins
+        return max(self.stride * (source or 0), operand or 0)
+
 
 def _select_and_scatter_add_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     win = _window(eqn, axis)
