@@ -243,3 +243,21 @@ def test_flax_cnn_on_one_image_fits_a_third():
 
     plan = _under_limit(jax.grad(loss), [params, x, jnp.array([3])], _a_third)
     assert [s.axis for s in plan.splits] == [1] and plan.splits[0].extend > 0
+
+
+def _strided_convs(ws, x):
+    """Two stride-2 convolutions between stride-1 ones: the gradient convolves the cotangent
+    dilated by the stride (an lhs dilation) to reach each strided layer's input."""
+    h = x
+    for w, stride in zip(ws, (1, 2, 1, 2, 1)):
+        h = jax.nn.relu(
+            lax.conv_general_dilated(h, w, (stride,) * 2, "SAME", dimension_numbers=LAYOUTS["nhwc"])
+        )
+    return jnp.sum(h**2)
+
+
+def test_strided_convolutions_and_their_gradients_share_one_region():
+    """The region's axis counts the rows after both strides (a quarter of the image's)."""
+    x, *ws = _arrays((1, 256, 256, 8), *[(3, 3, 8, 8)] * 5, seed=1)
+    plan = _under_limit(jax.grad(_strided_convs), [[0.3 * w for w in ws], x], _a_third)
+    assert [(s.axis, s.size) for s in plan.splits] == [(1, 64)]

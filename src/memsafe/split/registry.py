@@ -50,22 +50,24 @@ class Mapping:
 @dataclass(frozen=True)
 class Halo(Mapping):
     """A windowed equation run on an extended chunk (:mod:`memsafe.split.halo`): output position
-    ``o`` reads operand positions ``o * stride - lo`` to ``o * stride + hi`` along the split
-    axis, and the operand is ``stride`` times as long as the result; ``fill`` is the value it
-    pads with."""
+    ``o`` reads positions ``o * stride - lo`` to ``o * stride + hi`` of its operand dilated by
+    ``dilation`` (operand position ``i`` at ``i * dilation``) along the split axis; the operand
+    is ``stride / dilation`` times as long as the result (one of them is 1)."""
 
     lo: int = 0
     hi: int = 0
     stride: int = 1
+    dilation: int = 1
 
     def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
-        """Operands ``stride`` times as long as the results."""
-        long = {n for n in ins if n is not None} | {self.stride * n for n in outs if n is not None}
-        return len(long) <= 1
+        """Operands ``stride / dilation`` times as long as the results."""
+        dilated = {self.dilation * n for n in ins if n is not None}
+        return len(dilated | {self.stride * n for n in outs if n is not None}) <= 1
 
     def wrong_after(self, ins: Sequence[int | None]) -> int:
         """A result position is wrong where its window reads a wrong operand position."""
-        return -(-(super().wrong_after(ins) + self.reach) // self.stride)
+        wrong = self.dilation * super().wrong_after(ins)
+        return -(-(wrong + self.reach) // self.stride)
 
     @property
     def reach(self) -> int:

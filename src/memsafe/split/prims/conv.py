@@ -189,16 +189,17 @@ def _unpadded(eqn: JaxprEqn, k: int) -> dict[str, Any]:
 
 
 def _windowed(eqn: JaxprEqn, k: int) -> Halo | None:
-    """Spatial dimension ``k`` as a :class:`Halo` where output ``o`` reads input positions
-    around ``o * stride`` and the input is ``stride`` times as long as the result (no lhs
-    dilation); else None."""
+    """Spatial dimension ``k`` as a :class:`Halo` where output ``o`` reads positions around ``o
+    * stride`` of the input dilated by the lhs dilation (the input gradient of a strided
+    convolution), one of them 1, and the lengths match them exactly; else None."""
     lhs, _, out = _specs(eqn)
     w = window(eqn, k)
     n_in, n_out = shape(eqn.invars[0])[lhs[2 + k]], shape(eqn.outvars[0])[out[2 + k]]
-    if w.base_dilation != 1 or n_in != w.stride * n_out:
+    s, d = w.stride, w.base_dilation
+    if min(s, d) != 1 or n_in * d != n_out * s:
         return None
     hi = (w.size - 1) * w.window_dilation - w.pad_lo
-    return Halo(ins=(lhs[2 + k], None), outs=(out[2 + k],), lo=w.pad_lo, hi=hi, stride=w.stride)
+    return Halo((lhs[2 + k], None), (out[2 + k],), lo=w.pad_lo, hi=hi, stride=s, dilation=d)
 
 
 def _taps_along(eqn: JaxprEqn, k: int) -> Sink | None:
@@ -253,7 +254,8 @@ def _rebind_conv(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     result: the convolution of its window of the input, unpadded and undilated along the axis."""
     if isinstance(m, Halo):  # an extended chunk: zeros outside the axis, then as it is
         n_in = shape(eqn.invars[0])[m.ins[0]]
-        x = halo.fill_outside(invals[0], m.ins[0], start * m.stride, n_in, 0)
+        first = start * m.stride // m.dilation if m.stride != m.dilation else start
+        x = halo.fill_outside(invals[0], m.ins[0], first, n_in, 0)
         return _bind(eqn, [x, invals[1]])
     if m.ins != (None, None):
         return _bind(eqn, invals)
