@@ -219,17 +219,20 @@ def test_the_plan_shows_the_halos_and_their_cost():
 
 
 def test_flax_cnn_on_one_image_fits_a_third():
-    """A flax.linen CNN as users write it (Conv, ReLU, max pooling twice, a dense head,
-    optax's cross-entropy), batch 1: its gradient runs in one region over pooled rows."""
+    """A flax.linen CNN as users write it (Conv, ReLU, a max and an average pooling, a dense
+    head, optax's cross-entropy), batch 1: its gradient runs in one region over pooled rows
+    (the average pooling's gradient pads its cotangent: the pad is folded into the pooling)."""
     nn = pytest.importorskip("flax.linen")
     optax = pytest.importorskip("optax")
 
     class CNN(nn.Module):
         @nn.compact
         def __call__(self, x):
-            for features in (16, 16, None, 32, 32, None, 32):
-                if features is None:
+            for features in (16, 16, "max", 32, 32, "avg", 32):
+                if features == "max":
                     x = nn.max_pool(x, (2, 2), (2, 2))
+                elif features == "avg":
+                    x = nn.avg_pool(x, (2, 2), (2, 2))
                 else:
                     x = nn.relu(nn.Conv(features, (3, 3))(x))
             return nn.Dense(10)(jnp.mean(x, (1, 2)))
@@ -243,6 +246,7 @@ def test_flax_cnn_on_one_image_fits_a_third():
 
     plan = _under_limit(jax.grad(loss), [params, x, jnp.array([3])], _a_third)
     assert [s.axis for s in plan.splits] == [1] and plan.splits[0].extend > 0
+    assert "pad_into_window" in {r.rule for r in plan.rules}
 
 
 def _strided_convs(ws, x):
@@ -261,3 +265,40 @@ def test_strided_convolutions_and_their_gradients_share_one_region():
     x, *ws = _arrays((1, 256, 256, 8), *[(3, 3, 8, 8)] * 5, seed=1)
     plan = _under_limit(jax.grad(_strided_convs), [[0.3 * w for w in ws], x], _a_third)
     assert [(s.axis, s.size) for s in plan.splits] == [(1, 64)]
+
+
+@pytest.mark.parametrize(
+    ("window", "stride", "padding"), [(2, 2, "VALID"), (3, 2, "SAME"), (3, 1, "SAME")]
+)
+def test_pad_into_window_keeps_the_average_pooling_gradient(window, stride, padding):
+    """The rewrite folds the gradient's pad into its reduce_window_sum: the same values, and no
+    pad left in the program."""
+    from memsafe.passes.match_replace import apply_rules
+    from memsafe.rules import window as window_rule
+
+    def pooled(x):
+        dims, steps = (1, window, window, 1), (1, stride, stride, 1)
+        return jnp.sum(jnp.sin(lax.reduce_window(x, 0.0, lax.add, dims, steps, padding)))
+
+    (x,) = _arrays((2, 13, 12, 3), seed=4)
+    grad = jax.grad(pooled)
+    closed = inline_calls(jax.make_jaxpr(grad)(x))
+    new, records = apply_rules(closed, [], rewrites=window_rule.REWRITES)
+    assert [r.rule for r in records] == ["pad_into_window"]
+    assert "pad" not in {e.primitive.name for e in new.jaxpr.eqns}
+    got = memsafe_jit(lambda x: jax.core.eval_jaxpr(new.jaxpr, new.consts, x))(x)
+    assert check(got, [memsafe_jit(grad)(x)], [_float64(grad, x)]) == []
+
+
+def test_a_pad_with_another_value_stays():
+    """Padding a max pooling's operand with zeros is not the pooling's own padding (-inf)."""
+    from memsafe.passes.match_replace import apply_rules
+    from memsafe.rules import window as window_rule
+
+    def fun(x):
+        padded = jnp.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))
+        return lax.reduce_window(padded, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 1, 1, 1), "VALID")
+
+    (x,) = _arrays((1, 8, 8, 2), seed=5)
+    _, records = apply_rules(jax.make_jaxpr(fun)(x), [], rewrites=window_rule.REWRITES)
+    assert records == []

@@ -19,11 +19,11 @@ def builtin_rules() -> list[Rule]:
 
 
 def builtin_rewrites() -> list[Callable[[ClosedJaxpr], list[Any]]]:
-    """memsafe's procedural rewrites (broadcasts and tiles feeding products): functions from a
-    program to a list of :class:`memsafe.rules.tile.Rewrite`."""
-    from memsafe.rules import tile
+    """memsafe's procedural rewrites (broadcasts and tiles feeding products, pads feeding
+    poolings): functions from a program to a list of :class:`memsafe.rules.tile.Rewrite`."""
+    from memsafe.rules import tile, window
 
-    return list(tile.REWRITES)
+    return [*tile.REWRITES, *window.REWRITES]
 
 
 def register_rule(rule: Rule) -> Rule:

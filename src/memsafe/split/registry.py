@@ -69,6 +69,11 @@ class Halo(Mapping):
         wrong = self.dilation * super().wrong_after(ins)
         return -(-(wrong + self.reach) // self.stride)
 
+    def operand_start(self, start: Any) -> Any:
+        """Where the operand's chunk starts along its axis, given where the result's does (both
+        whole multiples of the region's chunk positions)."""
+        return start if self.stride == self.dilation else start * self.stride // self.dilation
+
     @property
     def reach(self) -> int:
         """Operand positions beyond a chunk's own (``[o * stride, (o + 1) * stride)`` for each

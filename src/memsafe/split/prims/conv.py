@@ -254,8 +254,7 @@ def _rebind_conv(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     result: the convolution of its window of the input, unpadded and undilated along the axis."""
     if isinstance(m, Halo):  # an extended chunk: zeros outside the axis, then as it is
         n_in = shape(eqn.invars[0])[m.ins[0]]
-        first = start * m.stride // m.dilation if m.stride != m.dilation else start
-        x = halo.fill_outside(invals[0], m.ins[0], first, n_in, 0)
+        x = halo.fill_outside(invals[0], m.ins[0], m.operand_start(start), n_in, 0)
         return _bind(eqn, [x, invals[1]])
     if m.ins != (None, None):
         return _bind(eqn, invals)

@@ -65,10 +65,11 @@ def _reduce_window_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     if win.trivial:
         return Mapping(ins=(axis,) * k + (None,) * inits, outs=outs)
     n_in, n_out = shape(eqn.invars[0])[axis], shape(eqn.outvars[0])[axis]
-    if halo.enabled() and win.base_dilation == 1 and n_in == win.stride * n_out:
+    s, d = win.stride, win.base_dilation
+    if halo.enabled() and min(s, d) == 1 and n_in * d == n_out * s:
         hi = (win.size - 1) * win.window_dilation - win.pad_lo
         ins = (axis,) * k + (None,) * inits
-        return Halo(ins=ins, outs=outs, lo=win.pad_lo, hi=hi, stride=win.stride)
+        return Halo(ins=ins, outs=outs, lo=win.pad_lo, hi=hi, stride=s, dilation=d)
     if side[0] == "out":
         return Mapping(ins=(None,) * len(eqn.invars), outs=outs)  # windows of the whole operand
     raise NoRule(f"{eqn.primitive.name} reads overlapping windows of the split axis")
@@ -99,7 +100,8 @@ def _rebind_reduce_window(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n
     operands with the reduction's own padding values."""
     axis, k = m.outs[0], _operands(eqn)
     if isinstance(m, Halo):  # an extended chunk: the padding value outside the axis, as it is
-        n_in, first = shape(eqn.invars[0])[axis], start * m.stride
+        n_in = shape(eqn.invars[0])[axis]
+        first = m.operand_start(start)
         fills = _fills(eqn, invals)
         filled = [halo.fill_outside(x, axis, first, n_in, f) for x, f in zip(invals, fills)]
         return bind_eqn(eqn, filled + invals[k:])
