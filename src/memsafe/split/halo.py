@@ -29,10 +29,8 @@ Where strides make values of several lengths, the region's axis is their greates
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +38,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Var
-
-_EXTENDING: contextvars.ContextVar[bool] = contextvars.ContextVar("halo", default=False)
+from memsafe.split.mode import Mode
 
 #: Primitives whose split rules map a windowed axis through as a Halo while extending.
 WINDOWED = ("conv_general_dilated", "reduce_window_max", "reduce_window_sum", "reduce_window")
@@ -95,19 +92,11 @@ def take(x: Any, axis: int, index: Any, valid: Any, fill: Any) -> Any:
     return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
 
 
-@contextlib.contextmanager
-def extending() -> Iterator[None]:
-    """Within this context, windowed operations map the axis through on extended chunks."""
-    token = _EXTENDING.set(True)
-    try:
-        yield
-    finally:
-        _EXTENDING.reset(token)
-
-
-def enabled() -> bool:
-    """Whether regions grow on extended chunks (inside :func:`extending`)."""
-    return _EXTENDING.get()
+_EXTENDING = Mode("halo")
+#: Within this context, windowed operations map the axis through on extended chunks.
+extending = _EXTENDING.on
+#: Whether regions grow on extended chunks (inside :func:`extending`).
+enabled = _EXTENDING.enabled
 
 
 def lengths_agree(eqn: JaxprEqn, m: Any) -> bool:

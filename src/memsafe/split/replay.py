@@ -17,10 +17,7 @@ exists (:func:`replaying`). The term is still made whole in each iteration; a sp
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -28,9 +25,8 @@ from jax import lax
 
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Var, bind_eqn
 from memsafe.graph.interpret import evaluate
+from memsafe.split.mode import Mode
 from memsafe.split.registry import Mapping
-
-_ENABLED: contextvars.ContextVar[bool] = contextvars.ContextVar("replay", default=False)
 
 #: Primitives that add the iteration's term to the accumulator.
 ADDS = ("add", "add_any")
@@ -42,19 +38,11 @@ REPLAYABLE = ("scan",)
 _MADE: weakref.WeakSet = weakref.WeakSet()
 
 
-@contextlib.contextmanager
-def replaying() -> Iterator[None]:
-    """Within this context, loops may replay per chunk of an accumulator (scan's split rule)."""
-    token = _ENABLED.set(True)
-    try:
-        yield
-    finally:
-        _ENABLED.reset(token)
-
-
-def enabled() -> bool:
-    """Whether replays are tried (inside :func:`replaying`)."""
-    return _ENABLED.get()
+_REPLAYING = Mode("replay")
+#: Within this context, loops may replay per chunk of an accumulator (scan's split rule).
+replaying = _REPLAYING.on
+#: Whether replays are tried (inside :func:`replaying`).
+enabled = _REPLAYING.enabled
 
 
 def made(body: ClosedJaxpr) -> bool:
