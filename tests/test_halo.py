@@ -302,3 +302,36 @@ def test_a_pad_with_another_value_stays():
     (x,) = _arrays((1, 8, 8, 2), seed=5)
     _, records = apply_rules(jax.make_jaxpr(fun)(x), [], rewrites=window_rule.REWRITES)
     assert records == []
+
+
+def _unet(p, x, target):
+    """A small U-Net as written for segmentation: two encoder convolutions, max pooling, two
+    more, a transposed convolution back up, the skip connection concatenated along channels,
+    a convolution and a 1x1 head, per-pixel squared loss."""
+
+    def conv(h, w, transposed=False):
+        if transposed:
+            return jax.nn.relu(
+                lax.conv_transpose(h, w, (2, 2), "SAME", dimension_numbers=LAYOUTS["nhwc"])
+            )
+        return jax.nn.relu(
+            lax.conv_general_dilated(h, w, (1, 1), "SAME", dimension_numbers=LAYOUTS["nhwc"])
+        )
+
+    skip = conv(conv(x, p[0]), p[1])
+    h = lax.reduce_window(skip, -jnp.inf, lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
+    h = conv(conv(conv(h, p[2]), p[3]), p[4], transposed=True)
+    h = conv(jnp.concatenate([h, skip], axis=-1), p[5])
+    out = lax.conv_general_dilated(h, p[6], (1, 1), "SAME", dimension_numbers=LAYOUTS["nhwc"])
+    return jnp.mean((out - target) ** 2)
+
+
+def test_unet_on_one_image_fits_a_third():
+    """Down and up again in one region: the transposed convolution's window over its dilated
+    input, its kernel gradient (taps over the dilated input) and the concatenation of channels
+    all run on extended chunks."""
+    shapes = [(3, 3, 3, 16), (3, 3, 16, 16), (3, 3, 16, 32), (3, 3, 32, 32), (2, 2, 32, 16),
+              (3, 3, 32, 16), (1, 1, 16, 1)]  # fmt: skip
+    x, target, *p = _arrays((1, 256, 256, 3), (1, 256, 256, 1), *shapes, seed=2)
+    plan = _under_limit(jax.grad(_unet), [[0.3 * w for w in p], x, target], _a_third)
+    assert [(s.axis, s.size) for s in plan.splits] == [(1, 128)]

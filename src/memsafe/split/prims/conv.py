@@ -143,17 +143,18 @@ class HaloTaps(sinks.Monoid):
 
     def _taps(self, eqn: JaxprEqn, axis: int) -> tuple[int, Window]:
         """(spatial dimension, the window of taps over every output) of the sink along
-        ``axis`` of the input: cotangent position ``c`` and tap ``j`` read input position ``c *
-        window_dilation + j * stride - pad_lo``."""
+        ``axis`` of the input: cotangent position ``c`` and tap ``j`` read position ``c *
+        window_dilation + j * stride - pad_lo`` of the input dilated by the lhs dilation."""
         lhs_spec, _, out_spec = _specs(eqn)
         k = lhs_spec.index(axis) - 2
         w = window(eqn, k)
         outputs = shape(eqn.outvars[0])[out_spec[2 + k]]
-        return k, Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, 1, w.stride)
+        return k, Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, w.base_dilation, w.stride)
 
     def halo_reach(self, eqn: JaxprEqn, ins: tuple[int | None, ...]) -> dict[int, int]:
         _, t = self._taps(eqn, ins[0])
-        return {0: max(t.pad_lo, t.width(1) - t.pad_lo - t.stride, 0)}
+        dilated = max(t.pad_lo, t.width(1) - t.pad_lo - t.stride, 0)
+        return {0: -(-dilated // t.base_dilation)}
 
     def extended_partial(
         self,
@@ -205,12 +206,13 @@ def _windowed(eqn: JaxprEqn, k: int) -> Halo | None:
 def _taps_along(eqn: JaxprEqn, k: int) -> Sink | None:
     """Spatial dimension ``k`` of a kernel gradient (the cotangent as the kernel, one tap per
     output position) as a :class:`HaloTaps` sink where consecutive cotangent positions read
-    input positions ``window_dilation`` apart and the input is that many times as long; else
-    None."""
+    positions ``window_dilation`` apart of the input dilated by the lhs dilation (one of them
+    1), and the lengths match them exactly; else None."""
     lhs, rhs, _ = _specs(eqn)
     w = window(eqn, k)
     n_in, n_taps = shape(eqn.invars[0])[lhs[2 + k]], shape(eqn.invars[1])[rhs[2 + k]]
-    if w.base_dilation != 1 or n_in != w.window_dilation * n_taps:
+    step, d = w.window_dilation, w.base_dilation
+    if min(step, d) != 1 or n_in * d != n_taps * step:
         return None
     _require_ungrouped(eqn, "spatial", "feature_group_count", "batch_group_count")
     return Sink(HALO_TAPS, ins=(lhs[2 + k], rhs[2 + k]))

@@ -56,7 +56,8 @@ def _moving(
     rebind_passing: Rebind = bind_unchanged,
 ) -> None:
     """Register ``name``: where ``moves(eqn, axis)`` the result's chunk is ``window`` of the
-    whole operands; elsewhere the axis maps as ``passes`` says, re-bound by ``rebind_passing``."""
+    whole operands; elsewhere the axis maps as ``passes`` says, re-bound by ``rebind_passing``
+    (positional: a concatenation of channels runs on extended chunks, memsafe.split.halo)."""
 
     def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
         if not moves(eqn, axis):
@@ -74,7 +75,10 @@ def _moving(
             return [window(eqn, invals, axis, start, n)]
         return rebind_passing(eqn, invals, m, start, n)
 
-    split_rule(name, rebind=rebind)(axis_map)
+    def positional(eqn: JaxprEqn, m: Mapping) -> bool:
+        return m.outs[0] is not None and not moves(eqn, m.outs[0])
+
+    split_rule(name, rebind=rebind, positional=positional)(axis_map)
 
 
 # -- rev ----------------------------------------------------------------------------------------
@@ -171,7 +175,7 @@ def _rebind_dus(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: 
     return bind_eqn(eqn, _zero_index(invals, 2 + a))
 
 
-@split_rule("dynamic_update_slice", rebind=_rebind_dus)
+@split_rule("dynamic_update_slice", rebind=_rebind_dus, positional=True)
 def _dynamic_update_slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     op, upd = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
     if op[axis] != upd[axis]:
@@ -221,7 +225,9 @@ def _passing(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     return passing(eqn, axis)
 
 
-split_rule("slice", rebind=_rebind_slice)(_slice_axis_map)
+split_rule("slice", rebind=_rebind_slice, positional=lambda e, m: m.ins[0] is not None)(
+    _slice_axis_map
+)
 _moving("rev", lambda e, a: a in tuple(e.params["dimensions"]), _rev, _passing)
 _moving("pad", lambda e, a: tuple(e.params["padding_config"][a]) != (0, 0, 0), _pad, _pad_passes)
 _moving("concatenate", lambda e, a: a == e.params["dimension"], _concatenate, _passing)
