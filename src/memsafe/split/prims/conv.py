@@ -20,13 +20,14 @@ cotangent dilated by the stride against the reversed kernel; the kernel's: input
 contracted over the batch axis), so the same rule splits them: a batch split of a training step
 makes the kernel gradient a sum sink (gradient accumulation).
 
-While regions grow on extended chunks (:func:`memsafe.split.halo.extending`), a spatial axis whose
-result is as long as its input (stride 1, no lhs dilation, "SAME"-like padding) maps through as
-a :class:`~memsafe.split.registry.Halo`: the chunk's input, extended, is filled with zeros
-outside the axis and convolved unchanged, so several convolutions in a row run in one loop. The
-kernel gradient of such a convolution (input and cotangent both split along the axis) is a sum
-sink over the cotangent's chunks, each against the window of the extended input it reads
-(:class:`HaloTaps`).
+While regions grow on extended chunks (:func:`memsafe.split.halo.extending`), a spatial axis
+whose input is ``stride / lhs_dilation`` times as long as its result (one of them 1: a "SAME"
+convolution, a strided one, the input gradient of a strided one) maps through as a
+:class:`~memsafe.split.registry.Halo`: the chunk's input, extended, is filled with zeros outside
+the axis and convolved unchanged, so several convolutions in a row run in one loop. The kernel
+gradient of such a convolution (input and cotangent both split along the axis) is a sum sink
+over the cotangent's chunks, each against the window of the extended input it reads
+(:class:`HaloTaps`). Chunk bodies bind convolutions in XLA's canonical layout (:func:`_bind`).
 
 Grouped convolutions split along their batch (``batch_group_count == 1``) and spatial axes; the
 feature axes of grouped convolutions are refused.
