@@ -70,6 +70,17 @@ class Window:
         plain = self.stride == 1 and self.base_dilation == 1
         return self.size == 1 and plain and self.pad_lo == 0 and self.pad_hi == 0
 
+    @property
+    def after(self) -> int:
+        """Padded positions past ``o * stride`` that output ``o``'s window reads last."""
+        return (self.size - 1) * self.window_dilation - self.pad_lo
+
+    @property
+    def reach(self) -> int:
+        """Padded positions beyond a chunk's own (``[o * stride, (o + 1) * stride)`` for each
+        output ``o``) that the window reads, on the farther side."""
+        return reach(self.pad_lo, self.after, self.stride)
+
     def width(self, n: int) -> int:
         """Padded positions ``n`` consecutive outputs read."""
         return (n - 1) * self.stride + (self.size - 1) * self.window_dilation + 1
@@ -149,6 +160,25 @@ def extension(
         after = m.wrong_after(ins)
         wrong.update((o, after) for o, ax in zip(eqn.outvars, m.outs) if ax is not None)
     return max([need, *(units(wrong.get(v, 0), v) for v in surviving)])
+
+
+def reach(lo: int, hi: int, stride: int) -> int:
+    """Positions beyond a chunk's own that windows reading ``o * stride - lo`` to ``o * stride
+    + hi`` for output ``o`` read, on the farther side."""
+    return max(lo, hi - stride + 1, 0)
+
+
+def aligned(step: int, dilation: int, n_in: int, n_out: int) -> bool:
+    """Whether a window that advances ``step`` positions of its operand dilated by ``dilation``
+    per result position (one of them 1) runs chunk for chunk: the lengths match them exactly
+    (``n_in * dilation == n_out * step``), so a chunk of whole results reads a whole chunk."""
+    return min(step, dilation) == 1 and n_in * dilation == n_out * step
+
+
+def scaled(start: Any, k: int) -> Any:
+    """``start * k``, with no equation where ``k`` is 1 (a body that reads no position of the
+    axis must not read its start: memsafe.split.selection)."""
+    return start if k == 1 else start * k
 
 
 def positions(start: Any, n: int) -> Any:

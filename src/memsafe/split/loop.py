@@ -188,7 +188,7 @@ class Written:
     def write(self, bufs: list[Any], vals: list[Any], start: Any) -> list[Any]:
         return [
             lax.dynamic_update_slice_in_dim(
-                b, v, local_start(_times(start, self.scale(k)), b.shape[ax]), ax
+                b, v, local_start(halo.scaled(start, self.scale(k)), b.shape[ax]), ax
             )
             for k, (b, v, ax) in enumerate(zip(bufs, vals, self.axes))
         ]
@@ -365,12 +365,6 @@ def _counted_scan(step: Callable[[Any, Any], Any], init: Any, first: int, last: 
     return out
 
 
-def _times(start: Any, k: int) -> Any:
-    """``start * k``, with no equation where ``k`` is 1 (a body that reads no position of the
-    axis must not read its start: memsafe.split.selection)."""
-    return start if k == 1 else start * k
-
-
 def _with_axis(value: Any, axis: int, size: int) -> tuple[int, ...]:
     shape = list(value.shape)
     shape[axis] = size
@@ -435,9 +429,9 @@ class ChunkEnv:
         for v, val in sliced:
             ax, k = region.axis_of[v], region.scale_of(v)
             if e:
-                local[v] = halo.read_extended(val, ax, _times(start, k), n * k)
+                local[v] = halo.read_extended(val, ax, halo.scaled(start, k), n * k)
             else:
-                first = local_start(_times(start, k), val.shape[ax])
+                first = local_start(halo.scaled(start, k), val.shape[ax])
                 local[v] = lax.dynamic_slice_in_dim(val, first, n * k, ax)
         scaled = bool(region.scale)
         return cls(graph, region, peep, start, n, local, whole, carried, extend=e, scaled=scaled)
@@ -498,7 +492,7 @@ class ChunkEnv:
         k = self._scale(i) if self.scaled else 1
         outs = peephole.bind_mapped(
             self.peep, i, eqn, invals, m, self.read, self.local, self.graph.eqns,
-            _times(self.start, k), self.n * k,
+            halo.scaled(self.start, k), self.n * k,
         )  # fmt: skip
         if run is not None:
             outs, self.carries[i] = run.record(eqn, outs, m, self.n, prev)

@@ -23,6 +23,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn
+from memsafe.split import halo
+from memsafe.split.halo import Window
 from memsafe.split.sinks import Sink
 
 Axis = int | None
@@ -59,6 +61,12 @@ class Halo(Mapping):
     stride: int = 1
     dilation: int = 1
 
+    @classmethod
+    def over(cls, window: Window, ins: tuple[Axis, ...], outs: tuple[Axis, ...]) -> Halo:
+        """The halo of ``window`` (its padding, stride and base dilation)."""
+        lo, hi = window.pad_lo, window.after
+        return cls(ins, outs, lo=lo, hi=hi, stride=window.stride, dilation=window.base_dilation)
+
     def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
         """Operands ``stride / dilation`` times as long as the results."""
         dilated = {self.dilation * n for n in ins if n is not None}
@@ -78,7 +86,7 @@ class Halo(Mapping):
     def reach(self) -> int:
         """Operand positions beyond a chunk's own (``[o * stride, (o + 1) * stride)`` for each
         output ``o``) that a window reads, on the farther side."""
-        return max(self.lo, self.hi - self.stride + 1, 0)
+        return halo.reach(self.lo, self.hi, self.stride)
 
 
 class NoRule(Exception):

@@ -73,7 +73,7 @@ class Reducer:
             for v, ax, k in zip(invals, ins, scales)
         ]
         k, axis = next((k, a) for k, a in zip(scales, ins) if a is not None)
-        return self.partial(eqn, invals, axis, start if k == 1 else start * k, size * k)
+        return self.partial(eqn, invals, axis, halo.scaled(start, k), size * k)
 
     def halo_reach(self, eqn: JaxprEqn, ins: tuple[Axis, ...]) -> dict[int, int]:
         """Positions beyond the centre of an extended chunk that :meth:`extended_partial` reads,

@@ -153,9 +153,8 @@ class HaloTaps(sinks.Monoid):
         return k, Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, w.base_dilation, w.stride)
 
     def halo_reach(self, eqn: JaxprEqn, ins: tuple[int | None, ...]) -> dict[int, int]:
-        _, t = self._taps(eqn, ins[0])
-        dilated = max(t.pad_lo, t.width(1) - t.pad_lo - t.stride, 0)
-        return {0: -(-dilated // t.base_dilation)}
+        _, taps = self._taps(eqn, ins[0])
+        return {0: -(-taps.reach // taps.base_dilation)}  # in positions of the input
 
     def extended_partial(
         self,
@@ -197,11 +196,9 @@ def _windowed(eqn: JaxprEqn, k: int) -> Halo | None:
     lhs, _, out = _specs(eqn)
     w = window(eqn, k)
     n_in, n_out = shape(eqn.invars[0])[lhs[2 + k]], shape(eqn.outvars[0])[out[2 + k]]
-    s, d = w.stride, w.base_dilation
-    if min(s, d) != 1 or n_in * d != n_out * s:
+    if not halo.aligned(w.stride, w.base_dilation, n_in, n_out):
         return None
-    hi = (w.size - 1) * w.window_dilation - w.pad_lo
-    return Halo((lhs[2 + k], None), (out[2 + k],), lo=w.pad_lo, hi=hi, stride=s, dilation=d)
+    return Halo.over(w, (lhs[2 + k], None), (out[2 + k],))
 
 
 def _taps_along(eqn: JaxprEqn, k: int) -> Sink | None:
@@ -212,8 +209,7 @@ def _taps_along(eqn: JaxprEqn, k: int) -> Sink | None:
     lhs, rhs, _ = _specs(eqn)
     w = window(eqn, k)
     n_in, n_taps = shape(eqn.invars[0])[lhs[2 + k]], shape(eqn.invars[1])[rhs[2 + k]]
-    step, d = w.window_dilation, w.base_dilation
-    if min(step, d) != 1 or n_in * d != n_taps * step:
+    if not halo.aligned(w.window_dilation, w.base_dilation, n_in, n_taps):
         return None
     _require_ungrouped(eqn, "spatial", "feature_group_count", "batch_group_count")
     return Sink(HALO_TAPS, ins=(lhs[2 + k], rhs[2 + k]))

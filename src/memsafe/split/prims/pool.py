@@ -65,11 +65,8 @@ def _reduce_window_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     if win.trivial:
         return Mapping(ins=(axis,) * k + (None,) * inits, outs=outs)
     n_in, n_out = shape(eqn.invars[0])[axis], shape(eqn.outvars[0])[axis]
-    s, d = win.stride, win.base_dilation
-    if halo.enabled() and min(s, d) == 1 and n_in * d == n_out * s:
-        hi = (win.size - 1) * win.window_dilation - win.pad_lo
-        ins = (axis,) * k + (None,) * inits
-        return Halo(ins=ins, outs=outs, lo=win.pad_lo, hi=hi, stride=s, dilation=d)
+    if halo.enabled() and halo.aligned(win.stride, win.base_dilation, n_in, n_out):
+        return Halo.over(win, (axis,) * k + (None,) * inits, outs)
     if side[0] == "out":
         return Mapping(ins=(None,) * len(eqn.invars), outs=outs)  # windows of the whole operand
     raise NoRule(f"{eqn.primitive.name} reads overlapping windows of the split axis")
@@ -147,7 +144,7 @@ def _select_and_scatter_add_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping
         return Mapping(ins=(axis, axis), outs=(axis,))
     tiles = win.size == win.stride and (win.pad_lo, win.pad_hi) == (0, 0)
     if halo.enabled() and tiles and win.base_dilation == win.window_dilation == 1:
-        return Tiled(ins=(axis, axis), outs=(axis,), lo=0, hi=win.size - 1, stride=win.stride)
+        return Tiled.over(win, (axis, axis), (axis,))
     if side[0] != "out":
         raise NoRule("select_and_scatter_add scatters overlapping windows along the split axis")
     if (win.pad_lo, win.pad_hi) != (0, 0):
