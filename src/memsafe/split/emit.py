@@ -116,10 +116,13 @@ def _loop_group(
     dead: frozenset[int],
     runner: chunk_loop.Runner,
     same: bool = False,
+    pinned: frozenset[int] = frozenset(),
 ):
     """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``
     (a lone ``top_k`` along the axis: in tiles, memsafe.split.selection). With ``same``, the
-    values are computed as in every other loop of the region (no peephole moves, no tiles)."""
+    values are computed as in every other loop of the region (no peephole moves, no tiles), and
+    the equations in ``pinned`` (those several loops evaluate) each compiled alone
+    (:meth:`ChunkEnv.pin`)."""
     sharded = isinstance(runner, chunk_loop.DevicesRunner)
     tiled = (runner is chunk_loop.run or sharded) and not same and not region.windowed
     devices = runner.devices if sharded else 1
@@ -154,6 +157,8 @@ def _loop_group(
                 continue
             if not isinstance(region.maps[i], Sink):
                 env.bind(i)
+                if i in pinned:
+                    env.pin(i)
             elif i in loop.sinks:
                 parts.append(env.partial(i))
         return (parts, [env.carries[i] for i in running]), [env.written(v) for v in loop.surviving]
@@ -206,12 +211,25 @@ class StagedSplit(OneDevice):
         loops = plan_loops(graph, self.region)
         covered = frozenset().union(*(lp.eqns for lp in loops))
         dead = frozenset(self.region.maps) - covered
+        pinned = recomputed(loops) if self.same else frozenset()
         return [
             _loop_group(
-                graph, self.region, lp, chunk, dead if k == 0 else frozenset(), runner, self.same
+                graph, self.region, lp, chunk, dead if k == 0 else frozenset(), runner,
+                self.same, pinned,
             )
             for k, lp in enumerate(loops)
-        ]
+        ]  # fmt: skip
+
+
+def recomputed(loops: list[Loop]) -> frozenset[int]:
+    """Equations that more than one of ``loops`` evaluate (a later stage recomputing what an
+    earlier one read)."""
+    seen: set[int] = set()
+    again: set[int] = set()
+    for lp in loops:
+        again.update(seen.intersection(lp.eqns))
+        seen.update(lp.eqns)
+    return frozenset(again)
 
 
 class Split(Protocol):

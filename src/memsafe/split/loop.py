@@ -477,6 +477,21 @@ class ChunkEnv:
             return sink.reducer.extended_partial(eqn, invals, sink.ins, scales, start, n, e)
         return sink.reducer.partial(eqn, self.invals(i), sink.axis, self.start, self.n)
 
+    def pin(self, i: int) -> None:
+        """Hold equation ``i``'s floating-point results behind ``lax.optimization_barrier``.
+
+        A value that several loops recompute and one of them compares (the gradient of ``max``
+        or ``segment_max`` compares each value with the maximum an earlier loop found) must
+        have the same bits in every loop. XLA compiles each loop body on its own: a chain such
+        as ``x * mask / 0.9 * gate`` was fused and simplified otherwise in the loop that found
+        the maxima than in the loop that compared with them (a graph network's gradient, 37%
+        off). Each pinned equation reads pinned operands or the loop's own inputs and feeds a
+        barrier, so XLA sees it alone, the same in every loop, and rounds it the same."""
+        for o in self.graph.eqns[i].outvars:
+            v = self.local.get(o)
+            if v is not None and jnp.issubdtype(v.dtype, jnp.inexact):
+                self.local[o] = lax.optimization_barrier(v)
+
     def bind(self, i: int) -> None:
         """Evaluate mapped equation ``i`` at chunk shape into ``local``; a scan along the axis
         reads what the chunks before it carried and records what it carries on."""
