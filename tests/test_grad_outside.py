@@ -39,6 +39,42 @@ def test_gradient_of_one_argument_needs_no_more_than_jax_jit():
     assert backward.after.outputs == x.nbytes  # the gradient of x only
 
 
+def test_backward_plan_describes_the_gradient_that_ran():
+    """After ``jax.grad(f, argnums=0)`` ran, ``backward_plan`` is that program's plan (issue 39:
+    it planned every float input's gradient and raised); ``argnums`` asks for one before."""
+    x, w = _data()
+    reference = memsafe_jit(jax.grad(loss, argnums=0))
+    limit = Footprint.from_compiled(reference.lower(x, w).compile()).total
+    fresh = memsafe.jit(loss, memory_limit=limit)
+    asked = fresh.backward_plan(x, w, argnums=0)
+    assert asked.after.total <= limit and asked.after.outputs == x.nbytes
+    with pytest.raises(ValueError, match="argnums 2"):
+        fresh.backward_plan(x, w, argnums=2)
+    f = memsafe.jit(loss, memory_limit=limit)
+    jax.grad(f, argnums=0)(x, w)
+    ran = f.backward_plan(x, w)
+    assert ran is f.plan(x, w).backward and ran.after.outputs == x.nbytes
+    with pytest.raises(memsafe.MemoryLimitError):
+        f.backward_plan(x, w, argnums=(0, 1))  # w's gradient alone is over the limit
+
+
+def test_backward_plan_argnums_counts_pytrees_and_static_arguments():
+    """``argnums`` selects every array of a pytree argument, after static arguments."""
+
+    def tree_loss(scale, params, x):
+        return jnp.sum(jnp.tanh(x @ params["w"] + params["b"]) ** 2) * scale
+
+    x, w = _data()
+    params = {"w": w, "b": jnp.zeros(w.shape[1])}
+    f = memsafe.jit(tree_loss, memory_limit="1GiB", static_argnums=0)
+    plan = f.backward_plan(2.0, params, x, argnums=1)
+    tuple_table = 2 * 8  # XLA's table of the two outputs' addresses
+    assert plan.after.outputs == w.nbytes + params["b"].nbytes + tuple_table
+    assert f.backward_plan(2.0, params, x, argnums=2).after.outputs == x.nbytes
+    with pytest.raises(ValueError, match="static"):
+        f.backward_plan(2.0, params, x, argnums=0)
+
+
 def test_unused_outputs_take_no_cotangent():
     """Only the outputs the loss uses feed the backward program; the values are jax.jit's."""
 

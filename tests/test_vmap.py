@@ -160,3 +160,37 @@ def test_memsafe_inside_memsafe_is_planned_whole_without_warning():
         plan = outer.plan(x[0], y, v)
     assert not plan.fits_unchanged and plan.after.total <= LIMIT
     _close(got, memsafe_jit(lambda a, b, c: jnp.sum(kmv(a, b, c) ** 2))(x[0], y, v))
+
+
+def _batched_plans(f: memsafe.jit) -> list:
+    """The plans of every program ``f`` re-planned under ``jax.vmap`` (forward and backward)."""
+    found, stack = [], list(f._batched_programs.values())
+    while stack:
+        batched = stack.pop()
+        found.extend(child.program.plan for child in batched._children.values())
+        stack.extend(batched._children.values())
+    return found
+
+
+@pytest.mark.parametrize(("mode", "times"), [("forward", 1.0), ("gradient", 1.9)])
+def test_vmap_runs_unchanged_where_jax_jits_batched_program_fits(mode, times):
+    """A 2-block transformer, batch 2 under ``jax.vmap``, at a limit between jax.jit's batched
+    footprint and twice it: every batched program runs unchanged (issue 39: one was refused)."""
+    from tests.deep_models import Shape, transformer
+
+    loss, params, (x, y) = transformer(Shape(blocks=2, batch=2, length=128, width=32, heads=2))
+
+    def one(p, x, y):  # one sequence
+        return loss(p, x[None], y[None])
+
+    f = one if mode == "forward" else jax.grad(one)
+    axes = (None, 0, 0)
+    jitted = memsafe_jit(jax.vmap(f, in_axes=axes))
+    limit = int(Footprint.from_compiled(jitted.lower(params, x, y).compile()).total * times)
+    safe = memsafe.jit(one, memory_limit=limit)
+    run = safe if mode == "forward" else jax.grad(safe)
+    got = jax.vmap(run, in_axes=axes)(params, x, y)
+    plans = _batched_plans(safe)
+    assert plans and all(p.fits_unchanged and p.after.total <= limit for p in plans)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(jitted(params, x, y))):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)

@@ -221,18 +221,48 @@ class ArgSpec:
         """For each leaf of ``(dynamic args, dynamic kwargs)``, whether it is donated."""
         if not (self.donate_argnums or self.donate_argnames):
             return [False] * n_leaves
+        return _marked(args, static_pos, dyn_kwargs, self.donate_argnums, self.donate_argnames)
+
+    def flags(self, args: tuple, kwargs: dict[str, Any], argnums: int | Sequence[int]) -> tuple:
+        """For each dynamic array of a call (``Call.flat``), whether it lies in one of the
+        positional arguments ``argnums`` (as ``jax.grad``'s ``argnums`` selects them).
+
+        Raises:
+            ValueError: an ``argnums`` entry out of range or naming a static argument.
+        """
         n_args = len(args)
-        nums = {i % n_args for i in self.donate_argnums if -n_args <= i < n_args}
-        mask_args = [
-            jax.tree_util.tree_map(lambda _, d=i in nums: d, a)
-            for i, a in enumerate(args)
-            if i not in static_pos
-        ]
-        mask_kwargs = {
-            k: jax.tree_util.tree_map(lambda _, d=k in self.donate_argnames: d, v)
-            for k, v in dyn_kwargs.items()
-        }
-        return jax.tree_util.tree_leaves((mask_args, mask_kwargs))
+        nums = as_tuple(argnums, int, "argnums")
+        static_pos = {i % n_args for i in self.static_argnums if -n_args <= i < n_args}
+        for i in nums:
+            if not -n_args <= i < n_args or i % n_args in static_pos:
+                raise ValueError(
+                    f"argnums {i} is not a dynamic positional argument of a call with "
+                    f"{n_args} positional arguments (static: {sorted(static_pos)})"
+                )
+        dyn_kwargs = {k: v for k, v in kwargs.items() if k not in self.static_argnames}
+        marks = _marked(args, static_pos, dyn_kwargs, nums, ())
+        leaves = jax.tree_util.tree_leaves(
+            ([a for i, a in enumerate(args) if i not in static_pos], dyn_kwargs)
+        )
+        return tuple(m for m, x in zip(marks, leaves) if not is_static_leaf(x))
+
+
+def _marked(
+    args: tuple, static_pos: set[int], dyn_kwargs: dict, nums: Sequence[int], names: Sequence[str]
+) -> list[bool]:
+    """For each leaf of ``(dynamic args, dynamic kwargs)``, whether its argument is one of the
+    positions ``nums`` or the keywords ``names``."""
+    n_args = len(args)
+    at = {i % n_args for i in nums if -n_args <= i < n_args}
+    mask_args = [
+        jax.tree_util.tree_map(lambda _, d=i in at: d, a)
+        for i, a in enumerate(args)
+        if i not in static_pos
+    ]
+    mask_kwargs = {
+        k: jax.tree_util.tree_map(lambda _, d=k in names: d, v) for k, v in dyn_kwargs.items()
+    }
+    return jax.tree_util.tree_leaves((mask_args, mask_kwargs))
 
 
 def _rebuilder(

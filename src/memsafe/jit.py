@@ -806,10 +806,32 @@ class MemsafeFunction:
         outs = jax.eval_shape(call.rebuild, *call.avals)
         return jax.tree_util.tree_unflatten(call.out_tree[0], outs)
 
-    def backward_plan(self, *args: Any, **kwargs: Any) -> Plan:
-        """The plan of the gradient program (built on first differentiation, or now)."""
+    def backward_plan(
+        self, *args: Any, argnums: int | Sequence[int] | None = None, **kwargs: Any
+    ) -> Plan:
+        """The plan of the gradient program for these arguments.
+
+        Args:
+            *args: the arguments as for a call; arrays may be ``jax.ShapeDtypeStruct``.
+            argnums: the positional arguments differentiated, as ``jax.grad``'s ``argnums``.
+                Left out: the gradient program that ran last for these arguments (the inputs
+                ``jax.grad`` perturbed, the cotangents it passed), or, before any ran, the
+                gradient w.r.t. every floating-point input.
+            **kwargs: keyword arguments as for a call.
+
+        Returns:
+            The :class:`memsafe.Plan` of the backward program.
+
+        Raises:
+            memsafe.MemoryLimitError: no rewrite meets the limit.
+            ValueError: ``argnums`` names no dynamic positional argument.
+        """
         program, _, rebuild, key = self._program(args, kwargs)
-        return self._backward_program(program, rebuild, key).plan
+        if argnums is None:
+            ran = self._latest_backward.get(key)
+            return (ran or self._backward_program(program, rebuild, key)).plan
+        perturbed = self._spec.flags(args, kwargs, argnums)
+        return self._backward_program(program, rebuild, key, perturbed).plan
 
     # -- differentiation ---------------------------------------------------------------------
 
