@@ -13,11 +13,17 @@ Cases run in ``--jobs N`` worker processes (a pool of one for ``--jobs 1``). A c
 after ``--case-timeout`` seconds (default 300; 0 for no limit) is killed with its pool, recorded
 with outcome ``timeout`` (not a failure: a slow compile is not a wrong answer) and the campaign
 goes on with a fresh pool (tests/fuzz/schedule.py).
+
+``--deep-fraction 0.4`` makes that share of seeds deep programs (tests/fuzz/deep.py: training
+steps of MLPs, layer stacks, transformers, CNNs, graph networks and several large values alive at
+once); which seeds are deep depends on the seed and the share only, so a report's seeds rerun
+with the same share (``--seeds-from`` takes it from the report unless given).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -36,11 +42,18 @@ from .wrappers import OPTIONS_VARIABLE
 DEFAULT_CASES = 2000
 
 
-def _results(seeds: list[int], jobs: int, timeout: float, deadline: float) -> Iterator[Result]:
-    """Results of ``seeds`` in completion order, ``timeout`` results for cases killed after
-    ``timeout`` seconds, starting no case after ``deadline`` (a ``time.monotonic()`` value)."""
-    for seed, value in run_all(run_seed, seeds, jobs, timeout, deadline):
-        yield timeout_result(seed, value.seconds, timeout) if isinstance(value, TimedOut) else value
+def _results(
+    seeds: list[int], jobs: int, timeout: float, deadline: float, deep_fraction: float = 0.0
+) -> Iterator[Result]:
+    """Results of ``seeds`` in completion order (a share ``deep_fraction`` of them deep),
+    ``timeout`` results for cases killed after ``timeout`` seconds, starting no case after
+    ``deadline`` (a ``time.monotonic()`` value)."""
+    run = functools.partial(run_seed, deep_fraction=deep_fraction)
+    for seed, value in run_all(run, seeds, jobs, timeout, deadline):
+        if isinstance(value, TimedOut):
+            yield timeout_result(seed, value.seconds, timeout, deep_fraction)
+        else:
+            yield value
 
 
 def _names(text: str, allowed: tuple[str, ...]) -> list[str]:
@@ -66,6 +79,19 @@ def _report_seeds(path: Path, outcomes: list[str]) -> list[int]:
     return [r["case"]["seed"] for r in data["results"] if r["outcome"] in outcomes]
 
 
+def _fraction(text: str) -> float:
+    """``--deep-fraction``: a share between 0 and 1."""
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a share between 0 and 1, not {text}")
+    return value
+
+
+def _report_fraction(path: Path) -> float:
+    """The share of deep seeds a report's campaign ran with (0 for reports before deep ones)."""
+    return float(json.loads(path.read_text())["meta"].get("deep_fraction") or 0.0)
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(
@@ -84,6 +110,11 @@ def _parser() -> argparse.ArgumentParser:
         default=[*FAILURES, "timeout"],
         help="with --seeds-from: the outcomes to rerun, e.g. refused,timeout "
         "(default: wrong,over,crash,timeout)",
+    )
+    p.add_argument(
+        "--deep-fraction",
+        type=_fraction,
+        help="share of seeds that draw deep programs (default 0, or the --seeds-from report's)",
     )
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument(
@@ -142,6 +173,7 @@ def _finish(
         "first_seed": seeds[0],
         "seeds": seeds if listed else None,
         "case_timeout": args.case_timeout,
+        "deep_fraction": args.deep_fraction,
         "seconds": round(elapsed, 1),
     }
     write_json(args.json, results, meta)
@@ -158,6 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     seeds = _seeds(args, parser)
+    if args.deep_fraction is None:
+        args.deep_fraction = _report_fraction(args.seeds_from) if args.seeds_from else 0.0
     if not seeds:
         print("no seeds to run", flush=True)
         return 0
@@ -167,7 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[OPTIONS_VARIABLE] = json.dumps(CANDIDATE)
     start = time.monotonic()
     results: list[Result] = []
-    for result in _results(seeds, args.jobs, args.case_timeout, start + args.budget):
+    deadline = start + args.budget
+    for result in _results(seeds, args.jobs, args.case_timeout, deadline, args.deep_fraction):
         results.append(result)
         _show(result, args.quiet)
         if len(results) % 100 == 0:

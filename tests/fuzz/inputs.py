@@ -13,7 +13,8 @@ from .program import BATCHED_WRAPPERS, Case, v_rows
 
 @dataclass(frozen=True)
 class Inputs:
-    """The arguments in the program's dtype (``args``) and a note of injected non-finite values."""
+    """The arguments in the program's dtype (``args``; each an array or, in deep programs, a
+    pytree of arrays) and a note of injected non-finite values."""
 
     args: tuple[jnp.ndarray, ...]
     note: str
@@ -23,25 +24,29 @@ class Inputs:
         the last place, up or down at random (NaN, inf, zeros and integers unchanged): inputs as
         good as these, on which jax.jit's rounding error is another draw of the same size."""
         rng = np.random.default_rng(seed)
-        out = []
-        for a in self.args if args is None else args:
-            if jnp.issubdtype(a.dtype, jnp.floating):
-                up = jnp.asarray(rng.random(a.shape) < 0.5)
-                target = jnp.where(up, jnp.inf, -jnp.inf).astype(a.dtype)
-                moved = jax.lax.nextafter(a, target)
-                a = jnp.where(jnp.isfinite(a) & (a != 0), moved, a)
-            out.append(a)
-        return tuple(out)
+
+        def move(a: jnp.ndarray) -> jnp.ndarray:
+            if not jnp.issubdtype(a.dtype, jnp.floating):
+                return a
+            up = jnp.asarray(rng.random(a.shape) < 0.5)
+            target = jnp.where(up, jnp.inf, -jnp.inf).astype(a.dtype)
+            moved = jax.lax.nextafter(a, target)
+            return jnp.where(jnp.isfinite(a) & (a != 0), moved, a)
+
+        return tuple(jax.tree.map(move, a) for a in (self.args if args is None else args))
 
     def cast(self, dtype: str, args: tuple[jnp.ndarray, ...] | None = None) -> tuple:
         """``args`` (default: these arguments) with the float arguments cast to ``dtype`` (exact
         when widening)."""
-        return tuple(
-            jnp.asarray(np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a), dtype)
-            if jnp.issubdtype(a.dtype, jnp.floating)
-            else a
-            for a in (self.args if args is None else args)
-        )
+
+        def widen(a: jnp.ndarray) -> jnp.ndarray:
+            if not jnp.issubdtype(a.dtype, jnp.floating):
+                return a
+            return jnp.asarray(
+                np.asarray(a.astype(jnp.float32) if a.dtype == jnp.bfloat16 else a), dtype
+            )
+
+        return tuple(jax.tree.map(widen, a) for a in (self.args if args is None else args))
 
 
 def make_inputs(case: Case) -> Inputs:

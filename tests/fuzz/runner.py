@@ -9,6 +9,10 @@ cannot verify that compile and says so with ``OuterJitWarning``), ``timeout`` (t
 killed the case after its time limit: slow, not known wrong; see :func:`timeout_result`), and the
 failures ``wrong`` (a result breaks the accuracy rule), ``over`` (a footprint memsafe verified
 above the limit) and ``crash`` (any other exception).
+
+Cases are pairwise (``tests/fuzz/program.py``) or deep (``tests/fuzz/deep.py``); ``run_seed``
+draws a share ``deep_fraction`` of seeds deep. Each result records whether its limit lay in the
+interesting range, strictly between arguments+outputs and jax.jit's footprint.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ import memsafe
 from memsafe.batching import OuterJitWarning
 from memsafe.xla import Footprint, memsafe_jit
 
-from . import accuracy, unfused
-from .inputs import make_inputs
-from .program import Case, build, generate, render
+from . import accuracy, deep, program, unfused
+from .deep import DeepCase
+from .inputs import Inputs, make_inputs
+from .program import Case
 from .wrappers import WRAPPERS
 
 FAILURES = ("wrong", "over", "crash")
@@ -41,9 +46,10 @@ class Result:
     """What happened to one case. ``limit``, ``fixed`` (arguments + outputs) and ``jit_total``
     (jax.jit's footprint) are bytes; ``ms_total`` is the largest footprint memsafe verified or
     compiled (None when refused); ``blockers`` lists (operation, reason) of a refusal;
-    ``warnings`` the RuntimeWarnings memsafe emitted (skipped passes)."""
+    ``warnings`` the RuntimeWarnings memsafe emitted (skipped passes); ``interesting``: whether
+    the limit lay strictly between arguments+outputs and jax.jit's footprint."""
 
-    case: Case
+    case: Case | DeepCase
     outcome: str
     families: list[str]
     limit: int = 0
@@ -56,6 +62,7 @@ class Result:
     message: str = ""
     inputs_note: str = ""
     seconds: float = 0.0
+    interesting: bool = False
 
     @property
     def failed(self) -> bool:
@@ -65,7 +72,7 @@ class Result:
         """The case's source, how it was run and what went wrong, ready to paste in a report."""
         wrapper = WRAPPERS[self.case.wrapper]
         lines = [
-            render(self.case).rstrip(),
+            deep.source(self.case).rstrip(),
             "",
             f"# inputs: {self.inputs_note or self.case.inputs}; "
             f"limit {self.limit} B (arguments+outputs {self.fixed} B, jax.jit {self.jit_total} B)",
@@ -88,7 +95,13 @@ def choose_limit(footprint: Footprint, frac: float) -> tuple[int, int]:
     return int(fixed + frac * room) + 1, fixed
 
 
-def run_case(case: Case) -> Result:
+def in_range(limit: int, fixed: int, jit_total: int) -> bool:
+    """Whether ``limit`` lies strictly between arguments+outputs and jax.jit's footprint (where
+    memsafe must rewrite the program and can)."""
+    return fixed < limit < jit_total
+
+
+def run_case(case: Case | DeepCase) -> Result:
     """Run ``case`` and classify it (never raises for memsafe's failures: they are outcomes)."""
     start = time.perf_counter()
     result = Result(case=case, outcome="crash", families=case.families())
@@ -106,36 +119,44 @@ def run_case(case: Case) -> Result:
     return result
 
 
-def run_seed(seed: int) -> Result:
-    """Run the case drawn from ``seed`` (a picklable entry point for worker processes)."""
-    return run_case(generate(seed))
+def run_seed(seed: int, deep_fraction: float = 0.0) -> Result:
+    """Run the case drawn from ``seed``, deep for a share ``deep_fraction`` of seeds (a picklable
+    entry point for worker processes, with ``functools.partial`` for the share)."""
+    return run_case(deep.draw(seed, deep_fraction))
 
 
-def timeout_result(seed: int, seconds: float, limit: float) -> Result:
+def timeout_result(seed: int, seconds: float, limit: float, deep_fraction: float = 0.0) -> Result:
     """The result of the case drawn from ``seed`` when it was killed after running ``seconds``,
     over its time limit of ``limit`` seconds (nothing known of its footprints or answers)."""
-    case = generate(seed)
+    case = deep.draw(seed, deep_fraction)
     message = f"killed after {seconds:g} s (the limit per case is {limit:g} s)"
     return Result(
         case=case, outcome="timeout", families=case.families(), message=message, seconds=seconds
     )
 
 
-def _x64(case: Case) -> Any:
+def _x64(case: Case | DeepCase) -> Any:
     return jax.enable_x64(True) if case.dtype == "float64" else contextlib.nullcontext()
 
 
-def _run(case: Case, result: Result) -> None:
-    ns = build(case)
+def _build(case: Case | DeepCase) -> tuple[dict, Inputs]:
+    """The namespace of the rendered case and its arguments (call under :func:`_x64`)."""
+    if isinstance(case, DeepCase):
+        return deep.build(case), deep.make_inputs(case)
+    return program.build(case), make_inputs(case)
+
+
+def _run(case: Case | DeepCase, result: Result) -> None:
     wrapper = WRAPPERS[case.wrapper]
     with _x64(case):
-        inputs = make_inputs(case)
+        ns, inputs = _build(case)
         result.inputs_note = inputs.note
         args = inputs.args
         compiled = memsafe_jit(wrapper.ref(ns)).lower(*args).compile()
         plain = Footprint.from_compiled(compiled)
         result.limit, result.fixed = choose_limit(plain, case.frac)
         result.jit_total = plain.total
+        result.interesting = in_range(result.limit, result.fixed, result.jit_total)
         jit_out = compiled(*args)
         try:
             with warnings.catch_warnings(record=True) as caught:
@@ -192,7 +213,7 @@ def _total(plan: Any) -> int:
 
 
 def _reference(
-    case: Case, ns: dict, inputs: Any, jit_out: Any, compiled: Any
+    case: Case | DeepCase, ns: dict, inputs: Any, jit_out: Any, compiled: Any
 ) -> tuple[Any, list[float]]:
     """The float64 reference of the program, and per output jax.jit's error scale
     (:func:`accuracy.error_scale`). For float64 programs the reference is jax.jit's own result and
