@@ -18,7 +18,7 @@ from memsafe.split import sinks
 from memsafe.split.emit import emit
 from memsafe.split.prims.conv import TAPS
 from memsafe.split.region import grow
-from memsafe.split.registry import Mapping, NoRule, axis_map
+from memsafe.split.registry import PLAIN, Mapping, NoRule, axis_map
 from memsafe.split.sinks import Sink
 from memsafe.xla import Footprint, memsafe_jit
 from tests.fuzz.accuracy import check
@@ -124,31 +124,31 @@ def _conv_eqn(fun, *args):
 def test_axis_maps_from_the_dimension_numbers():
     x, w = jnp.ones((2, 3, 9, 8)), jnp.ones((5, 3, 3, 3))  # NCHW, OIHW
     eqn = _conv_eqn(lambda x, w: _conv(x, w, dn=("NCHW", "OIHW", "NCHW")), x, w)
-    assert axis_map(eqn, ("in", 0), 0) == Mapping(ins=(0, None), outs=(0,))
-    assert axis_map(eqn, ("out", 0), 1) == Mapping(ins=(None, 0), outs=(1,))
-    assert axis_map(eqn, ("in", 0), 1) == Sink(sinks.DOT, ins=(1, 1))
-    assert axis_map(eqn, ("in", 1), 1) == Sink(sinks.DOT, ins=(1, 1))
-    assert axis_map(eqn, ("out", 0), 3) == Mapping(ins=(None, None), outs=(3,))
+    assert axis_map(eqn, ("in", 0), 0, PLAIN) == Mapping(ins=(0, None), outs=(0,))
+    assert axis_map(eqn, ("out", 0), 1, PLAIN) == Mapping(ins=(None, 0), outs=(1,))
+    assert axis_map(eqn, ("in", 0), 1, PLAIN) == Sink(sinks.DOT, ins=(1, 1))
+    assert axis_map(eqn, ("in", 1), 1, PLAIN) == Sink(sinks.DOT, ins=(1, 1))
+    assert axis_map(eqn, ("out", 0), 3, PLAIN) == Mapping(ins=(None, None), outs=(3,))
     with pytest.raises(NoRule, match="overlapping windows"):
-        axis_map(eqn, ("in", 0), 2)
-    assert axis_map(eqn, ("in", 1), 2) == Sink(TAPS, ins=(None, 2))
+        axis_map(eqn, ("in", 0), 2, PLAIN)
+    assert axis_map(eqn, ("in", 1), 2, PLAIN) == Sink(TAPS, ins=(None, 2))
     nhwc = _conv_eqn(lambda x, w: _conv(x, w), jnp.ones((2, 9, 8, 3)), jnp.ones((1, 1, 3, 5)))
-    assert axis_map(nhwc, ("in", 0), 1) == Mapping(ins=(1, None), outs=(1,))  # 1x1: passes
-    assert axis_map(nhwc, ("in", 1), 3) == Mapping(ins=(None, 3), outs=(3,))
-    assert axis_map(nhwc, ("in", 0), 3) == Sink(sinks.DOT, ins=(3, 2))
+    assert axis_map(nhwc, ("in", 0), 1, PLAIN) == Mapping(ins=(1, None), outs=(1,))  # 1x1: passes
+    assert axis_map(nhwc, ("in", 1), 3, PLAIN) == Mapping(ins=(None, 3), outs=(3,))
+    assert axis_map(nhwc, ("in", 0), 3, PLAIN) == Sink(sinks.DOT, ins=(3, 2))
 
 
 def test_grouped_feature_axes_are_refused_by_name():
     x, w = jnp.ones((4, 9, 8, 6)), jnp.ones((3, 3, 2, 9))
     eqn = _conv_eqn(lambda x, w: _conv(x, w, feature_group_count=3), x, w)
-    assert axis_map(eqn, ("in", 0), 0) == Mapping(ins=(0, None), outs=(0,))
+    assert axis_map(eqn, ("in", 0), 0, PLAIN) == Mapping(ins=(0, None), outs=(0,))
     with pytest.raises(NoRule, match="feature_group_count=3 along its output-feature axis"):
-        axis_map(eqn, ("out", 0), 3)
+        axis_map(eqn, ("out", 0), 3, PLAIN)
     with pytest.raises(NoRule, match="feature_group_count=3 along its input-feature axis"):
-        axis_map(eqn, ("in", 0), 3)
+        axis_map(eqn, ("in", 0), 3, PLAIN)
     eqn = _conv_eqn(lambda x, w: _conv(x, w, batch_group_count=2), x, jnp.ones((3, 3, 6, 4)))
     with pytest.raises(NoRule, match="batch_group_count=2 along its batch axis"):
-        axis_map(eqn, ("in", 0), 0)
+        axis_map(eqn, ("in", 0), 0, PLAIN)
 
 
 # (program, argument shapes, the axis of the conv result to split)
@@ -271,9 +271,9 @@ def test_padded_select_and_scatter_is_refused():
     x = jnp.ones((2, 8, 8, 3))
     closed = inline_calls(jax.make_jaxpr(jax.grad(lambda x: _max_pool(x, padding="SAME").sum()))(x))
     eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "select_and_scatter_add")
-    assert axis_map(eqn, ("out", 0), 0) == Mapping(ins=(0, 0), outs=(0,))
+    assert axis_map(eqn, ("out", 0), 0, PLAIN) == Mapping(ins=(0, 0), outs=(0,))
     with pytest.raises(NoRule, match="padded axis"):
-        axis_map(eqn, ("out", 0), 1)
+        axis_map(eqn, ("out", 0), 1, PLAIN)
 
 
 KERNEL_GRADS = {

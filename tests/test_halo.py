@@ -17,6 +17,7 @@ from memsafe.passes.split import strategy
 from memsafe.split import halo
 from memsafe.split.emit import emit
 from memsafe.split.region import SplitFailure, grow
+from memsafe.split.registry import RuleContext
 from memsafe.xla import memsafe_jit
 from tests.budget import examples
 from tests.fuzz.accuracy import check
@@ -116,8 +117,7 @@ def _split_extended(fun, args, axis, chunk):
     leaves = jax.tree.leaves(args)
     graph = Graph(closed)
     seed = next(e.outvars[0] for e in graph.eqns if e.primitive.name == "conv_general_dilated")
-    with halo.extending():
-        region = grow(graph, seed, axis, 1, 10**9)
+    region = grow(graph, seed, axis, 1, 10**9, RuleContext(extended=True))
     new = emit(closed, graph, strategy(graph, region), max(1, min(chunk, region.size - 1)))
     got = memsafe_jit(lambda *a: jax.core.eval_jaxpr(new.jaxpr, new.consts, *a))(*leaves)
     return got, region

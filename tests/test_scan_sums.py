@@ -15,7 +15,7 @@ from jax import lax
 import memsafe
 from memsafe.split import body
 from memsafe.split.linear import Role, keeps_sums
-from memsafe.split.registry import NoRule
+from memsafe.split.registry import PLAIN, NoRule
 from memsafe.xla import memsafe_jit
 from tests.agree import assert_like_jit
 from tests.limits import limit_between
@@ -97,7 +97,7 @@ def test_a_carry_decaying_a_total_over_the_rows():
     ws, x = _inputs()
     scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
     inner = scan.params["jaxpr"].jaxpr
-    got = body.propagate(inner, {0: 0}, [(0, 0), (1, 1)], sums=True)
+    got = body.propagate(inner, {0: 0}, PLAIN, [(0, 0), (1, 1)], sums=True)
     assert got.result_shares(inner) == (1,) and inner.invars[1] in got.shares
     limit = limit_between(fun, (ws, x), 1 / 3)
     assert_like_jit(memsafe.jit(fun, memory_limit=limit)(ws, x), fun, ws, x)
@@ -116,7 +116,7 @@ def test_a_share_through_a_nonlinear_operation_is_refused():
     scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
     inner = scan.params["jaxpr"].jaxpr
     with pytest.raises(NoRule, match="not linear in a sum over the split axis"):
-        body.propagate(inner, {0: 0}, [(1, 0)], sums=True)
+        body.propagate(inner, {0: 0}, PLAIN, [(1, 0)], sums=True)
 
 
 def test_a_share_plus_a_value_read_whole_is_refused():
@@ -132,7 +132,7 @@ def test_a_share_plus_a_value_read_whole_is_refused():
     ws, x = _inputs()
     scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
     with pytest.raises(NoRule, match="add inside the loop body is not linear"):
-        body.propagate(scan.params["jaxpr"].jaxpr, {0: 0}, [(0, 0)], sums=True)
+        body.propagate(scan.params["jaxpr"].jaxpr, {0: 0}, PLAIN, [(0, 0)], sums=True)
     limit = limit_between(fun, (ws, x), 1 / 4)
     try:  # whatever memsafe does instead, it gives jax.jit's answer
         got = memsafe.jit(fun, memory_limit=limit)(ws, x)
@@ -229,7 +229,7 @@ def test_results_the_same_on_every_chunk_are_not_summed():
     ws, x = _inputs()
     scan = next(e for e in jax.make_jaxpr(fun)(ws, x).eqns if e.primitive.name == "scan")
     inner = scan.params["jaxpr"].jaxpr
-    got = body.propagate(inner, {0: 0}, [(0, 0), (1, 1)], sums=True)
+    got = body.propagate(inner, {0: 0}, PLAIN, [(0, 0), (1, 1)], sums=True)
     assert inner.outvars[1] not in got.axes and not got.result_shares(inner)
     limit = limit_between(fun, (ws, x), 1 / 4)
     f = memsafe.jit(fun, memory_limit=limit)
@@ -247,7 +247,7 @@ def test_a_call_result_without_the_axis_is_refused():
     x = jnp.ones((8, 4))
     inner = jax.make_jaxpr(fun)(x).jaxpr
     with pytest.raises(NoRule, match="does not carry the split axis"):
-        body.propagate(inner, {0: 0})
+        body.propagate(inner, {0: 0}, PLAIN)
 
 
 def test_a_costly_result_the_same_on_every_chunk_is_refused():
@@ -268,7 +268,7 @@ def test_a_costly_result_the_same_on_every_chunk_is_refused():
     n_consts = scan.params["num_consts"]
     tied = [(n_consts, 0), (n_consts + 1, 1)]
     with pytest.raises(NoRule, match="each chunk would compute it again"):
-        body.propagate(inner, {n_consts: 0}, tied, sums=True)
+        body.propagate(inner, {n_consts: 0}, PLAIN, tied, sums=True)
 
 
 def test_a_dead_summed_carry_still_starts_later_chunks_from_zero():

@@ -15,7 +15,7 @@ from jax.scipy.linalg import solve_triangular
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
-from memsafe.split.registry import Mapping, NoRule, axis_map
+from memsafe.split.registry import PLAIN, Mapping, NoRule, axis_map
 from memsafe.split.sinks import Sink
 from memsafe.xla import Footprint, memsafe_jit
 
@@ -169,20 +169,20 @@ def test_triangular_solve_mappings(left):
 
     eqn = _eqn(fun, (2, 5, 5), (2, 5, 7) if left else (2, 7, 5), prim="triangular_solve")
     free, system = (2, 1) if left else (1, 2)
-    assert axis_map(eqn, ("in", 1), free) == Mapping(ins=(None, free), outs=(free,))
-    assert axis_map(eqn, ("out", 0), free) == Mapping(ins=(None, free), outs=(free,))
-    assert axis_map(eqn, ("in", 0), 0) == Mapping(ins=(0, 0), outs=(0,))
+    assert axis_map(eqn, ("in", 1), free, PLAIN) == Mapping(ins=(None, free), outs=(free,))
+    assert axis_map(eqn, ("out", 0), free, PLAIN) == Mapping(ins=(None, free), outs=(free,))
+    assert axis_map(eqn, ("in", 0), 0, PLAIN) == Mapping(ins=(0, 0), outs=(0,))
     for side, axis in [(("in", 1), system), (("out", 0), system), (("in", 0), 1), (("in", 0), 2)]:
         with pytest.raises(NoRule, match="triangular system"):
-            axis_map(eqn, side, axis)
+            axis_map(eqn, side, axis, PLAIN)
 
 
 def test_cholesky_mappings():
     eqn = _eqn(jnp.linalg.cholesky, (3, 4, 4), prim="cholesky")
-    assert axis_map(eqn, ("in", 0), 0) == Mapping(ins=(0,), outs=(0,))
+    assert axis_map(eqn, ("in", 0), 0, PLAIN) == Mapping(ins=(0,), outs=(0,))
     for axis in (1, 2):
         with pytest.raises(NoRule, match="factorizes"):
-            axis_map(eqn, ("out", 0), axis)
+            axis_map(eqn, ("out", 0), axis, PLAIN)
 
 
 def test_scatter_window_axis_mapping():
@@ -192,15 +192,15 @@ def test_scatter_window_axis_mapping():
         return jax.grad(lambda c: jnp.sum(jnp.diagonal(c, axis1=1, axis2=2)))(c)
 
     eqn = _eqn(fun, (7, 4, 4), prim="scatter-add")
-    assert axis_map(eqn, ("in", 0), 0) == Mapping(ins=(0, None, 0), outs=(0,))
-    assert axis_map(eqn, ("out", 0), 0) == Mapping(ins=(0, None, 0), outs=(0,))
+    assert axis_map(eqn, ("in", 0), 0, PLAIN) == Mapping(ins=(0, None, 0), outs=(0,))
+    assert axis_map(eqn, ("out", 0), 0, PLAIN) == Mapping(ins=(0, None, 0), outs=(0,))
     # an indexed axis: each chunk takes the updates whose position it holds (indices whole)
-    assert axis_map(eqn, ("out", 0), 1) == Mapping(ins=(1, None, None), outs=(1,))
+    assert axis_map(eqn, ("out", 0), 1, PLAIN) == Mapping(ins=(1, None, None), outs=(1,))
     # chunks of the index vectors (and their updates) land anywhere: a scatter-add sink
-    into = axis_map(eqn, ("in", 1), 0)
+    into = axis_map(eqn, ("in", 1), 0, PLAIN)
     assert isinstance(into, Sink) and into.kind == "scatter-add" and into.ins[0] is None
     with pytest.raises(NoRule):
-        axis_map(eqn, ("in", 1), 1)  # the index vectors themselves
+        axis_map(eqn, ("in", 1), 1, PLAIN)  # the index vectors themselves
 
 
 # -- platform-dependent code (jnp.diagonal, lax.platform_dependent) -------------------------

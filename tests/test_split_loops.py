@@ -110,12 +110,12 @@ def test_scan_whose_carry_takes_the_largest_row_is_refused_by_name():
 
     x, w, _, _ = _rnn_inputs()
     from memsafe.split import body
-    from memsafe.split.registry import NoRule
+    from memsafe.split.registry import PLAIN, NoRule
 
     jaxpr = jax.make_jaxpr(fun)(x, w)
     scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
     with pytest.raises(NoRule, match="reduces the split axis"):
-        body.propagate(scan.params["jaxpr"].jaxpr, {2: 0}, [(1, 0)])
+        body.propagate(scan.params["jaxpr"].jaxpr, {2: 0}, PLAIN, [(1, 0)])
 
 
 def test_body_answers_are_walked_once_per_body_and_seeds():
@@ -131,14 +131,14 @@ def test_body_answers_are_walked_once_per_body_and_seeds():
 
     x, w, _, _ = _rnn_inputs()
     from memsafe.split import body
-    from memsafe.split.registry import NoRule
+    from memsafe.split.registry import PLAIN, NoRule
 
     jaxpr = jax.make_jaxpr(fun)(x, w)
     inner = next(e for e in jaxpr.eqns if e.primitive.name == "scan").params["jaxpr"].jaxpr
     walked = body._reach_once.cache_info().misses
     for _ in range(3):
         with pytest.raises(NoRule, match="reduces the split axis"):
-            body.reach(inner, {2: 0}, {}, [(1, 0)])
+            body.reach(inner, {2: 0}, {}, PLAIN, [(1, 0)])
     assert body._reach_once.cache_info().misses == walked + 1
 
 
@@ -228,9 +228,10 @@ def test_a_mask_broadcast_to_the_rows_inside_a_loop_body_is_made_per_chunk():
     scan = next(e for e in jaxpr.eqns if e.primitive.name == "scan")
     from memsafe.graph import inline_calls
     from memsafe.split import body
+    from memsafe.split.registry import PLAIN
 
     inner = inline_calls(scan.params["jaxpr"]).jaxpr
-    axes, maps, _ = body.propagate(inner, {1: 0}, [(1, 0)])
+    axes, maps, _ = body.propagate(inner, {1: 0}, PLAIN, [(1, 0)])
     made = [e for i, e in enumerate(inner.eqns) if i in maps]
     assert "broadcast_in_dim" in {e.primitive.name for e in made}
     assert axes[inner.outvars[0]] == 0
@@ -321,7 +322,7 @@ def test_a_cond_whose_branches_map_the_axis_is_split_through(flag):
 def test_a_cond_whose_branches_map_the_axis_differently_has_no_rule():
     """Each branch maps the rows of its result to a different operand: no one chunking of the
     operands serves both branches."""
-    from memsafe.split.registry import NoRule, axis_map
+    from memsafe.split.registry import PLAIN, NoRule, axis_map
 
     def fun(x, w, c):
         return lax.cond(jnp.sum(c) > 0, lambda: x @ c.T, lambda: w @ c.T)
@@ -329,8 +330,8 @@ def test_a_cond_whose_branches_map_the_axis_differently_has_no_rule():
     x, w, c = jnp.ones((20, 8)), jnp.ones((20, 8)), jnp.ones((30, 8))
     (eqn,) = [e for e in jax.make_jaxpr(fun)(x, w, c).eqns if e.primitive.name == "cond"]
     with pytest.raises(NoRule, match="branches carry the split axis to different"):
-        axis_map(eqn, ("out", 0), 0)
-    columns = axis_map(eqn, ("out", 0), 1)  # c's rows, the same in both branches
+        axis_map(eqn, ("out", 0), 0, PLAIN)
+    columns = axis_map(eqn, ("out", 0), 1, PLAIN)  # c's rows, the same in both branches
     assert [eqn.invars[k].aval.shape for k, a in enumerate(columns.ins) if a == 0] == [(30, 8)]
 
 

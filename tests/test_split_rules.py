@@ -12,7 +12,7 @@ from jax import lax
 import memsafe
 from memsafe.graph import Graph, inline_calls
 from memsafe.split import sinks
-from memsafe.split.registry import Mapping, NoRule, axis_map, rebind
+from memsafe.split.registry import PLAIN, Mapping, NoRule, Through, axis_map, rebind
 from memsafe.split.sinks import Sink
 from memsafe.xla import Footprint, memsafe_jit
 
@@ -90,33 +90,34 @@ def _eqn(fun, *args, name):
 def test_rule_mappings():
     a = jnp.ones((4, 6))
     dot = _eqn(lambda a: a @ a.T, a, name="dot_general")
-    assert axis_map(dot, ("in", 0), 0) == Mapping(ins=(0, None), outs=(0,))
-    assert axis_map(dot, ("in", 0), 1) == Sink(sinks.DOT, ins=(1, 0))
-    assert axis_map(dot, ("out", 0), 1) == Mapping(ins=(None, 1), outs=(1,))
+    assert axis_map(dot, ("in", 0), 0, PLAIN) == Mapping(ins=(0, None), outs=(0,))
+    assert axis_map(dot, ("in", 0), 1, PLAIN) == Sink(sinks.DOT, ins=(1, 0))
+    assert axis_map(dot, ("out", 0), 1, PLAIN) == Mapping(ins=(None, 1), outs=(1,))
     bcast = _eqn(lambda a: a[:, None, :] + jnp.zeros((4, 5, 6)), a, name="broadcast_in_dim")
-    assert axis_map(bcast, ("out", 0), 2) == Mapping(ins=(1,), outs=(2,))
-    assert axis_map(bcast, ("out", 0), 1) == Mapping(ins=(None,), outs=(1,))
+    assert axis_map(bcast, ("out", 0), 2, PLAIN) == Mapping(ins=(1,), outs=(2,))
+    assert axis_map(bcast, ("out", 0), 1, PLAIN) == Mapping(ins=(None,), outs=(1,))
     reshape = _eqn(lambda a: a.reshape(2, 2, 6), a, name="reshape")
-    assert axis_map(reshape, ("in", 0), 1) == Mapping(ins=(1,), outs=(2,))
+    assert axis_map(reshape, ("in", 0), 1, PLAIN) == Mapping(ins=(1,), outs=(2,))
     with pytest.raises(NoRule, match="merges or splits"):
-        axis_map(reshape, ("in", 0), 0)
+        axis_map(reshape, ("in", 0), 0, PLAIN)
     topk = _eqn(lambda a: lax.top_k(a, 2), a, name="top_k")
-    assert axis_map(topk, ("in", 0), 1) == Sink(sinks.TOP_K, ins=(1,))
-    assert axis_map(topk, ("in", 0), 0) == Mapping(ins=(0,), outs=(0, 0))
+    assert axis_map(topk, ("in", 0), 1, PLAIN) == Sink(sinks.TOP_K, ins=(1,))
+    assert axis_map(topk, ("in", 0), 0, PLAIN) == Mapping(ins=(0,), outs=(0, 0))
     cumsum = _eqn(lambda a: lax.cumsum(a, axis=1), a, name="cumsum")
-    assert axis_map(cumsum, ("in", 0), 1) == Mapping(ins=(1,), outs=(1,))  # a running carry
+    assert axis_map(cumsum, ("in", 0), 1, PLAIN) == Mapping(ins=(1,), outs=(1,))  # a running carry
     reverse = _eqn(lambda a: lax.cumsum(a, axis=1, reverse=True), a, name="cumsum")
-    assert axis_map(reverse, ("in", 0), 1) == Mapping(ins=(1,), outs=(1,))  # carried from the end
+    carried = Mapping(ins=(1,), outs=(1,))  # carried from the end
+    assert axis_map(reverse, ("in", 0), 1, PLAIN) == carried
     squeeze = _eqn(lambda a: lax.squeeze(a[:, :1], (1,)), a, name="squeeze")
-    assert axis_map(squeeze, ("in", 0), 0) == Mapping(ins=(0,), outs=(0,))
+    assert axis_map(squeeze, ("in", 0), 0, PLAIN) == Mapping(ins=(0,), outs=(0,))
     with pytest.raises(NoRule, match="size-1 axis"):
-        axis_map(squeeze, ("in", 0), 1)
+        axis_map(squeeze, ("in", 0), 1, PLAIN)
     tail = _eqn(lambda a: a[:, 1:], a, name="slice")
-    assert axis_map(tail, ("in", 0), 1) == Sink(sinks.SLICE, ins=(1,))
-    assert axis_map(tail, ("out", 0), 1) == Mapping(ins=(None,), outs=(1,))  # read whole
+    assert axis_map(tail, ("in", 0), 1, PLAIN) == Sink(sinks.SLICE, ins=(1,))
+    assert axis_map(tail, ("out", 0), 1, PLAIN) == Mapping(ins=(None,), outs=(1,))  # read whole
     fft = _eqn(lambda a: jnp.fft.fft(a), a, name="fft")
     with pytest.raises(NoRule, match="no splitting rule for primitive 'fft'"):
-        axis_map(fft, ("in", 0), 0)
+        axis_map(fft, ("in", 0), 0, PLAIN)
 
 
 def test_a_checkpointed_call_runs_on_a_chunk_where_its_body_maps_the_axis():
@@ -130,11 +131,11 @@ def test_a_checkpointed_call_runs_on_a_chunk_where_its_body_maps_the_axis():
 
     closed = jax.make_jaxpr(call)(a, t)
     eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "remat2")
-    m = axis_map(eqn, ("in", 0), 0)
-    assert m == Mapping(ins=(0, None), outs=(0, 0))
-    assert axis_map(eqn, ("out", 1), 0) == m
+    m = axis_map(eqn, ("in", 0), 0, PLAIN)
+    assert m == Through(ins=(0, None), outs=(0, 0), ctx=PLAIN)
+    assert axis_map(eqn, ("out", 1), 0, PLAIN) == m
     with pytest.raises(NoRule):
-        axis_map(eqn, ("in", 0), 1)  # the body scans along it
+        axis_map(eqn, ("in", 0), 1, PLAIN)  # the body scans along it
 
     def chunk(start, part):
         out = rebind(eqn, [part, t], m, start, part.shape[0])

@@ -3,7 +3,10 @@
 ``program`` draws and renders cases, ``inputs`` makes their arguments, ``wrappers`` says how
 memsafe is applied, ``accuracy`` holds the accuracy rule, ``runner`` runs one case, ``schedule``
 runs many in worker processes under a time limit per case and ``report`` tallies them.
-``python -m tests.fuzz --budget SECONDS --cases N`` runs a campaign (``--help``: its options).
+``deep`` (with ``deep_families``) draws deep programs instead: training steps of MLPs, layer
+stacks, transformers, CNNs, graph networks and several large values alive at once.
+``python -m tests.fuzz --budget SECONDS --cases N`` runs a campaign (``--help``: its options;
+``--deep-fraction 0.4`` makes that share of seeds deep).
 """
 
 from .program import Case, generate, render

@@ -206,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
         results.append(result)
         _show(result, args.quiet)
         if len(results) % 100 == 0:
-            write_json(args.json, results, {"partial": True, "seconds": time.monotonic() - start})
+            meta = {"partial": True, "seconds": time.monotonic() - start}
+            write_json(args.json, results, {**meta, "deep_fraction": args.deep_fraction})
     if len(results) < len(seeds):
         print(f"budget of {args.budget:g} s spent after {len(results)} cases", flush=True)
     return _finish(results, seeds, args, time.monotonic() - start)

@@ -29,8 +29,10 @@ from jax import lax
 
 from .deep_families import FAMILIES
 from .inputs import Inputs
-from .program import BATCHED_WRAPPERS, DTYPES, GRAD_WRAPPERS, WRAPPERS, Case, _pick, generate
+from .program import BATCHED_WRAPPERS, DTYPES, GRAD_WRAPPERS, Case, _pick, generate
+from .program import WRAPPERS as WRAPPER_WEIGHTS
 from .program import render as render_pairwise
+from .wrappers import WRAPPERS
 
 #: Learning rate of the rendered updates (times ``scale``).
 LEARNING_RATE = 0.05
@@ -114,7 +116,7 @@ def generate_deep(seed: int, **overrides: Any) -> DeepCase:
     f: dict[str, Any] = {
         "family": rng.choice(sorted(FAMILIES)),
         "dtype": _pick(rng, DTYPES),
-        "wrapper": _pick(rng, WRAPPERS),
+        "wrapper": _pick(rng, WRAPPER_WEIGHTS),
         "frac": round(rng.uniform(0.05, 0.9), 3),
     }
     f.update({k: v for k, v in overrides.items() if k in f})
@@ -205,3 +207,26 @@ def make_inputs(case: DeepCase) -> Inputs:
 def source(case: Case | DeepCase) -> str:
     """The rendered program of a pairwise or deep case."""
     return render(case) if isinstance(case, DeepCase) else render_pairwise(case)
+
+
+def valid(case: DeepCase) -> bool:
+    """Whether ``case`` renders, makes its arguments and traces under its wrapper's reference
+    (a simplification of a failing case may not: a dropped mask, heads that no longer divide)."""
+    try:
+        with jax.enable_x64(case.dtype == "float64"):
+            jax.eval_shape(WRAPPERS[case.wrapper].ref(build(case)), *make_inputs(case).args)
+    except Exception:
+        return False
+    return True
+
+
+def candidates(case: DeepCase) -> list[dict[str, Any]]:
+    """Single simplifications of ``case`` for the minimizer: the plain wrapper, float32, each
+    flag dropped, each size halved."""
+    out: list[dict[str, Any]] = [{"wrapper": "plain", "batch": 1}, {"dtype": "float32"}]
+    out += [{"flags": tuple(f for f in case.flags if f != flag)} for flag in case.flags]
+    for i, (name, value) in enumerate(case.sizes):
+        if value > 1:
+            sizes = (*case.sizes[:i], (name, value // 2), *case.sizes[i + 1 :])
+            out.append({"sizes": sizes})
+    return out

@@ -4,6 +4,8 @@
 simplifications one at a time (drop a chain operation or a sink, no control flow, the plain
 wrapper, normal inputs, float32, fewer rows and columns), keeping each that still gives the same
 outcome; it prints the smallest program and the ``dataclasses.replace`` call that rebuilds it.
+``--deep`` minimizes the deep cases of those seeds (``tests/fuzz/deep.py``: the plain wrapper,
+float32, each flag dropped, each size halved, keeping those that still trace).
 """
 
 from __future__ import annotations
@@ -17,14 +19,17 @@ from typing import Any
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
-from . import ops
+from . import deep, ops
+from .deep import DeepCase, generate_deep
 from .program import GRAD_WRAPPERS, Case, generate, piece_rows
 from .runner import Result, run_case
 
 
-def valid(case: Case) -> bool:
+def valid(case: Case | DeepCase) -> bool:
     """Whether every chain operation and sink applies to the shape it receives, and gradient
-    wrappers have a float output to differentiate."""
+    wrappers have a float output to differentiate (deep cases: whether it traces)."""
+    if isinstance(case, DeepCase):
+        return deep.valid(case)
     rows, cols = piece_rows(case.n, case.control, case.splits), case.m
     for name in case.chain:
         op = ops.kind(name)
@@ -36,7 +41,10 @@ def valid(case: Case) -> bool:
     return case.wrapper not in GRAD_WRAPPERS or any(ops.kind(s).floats for s in case.sinks)
 
 
-def _candidates(case: Case) -> Iterator[dict[str, Any]]:
+def _candidates(case: Case | DeepCase) -> Iterator[dict[str, Any]]:
+    if isinstance(case, DeepCase):
+        yield from deep.candidates(case)
+        return
     for i in range(len(case.chain)):
         yield {"chain": case.chain[:i] + case.chain[i + 1 :]}
     for i in range(len(case.sinks)):
@@ -50,7 +58,9 @@ def _candidates(case: Case) -> Iterator[dict[str, Any]]:
     yield {"d": 1}
 
 
-def minimize(case: Case, outcome: str | None = None, log: bool = True) -> tuple[Case, Result]:
+def minimize(
+    case: Case | DeepCase, outcome: str | None = None, log: bool = True
+) -> tuple[Case | DeepCase, Result]:
     """The smallest case reachable by single simplifications that keeps ``outcome`` (default:
     the outcome of ``case`` itself), with its result."""
     best = run_case(case)
@@ -67,27 +77,33 @@ def minimize(case: Case, outcome: str | None = None, log: bool = True) -> tuple[
                 print(f"  {change}: {result.outcome}", flush=True)
             if result.outcome == outcome:
                 case, best, changed = trial, result, True
+                if isinstance(case, DeepCase):
+                    break  # its candidates spell out whole size tuples: draw them again
     return case, best
 
 
-def replace_call(case: Case) -> str:
-    """``dataclasses.replace(generate(SEED), ...)`` that rebuilds ``case``."""
-    base = generate(case.seed)
+def replace_call(case: Case | DeepCase) -> str:
+    """``dataclasses.replace(generate(SEED), ...)`` (``generate_deep`` for a deep case) that
+    rebuilds ``case``."""
+    deep_case = isinstance(case, DeepCase)
+    base = generate_deep(case.seed) if deep_case else generate(case.seed)
     diff = {
         f.name: getattr(case, f.name)
         for f in dataclasses.fields(case)
         if getattr(case, f.name) != getattr(base, f.name)
     }
     args = "".join(f", {k}={v!r}" for k, v in diff.items())
-    return f"dataclasses.replace(generate({case.seed}){args})"
+    name = "generate_deep" if deep_case else "generate"
+    return f"dataclasses.replace({name}({case.seed}){args})"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.fuzz.minimize", description=__doc__)
     parser.add_argument("seeds", type=int, nargs="+")
+    parser.add_argument("--deep", action="store_true", help="the seeds' deep cases")
     args = parser.parse_args(argv)
     for seed in args.seeds:
-        case = generate(seed)
+        case = generate_deep(seed) if args.deep else generate(seed)
         first = run_case(case)
         print(f"seed {seed}: {first.outcome} {first.message[:200]}", flush=True)
         if not first.failed:

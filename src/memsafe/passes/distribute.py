@@ -205,7 +205,7 @@ class _Distribute:
             self.changes.append("slice reads one piece")
             return [within]
         try:
-            m = registry.axis_map(eqn, ("in", pos), pieces.axis)
+            m = registry.axis_map(eqn, ("in", pos), pieces.axis, registry.PLAIN)
         except NoRule:
             return None
         if m.ins[pos] != pieces.axis:

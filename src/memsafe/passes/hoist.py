@@ -187,7 +187,7 @@ class _Hoist:
         if eqn.primitive.name not in POINTWISE or len(eqn.outvars) != 1:
             return None
         try:
-            m = registry.axis_map(eqn, ("out", 0), axis)
+            m = registry.axis_map(eqn, ("out", 0), axis, registry.PLAIN)
         except NoRule:
             return None
         if not isinstance(m, Mapping) or registry.running_along(eqn, m) is not None:

@@ -11,6 +11,7 @@ stopped each axis.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Any
 
 from memsafe._jax import (
@@ -36,7 +37,7 @@ from memsafe.primitives import FUSIBLE
 from memsafe.split import halo, online, recompute, replay
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
 from memsafe.split.region import Region, SplitFailure, grow
-from memsafe.split.registry import NoRule, axis_map
+from memsafe.split.registry import PLAIN, NoRule, RuleContext, axis_map
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, speed_cap, two_chunks
 
 #: A value is split when it exceeds this share of the temporary budget.
@@ -123,12 +124,18 @@ def strategy(graph: Graph, region: Region) -> Split:
 
 
 def _option(
-    graph: Graph, var: Var, axis: int, budget: int, mesh: Any = None, floor: int = 0
+    graph: Graph,
+    var: Var,
+    axis: int,
+    budget: int,
+    mesh: Any = None,
+    floor: int = 0,
+    ctx: RuleContext = PLAIN,
 ) -> tuple[Split, ChunkPlan]:
     """The split of ``var`` along ``axis`` (sharded over ``mesh``'s devices where given) and
     its chunk (``floor``: see :func:`smallest_chunk`); raises SplitFailure. Where the program
     has windowed operations, the region on extended chunks comes first (:func:`_region`)."""
-    region = _region(graph, var, axis, budget, windowed=mesh is None)
+    region = _region(graph, var, axis, budget, ctx, windowed=mesh is None)
     split = strategy(graph, region)
     if mesh is not None:
         split = mesh.shard(graph, split)
@@ -140,21 +147,22 @@ def _option(
     return split, chunk
 
 
-def _region(graph: Graph, var: Var, axis: int, budget: int, windowed: bool) -> Region:
+def _region(
+    graph: Graph, var: Var, axis: int, budget: int, ctx: RuleContext, windowed: bool
+) -> Region:
     """The region splitting ``var`` along ``axis``. Where ``windowed`` and the program has
     windowed operations (convolutions), first the region on extended chunks
     (:mod:`memsafe.split.halo`), which runs several of them in a row in one loop; the plain
     region where that fails or needs no extension."""
     small, large = max(1, budget // SMALL), max(1, budget // 2)
     if windowed and any(e.primitive.name in halo.WINDOWED for e in graph.eqns):
-        with halo.extending():
-            try:
-                region = grow(graph, var, axis, small, large)
-            except SplitFailure:
-                region = None
+        try:
+            region = grow(graph, var, axis, small, large, replace(ctx, extended=True))
+        except SplitFailure:
+            region = None
         if region is not None and region.windowed:
             return region
-    return grow(graph, var, axis, small, large)
+    return grow(graph, var, axis, small, large, ctx)
 
 
 def best_split(
@@ -168,13 +176,18 @@ def best_split(
         e.primitive.name in replay.REPLAYABLE for e in graph.eqns
     ):
         return got
-    with replay.replaying():
-        replayed = cheapest_split(graph, var, budget, mesh, floor)
+    replaying = RuleContext(replaying=True)
+    replayed = cheapest_split(graph, var, budget, mesh, floor, replaying)
     return got if isinstance(replayed, list) else replayed
 
 
 def cheapest_split(
-    graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0
+    graph: Graph,
+    var: Var,
+    budget: int,
+    mesh: Any = None,
+    floor: int = 0,
+    ctx: RuleContext = PLAIN,
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
     before the fallbacks: the smallest chunks of axes where none does, two chunks of axes it
@@ -188,7 +201,7 @@ def cheapest_split(
         if n < 2:
             continue
         try:
-            options.append(_option(graph, var, axis, budget, mesh, floor))
+            options.append(_option(graph, var, axis, budget, mesh, floor, ctx))
         except SplitFailure as failure:
             failures.append((axis, failure))
     if not options:
@@ -242,7 +255,7 @@ def _held_whole(eqn: JaxprEqn, position: int) -> bool:
     var = eqn.invars[position]
     for axis in range(len(var.aval.shape)):
         try:
-            axis_map(eqn, ("in", position), axis)
+            axis_map(eqn, ("in", position), axis, PLAIN)
         except NoRule:
             continue
         return False

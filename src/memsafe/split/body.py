@@ -52,13 +52,18 @@ class Reached(NamedTuple):
 
 
 def propagate(
-    jaxpr: Jaxpr, seeds: dict[Any, int], tied: Sequence[tuple[int, int]] = (), sums: bool = False
+    jaxpr: Jaxpr,
+    seeds: dict[Any, int],
+    ctx: registry.RuleContext,
+    tied: Sequence[tuple[int, int]] = (),
+    sums: bool = False,
 ) -> Reached:
     """The axis of every body value that carries it, each equation's mapping, and the shares.
 
     Args:
         jaxpr: the loop body.
         seeds: body input position -> axis, where the chunked operands enter.
+        ctx: what the split rules are told (a body's context: plain chunks).
         tied: (input position, output position) pairs that must agree (a loop's carry).
         sums: whether the body is a loop's, whose runner adds the chunks' shares and takes
             the results that read nothing of the axis from any chunk (a ``fori_loop``'s
@@ -73,7 +78,7 @@ def propagate(
     for _ in range(2 * len(jaxpr.invars) + 1):
         pulled = dict(seeds)  # the walk adds the inputs chunked operands are computed from
         try:
-            got = _Walk(jaxpr, pulled, carries, sums).run()
+            got = _Walk(jaxpr, pulled, carries, sums, ctx).run()
         except _ShareCarry as share:  # a carry accumulates a sum: it is one too
             seeds[("share", share.position)] = 0
             continue
@@ -89,17 +94,19 @@ def reach(
     jaxpr: Jaxpr,
     ins: dict[int, int],
     outs: dict[int, int],
+    ctx: registry.RuleContext,
     tied: Sequence[tuple[int, int]] = (),
     sums: bool = False,
 ) -> Reached:
     """:func:`propagate` from the body inputs in ``ins``; with none, from the first body input
     axis that lands on the one result in ``outs`` (a result is reached from the inputs).
 
-    Answers (and refusals) are remembered per body and seeds: region growth asks the same loop
-    the same question once per candidate value and axis, and each answer walks the whole body.
+    Answers (and refusals) are remembered per body, seeds and context: region growth asks the
+    same loop the same question once per candidate value and axis, and each answer walks the
+    whole body.
     The returned dicts are shared: read them, do not change them."""
     got, err = _reach_once(
-        jaxpr, tuple(sorted(ins.items())), tuple(sorted(outs.items())), tuple(tied), sums
+        jaxpr, tuple(sorted(ins.items())), tuple(sorted(outs.items())), ctx, tuple(tied), sums
     )
     if err is not None:
         raise NoRule(str(err), inherent=err.inherent)
@@ -108,10 +115,10 @@ def reach(
 
 @functools.lru_cache(maxsize=1024)
 def _reach_once(
-    jaxpr: Jaxpr, ins: tuple, outs: tuple, tied: tuple, sums: bool
+    jaxpr: Jaxpr, ins: tuple, outs: tuple, ctx: registry.RuleContext, tied: tuple, sums: bool
 ) -> tuple[Reached | None, NoRule | None]:
     try:
-        return _reach(jaxpr, dict(ins), dict(outs), tied, sums), None
+        return _reach(jaxpr, dict(ins), dict(outs), ctx, tied, sums), None
     except NoRule as err:
         return None, err
 
@@ -120,16 +127,17 @@ def _reach(
     jaxpr: Jaxpr,
     ins: dict[int, int],
     outs: dict[int, int],
+    ctx: registry.RuleContext,
     tied: Sequence[tuple[int, int]],
     sums: bool,
 ) -> Reached:
     if ins:
-        return propagate(jaxpr, ins, tied, sums)
+        return propagate(jaxpr, ins, ctx, tied, sums)
     (o, a), target = next(iter(outs.items())), jaxpr.outvars
     for k, v in enumerate(jaxpr.invars):
         for b in range(len(v.aval.shape)):
             try:
-                got = propagate(jaxpr, {k: b}, tied, sums)
+                got = propagate(jaxpr, {k: b}, ctx, tied, sums)
             except NoRule:
                 continue
             if got.axes.get(target[o]) == a:
@@ -151,9 +159,15 @@ class _Walk:
     broadcast or iota made at chunk shape)."""
 
     def __init__(
-        self, jaxpr: Jaxpr, seeds: dict[Any, int], carries: frozenset[int], sums: bool
+        self,
+        jaxpr: Jaxpr,
+        seeds: dict[Any, int],
+        carries: frozenset[int],
+        sums: bool,
+        ctx: registry.RuleContext,
     ) -> None:
         self.jaxpr, self.seeds, self.carries, self.sums = jaxpr, seeds, carries, sums
+        self.ctx = ctx
         self.producer = {o: e for e in jaxpr.eqns for o in e.outvars}
         self.axes: Axes = {jaxpr.invars[k]: a for k, a in seeds.items() if isinstance(k, int)}
         keyed = [k for k in seeds if isinstance(k, tuple)]
@@ -180,9 +194,11 @@ class _Walk:
             roles = [self.role(a) for a in eqn.invars]
             found = [(k, self.axes[v]) for k, v in enumerate(eqn.invars) if roles[k] is Role.SPLIT]
             if found:
-                self.split(i, eqn, _axis_map(eqn, ("in", found[0][0]), found[0][1]), roles)
+                m = _axis_map(eqn, ("in", found[0][0]), found[0][1], self.ctx)
+                self.split(i, eqn, m, roles)
             elif i in made:
-                self.split(i, eqn, _axis_map(eqn, ("out", made[i][0]), made[i][1]), roles)
+                m = _axis_map(eqn, ("out", made[i][0]), made[i][1], self.ctx)
+                self.split(i, eqn, m, roles)
             elif Role.SHARE in roles:
                 if not keeps_sums(eqn, roles):
                     self.accumulates(eqn, roles)
@@ -229,7 +245,7 @@ class _Walk:
             )
         if isinstance(m, Sink) and not (self.sums and m.reducer in _SUMS):
             raise NoRule(f"{eqn.primitive.name} inside the loop body reduces the split axis")
-        _check_operands(eqn, m, self.axes, self.seeds, self.jaxpr)
+        _check_operands(eqn, m, self.axes, self.seeds, self.jaxpr, self.ctx)
         self.maps[i] = m
         if isinstance(m, Sink):
             self.shares.update(eqn.outvars)
@@ -240,18 +256,25 @@ class _Walk:
             self.axes[o] = ax
 
 
-def _axis_map(eqn: JaxprEqn, side: registry.Side, axis: int) -> Mapping | Sink:
+def _axis_map(
+    eqn: JaxprEqn, side: registry.Side, axis: int, ctx: registry.RuleContext
+) -> Mapping | Sink:
     """The equation's mapping inside a loop body, where a scan along the axis (``cumsum``) has
     no running carry to thread from chunk to chunk: each chunk of the loop runs the whole body,
     so a chunk's scan would miss the rows of the chunks before it."""
-    m = registry.axis_map(eqn, side, axis)
+    m = registry.axis_map(eqn, side, axis, ctx)
     if isinstance(m, Mapping) and registry.running_along(eqn, m) is not None:
         raise NoRule(f"{eqn.primitive.name} inside the loop body scans along the split axis")
     return m
 
 
 def _check_operands(
-    eqn: JaxprEqn, m: Mapping | Sink, axes: Axes, seeds: dict[Any, int], jaxpr: Jaxpr
+    eqn: JaxprEqn,
+    m: Mapping | Sink,
+    axes: Axes,
+    seeds: dict[Any, int],
+    jaxpr: Jaxpr,
+    ctx: registry.RuleContext,
 ) -> None:
     """Every operand the mapping chunks must be chunked there, and no chunked operand may be
     read whole; a body input the mapping chunks joins the seeds on the next round."""
@@ -263,7 +286,7 @@ def _check_operands(
         have = axes.get(v)
         if have == ax:
             continue
-        if have is None and ax is not None and _pull(jaxpr, v, ax, seeds):
+        if have is None and ax is not None and _pull(jaxpr, v, ax, seeds, ctx):
             continue
         raise NoRule(f"{eqn.primitive.name} inside the loop body reads a value both ways")
 
@@ -273,6 +296,7 @@ def _pull(
     var: Var,
     axis: int,
     seeds: dict[Any, int],
+    ctx: registry.RuleContext,
     done: dict[tuple[Var, int], bool] | None = None,
 ) -> bool:
     """Seed the body inputs ``var`` is computed from so that it comes out chunked along
@@ -282,12 +306,17 @@ def _pull(
     times over (the gradient of an associative scan) is walked once per value, not per path."""
     done = {} if done is None else done
     if (var, axis) not in done:
-        done[(var, axis)] = _pull_once(jaxpr, var, axis, seeds, done)
+        done[(var, axis)] = _pull_once(jaxpr, var, axis, seeds, ctx, done)
     return done[(var, axis)]
 
 
 def _pull_once(
-    jaxpr: Jaxpr, var: Var, axis: int, seeds: dict[Any, int], done: dict[tuple[Var, int], bool]
+    jaxpr: Jaxpr,
+    var: Var,
+    axis: int,
+    seeds: dict[Any, int],
+    ctx: registry.RuleContext,
+    done: dict[tuple[Var, int], bool],
 ) -> bool:
     """:func:`_pull` of one value whose answer is not known yet."""
     if var in jaxpr.invars:
@@ -301,7 +330,7 @@ def _pull_once(
         return False
     producer = jaxpr.eqns[index]
     try:
-        m = _axis_map(producer, ("out", producer.outvars.index(var)), axis)
+        m = _axis_map(producer, ("out", producer.outvars.index(var)), axis, ctx)
     except NoRule:
         return False
     if isinstance(m, Sink):
@@ -310,7 +339,7 @@ def _pull_once(
     if not pulled:
         seeds[("made", index, producer.outvars.index(var))] = axis
         return True
-    return all(isinstance(v, Var) and _pull(jaxpr, v, a, seeds, done) for v, a in pulled)
+    return all(isinstance(v, Var) and _pull(jaxpr, v, a, seeds, ctx, done) for v, a in pulled)
 
 
 def _tie(jaxpr: Jaxpr, got: Reached, seeds: dict[Any, int], tied: Sequence[tuple[int, int]]):

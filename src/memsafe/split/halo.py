@@ -10,17 +10,17 @@ stride)``: neighbouring chunks' windows overlap (the halo). :meth:`Window.read` 
 of the whole operand by index arithmetic, the padding and dilation filled in, so the operation run
 on it without padding or base dilation along the axis gives exactly the chunk's outputs.
 
-That reads the operand whole: one layer at a time. Several windowed layers in a row (a stack of
-3x3 convolutions over one large image) run in one region on *extended chunks* instead: while
-:func:`extending` is on, a windowed operation whose operand is ``stride`` times as long as its
-result along the axis (stride 1 with "SAME"-like padding, a 2x2 pooling of an even axis) maps
-the axis through (a :class:`~memsafe.split.registry.Halo`), and every region value is computed
-over ``[start - E, start + n + E)`` for the chunk ``[start, start + n)``. Each windowed
+That reads the operand whole: one layer at a time. Several windowed layers in a row (a stack of 3x3
+convolutions over one large image) run in one region on *extended chunks* instead: while the split
+rules are told so (``RuleContext.extended``), a windowed operation whose operand is ``stride`` times
+as long as its result along the axis (stride 1 with "SAME"-like padding, a 2x2 pooling of an even
+axis) maps the axis through (a :class:`~memsafe.split.registry.Halo`), and every region value is
+computed over ``[start - E, start + n + E)`` for the chunk ``[start, start + n)``. Each windowed
 operation fills the positions of its operand outside the axis with its padding value and runs
-unchanged, so its outputs are exact except within its window's reach of the chunk's ends;
-positional operations (elementwise, broadcasts, contractions of other axes) keep each position
-to itself. With ``E`` the most reach any chain of windows adds up to (:func:`extension`), the
-centre ``[start, start + n)`` is exact: sinks and written values take only the centre.
+unchanged, so its outputs are exact except within its window's reach of the chunk's ends; positional
+operations (elementwise, broadcasts, contractions of other axes) keep each position to itself. With
+``E`` the most reach any chain of windows adds up to (:func:`extension`), the centre ``[start, start
++ n)`` is exact: sinks and written values take only the centre.
 
 Where strides make values of several lengths, the region's axis is their greatest common divisor
 (:func:`scales`): a value ``k`` times as long holds positions ``[k * (start - E), k * (start + n
@@ -38,7 +38,6 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Var
-from memsafe.split.mode import Mode
 
 #: Primitives whose split rules map a windowed axis through as a Halo while extending.
 WINDOWED = ("conv_general_dilated", "reduce_window_max", "reduce_window_sum", "reduce_window")
@@ -101,13 +100,6 @@ def take(x: Any, axis: int, index: Any, valid: Any, fill: Any) -> Any:
     got = jnp.take(x, jnp.clip(index, 0, x.shape[axis] - 1), axis=axis)
     keep = lax.broadcast_in_dim(valid, got.shape, (axis,))
     return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
-
-
-_EXTENDING = Mode("halo")
-#: Within this context, windowed operations map the axis through on extended chunks.
-extending = _EXTENDING.on
-#: Whether regions grow on extended chunks (inside :func:`extending`).
-enabled = _EXTENDING.enabled
 
 
 def lengths_agree(eqn: JaxprEqn, m: Any) -> bool:

@@ -23,7 +23,16 @@ from memsafe._jax import JaxprEqn, Var, is_var, source_line
 from memsafe.graph import Graph
 from memsafe.primitives import CHEAP
 from memsafe.split import halo
-from memsafe.split.registry import Mapping, NoRule, Running, axis_map, positional, running_along
+from memsafe.split.registry import (
+    PLAIN,
+    Mapping,
+    NoRule,
+    RuleContext,
+    Running,
+    axis_map,
+    positional,
+    running_along,
+)
 from memsafe.split.sinks import Sink
 
 #: Most equations :func:`grow` leaves out of a region for reading a large value whole.
@@ -168,6 +177,7 @@ class _Growth:
     graph: Graph
     size: int
     small: int
+    ctx: RuleContext
     maps: dict[int, Mapping | Sink] = field(default_factory=dict)
     axis_of: dict[Var, int] = field(default_factory=dict)
     whole_uses: list[tuple[Var, int]] = field(default_factory=list)
@@ -190,7 +200,7 @@ class _Growth:
             return
         prev = self.axis_of.get(atom)
         if prev is None:
-            if not halo.enabled() and self.graph.info(atom).shape[ax] != self.size:
+            if not self.ctx.extended and self.graph.info(atom).shape[ax] != self.size:
                 raise SplitFailure("axis sizes do not match", eqn)  # on extended chunks: add
             self.axis_of[atom] = ax
             self.queue.append(atom)
@@ -204,7 +214,7 @@ class _Growth:
             if self.maps[index] != m:
                 raise SplitFailure("the axis reaches this operation in two ways", eqn)
             return
-        if halo.enabled() and isinstance(m, Mapping):
+        if self.ctx.extended and isinstance(m, Mapping):
             if not positional(eqn, m):
                 raise NoRule(f"{eqn.primitive.name} does not run on extended chunks (halos)")
             if not halo.lengths_agree(eqn, m):
@@ -260,7 +270,7 @@ class _Growth:
             stopped[var] = self.left_out[i]
             return
         try:
-            self.add(i, axis_map(eqn, side, ax))
+            self.add(i, axis_map(eqn, side, ax, self.ctx))
         except NoRule as err:
             stopped[var] = SplitFailure(str(err), eqn, err.inherent)
 
@@ -290,8 +300,11 @@ class _Growth:
         return produced
 
 
-def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
-    """The region splitting ``seed`` along ``axis``; raises :class:`SplitFailure`.
+def grow(
+    graph: Graph, seed: Var, axis: int, small: int, large: int, ctx: RuleContext = PLAIN
+) -> Region:
+    """The region splitting ``seed`` along ``axis``, its split rules told ``ctx`` (on extended
+    chunks, replays tried); raises :class:`SplitFailure`.
 
     Producers of values over ``small`` bytes are pulled into the region even when they are not
     cheap to recompute; values the region reads or writes in full must stay under ``large``.
@@ -305,7 +318,7 @@ def grow(graph: Graph, seed: Var, axis: int, small: int, large: int) -> Region:
     left_out: dict[int, SplitFailure] = {}
     while True:
         try:
-            return _grow(graph, seed, axis, small, large, left_out)
+            return _grow(graph, seed, axis, small, large, left_out, ctx)
         except _ReadsWhole as err:
             if err.users <= left_out.keys() or len(left_out.keys() | err.users) > MAX_LEFT_OUT:
                 raise err.failure from None
@@ -320,9 +333,15 @@ class _ReadsWhole(Exception):
 
 
 def _grow(
-    graph: Graph, seed: Var, axis: int, small: int, large: int, left_out: dict[int, SplitFailure]
+    graph: Graph,
+    seed: Var,
+    axis: int,
+    small: int,
+    large: int,
+    left_out: dict[int, SplitFailure],
+    ctx: RuleContext,
 ) -> Region:
-    g = _Growth(graph, graph.info(seed).shape[axis], small, left_out=dict(left_out))
+    g = _Growth(graph, graph.info(seed).shape[axis], small, ctx, left_out=dict(left_out))
     g.assign(seed, axis, graph.info(seed).producer or 0)
     g.propagate()
     produced = g.hand_back(large)
@@ -333,7 +352,7 @@ def _grow(
     _check_saves(g, seed, produced, surviving)
     stage = _assign_stages(graph, g.maps, frozenset(produced))
     size, scale, extend = g.size, {}, 0
-    if halo.enabled():
+    if ctx.extended:
         size, scale = halo.scales({v: graph.info(v).shape[ax] for v, ax in g.axis_of.items()})
         extend = halo.extension(graph.eqns, g.maps, surviving, scale)
     return Region(

@@ -103,8 +103,44 @@ class NoRule(Exception):
 
 #: Side of the equation the known axis is on: ("in", operand index) or ("out", result index).
 Side = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What a split rule is told besides its equation, as JAX's batching rules are told
+    ``axis_data``: how the region it answers for grows. Rules read it from their argument only,
+    so an answer depends on nothing else (memsafe.split.body caches answers by it).
+
+    Attributes:
+        extended: the region grows on extended chunks (:mod:`memsafe.split.halo`): windowed
+            operations map the axis through as a :class:`Halo`, values of several lengths
+            along it may join, and only positional equations may.
+        replaying: a loop whose carry only accumulates may replay per chunk of that carry
+            (:mod:`memsafe.split.replay`).
+    """
+
+    extended: bool = False
+    replaying: bool = False
+
+    def in_body(self) -> RuleContext:
+        """The context inside a loop's or call's body, which runs on plain chunks."""
+        return RuleContext(replaying=self.replaying)
+
+
+#: Plain chunks, no replays: the context of every question asked outside region growth.
+PLAIN = RuleContext()
+
+
+@dataclass(frozen=True)
+class Through(Mapping):
+    """The mapping of a loop or call through its body, with the context the body was reached
+    in (``ctx``, already :meth:`RuleContext.in_body`): its re-bind reaches the body the same way."""
+
+    ctx: RuleContext = PLAIN
+
+
 #: How the axis maps through an equation, given it sits at ``axis`` of ``side``.
-AxisMap = Callable[[JaxprEqn, Side, int], "Mapping | Sink"]
+AxisMap = Callable[[JaxprEqn, Side, int, RuleContext], "Mapping | Sink"]
 #: The equation on chunk-shaped operands: (eqn, operand values, mapping, chunk start, chunk size).
 Rebind = Callable[[JaxprEqn, list[Any], Mapping, Any, int], list[Any]]
 
@@ -251,12 +287,13 @@ def split_rule(
     return deco
 
 
-def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
-    """Where the split axis goes through ``eqn``, given it sits at ``axis`` of ``side``."""
+def axis_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
+    """Where the split axis goes through ``eqn``, given it sits at ``axis`` of ``side``, for a
+    region growing in context ``ctx``."""
     rule = SPLIT_RULES.get(eqn.primitive.name)
     if rule is None:
         raise NoRule(f"no splitting rule for primitive '{eqn.primitive.name}'")
-    return rule.axis_map(eqn, side, axis)
+    return rule.axis_map(eqn, side, axis, ctx)
 
 
 def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
@@ -320,7 +357,7 @@ def passing(eqn: JaxprEqn, axis: int) -> Mapping:
 # -- families --------------------------------------------------------------------------------
 
 
-def _elementwise_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _elementwise_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     out_shape = shape(eqn.outvars[0])
     size = size_at(eqn, side, axis)
     rank = len(out_shape)
@@ -352,7 +389,7 @@ def identity_unless(
     passes unchanged if it is not among them; ``what`` says what they do along it, and
     ``inherent`` whether no chunked program along such an axis exists."""
 
-    def rule(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    def rule(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
         if axis in tuple(acting_axes(eqn)):
             raise NoRule(f"{eqn.primitive.name} {what} along the split axis", inherent=inherent)
         return passing(eqn, axis)
@@ -363,7 +400,7 @@ def identity_unless(
 def batch_only(name: str, what: str) -> None:
     """Register a one-operand matrix primitive acting on its last two axes: batch axes pass."""
 
-    def rule(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+    def rule(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
         rank = len(shape(eqn.invars[0]))
         if axis >= rank - 2:
             raise NoRule(f"{eqn.primitive.name} {what} along the split axis")

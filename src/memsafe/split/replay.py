@@ -7,11 +7,11 @@ the body when the other carries (the cotangents of the small potentials) are sum
 term, so the body split (:mod:`memsafe.split.body`) refuses it, and held whole it stops every
 split of the program.
 
-Such a loop can still run per chunk of the accumulator: each chunk runs the whole loop again,
-every other carry computed as before, and adds to its chunk only the chunk's part of each term.
-The results are exactly the loop's: the chunk's sums are the same additions in the same order.
-The work is the loop's once per chunk, so a replay is only tried where no other split of a value
-exists (:func:`replaying`). The term is still made whole in each iteration; a split of the body
+Such a loop can still run per chunk of the accumulator: each chunk runs the whole loop again, every
+other carry computed as before, and adds to its chunk only the chunk's part of each term. The
+results are exactly the loop's: the chunk's sums are the same additions in the same order. The work
+is the loop's once per chunk, so a replay is only tried where no other split of a value exists
+(``RuleContext.replaying``). The term is still made whole in each iteration; a split of the body
 (the pass's next level) chunks it there.
 """
 
@@ -25,7 +25,6 @@ from jax import lax
 
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Var, bind_eqn
 from memsafe.graph.interpret import evaluate
-from memsafe.split.mode import Mode
 from memsafe.split.registry import Mapping
 
 #: Primitives that add the iteration's term to the accumulator.
@@ -36,13 +35,6 @@ REPLAYABLE = ("scan",)
 
 #: The bodies of loops replayed per chunk (their jaxprs), for the split pass to split inside.
 _MADE: weakref.WeakSet = weakref.WeakSet()
-
-
-_REPLAYING = Mode("replay")
-#: Within this context, loops may replay per chunk of an accumulator (scan's split rule).
-replaying = _REPLAYING.on
-#: Whether replays are tried (inside :func:`replaying`).
-enabled = _REPLAYING.enabled
 
 
 def made(body: ClosedJaxpr) -> bool:

@@ -56,7 +56,7 @@ from memsafe.split.loop import (
     operand_axes,
 )
 from memsafe.split.region import Region
-from memsafe.split.registry import NoRule
+from memsafe.split.registry import PLAIN, NoRule
 from memsafe.split.sinks import Sink
 
 
@@ -344,7 +344,7 @@ def _plan(graph: Graph, region: Region, loop: Loop, chunk: int, devices: int) ->
     if cone is None:
         return None
     try:
-        reached = body_split.reach(cone.jaxpr, {}, {0: 0})
+        reached = body_split.reach(cone.jaxpr, {}, {0: 0}, PLAIN)
     except NoRule:
         return None
     ins = cone.jaxpr.invars[1:]

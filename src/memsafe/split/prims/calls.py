@@ -19,7 +19,7 @@ from jax import lax
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, checkpointed_like, jaxpr_as_fun
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
-from memsafe.split.registry import Mapping, NoRule, Side, split_rule
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, Through, split_rule
 
 #: Call primitives whose body is the parameter ``jaxpr``.
 CALLS = ("remat2", "checkpoint", "pjit", "jit", "closed_call")
@@ -42,14 +42,15 @@ def _body(eqn: JaxprEqn) -> ClosedJaxpr:
 BodySplit = tuple[ClosedJaxpr, loop_body.Reached]  # a body and its split
 
 
-def _axes(body: ClosedJaxpr, side: Side, axis: int) -> BodySplit:
+def _axes(body: ClosedJaxpr, side: Side, axis: int, ctx: RuleContext) -> BodySplit:
+    """``body`` reached from the axis at ``side``, in ``ctx`` (a body's context)."""
     seeds = {side[1]: axis}
     ins, outs = (seeds, {}) if side[0] == "in" else ({}, seeds)
-    return body, loop_body.reach(body.jaxpr, ins, outs)
+    return body, loop_body.reach(body.jaxpr, ins, outs, ctx)
 
 
-def _mapping(name: str, reached: BodySplit, side: Side, axis: int) -> Mapping:
-    """Every operand and result of a body at the axis its value carries."""
+def _mapping(name: str, reached: BodySplit, side: Side, axis: int, ctx: RuleContext) -> Through:
+    """Every operand and result of a body (reached in ``ctx``) at the axis its value carries."""
     body, got = reached
     if got.result_shares(body.jaxpr):
         raise NoRule(f"{name}: the body sums over the split axis into a result")
@@ -58,7 +59,7 @@ def _mapping(name: str, reached: BodySplit, side: Side, axis: int) -> Mapping:
     outs = tuple(axes.get(v) for v in body.jaxpr.outvars)
     if (ins if side[0] == "in" else outs)[side[1]] != axis:
         raise NoRule(f"{name}: the split axis does not pass through the body")
-    return Mapping(ins=ins, outs=outs)
+    return Through(ins=ins, outs=outs, ctx=ctx)
 
 
 def _side(m: Mapping) -> Side:
@@ -76,16 +77,18 @@ def _chunk_fun(reached: BodySplit, n: int) -> Any:
     return jaxpr_as_fun(loop_body.chunk_body(body, got, n, in_avals))
 
 
-def _call(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
-    return _mapping(eqn.primitive.name, _axes(_body(eqn), side, axis), side, axis)
+def _call(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
+    inner = ctx.in_body()
+    return _mapping(eqn.primitive.name, _axes(_body(eqn), side, axis, inner), side, axis, inner)
 
 
 def _rebind_call(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
     """The body re-traced on the chunk (its start as one more operand), checkpointed again
     where the call was a checkpoint."""
+    assert isinstance(m, Through)
     side = _side(m)
     axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    fun = checkpointed_like(eqn, _chunk_fun(_axes(_body(eqn), side, axis), n))
+    fun = checkpointed_like(eqn, _chunk_fun(_axes(_body(eqn), side, axis, m.ctx), n))
     return list(fun(jnp.asarray(start, jnp.int32), *invals))
 
 
@@ -99,25 +102,29 @@ def _in_branch(side: Side) -> Side:
     return ("in", side[1] - 1) if side[0] == "in" else side
 
 
-def _branches(eqn: JaxprEqn, side: Side, axis: int) -> list[BodySplit]:
-    """Each branch reached from the split axis at ``side`` of the cond."""
-    return [_axes(_inlined(b), _in_branch(side), axis) for b in eqn.params["branches"]]
+def _branches(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> list[BodySplit]:
+    """Each branch reached from the split axis at ``side`` of the cond, in ``ctx`` (a body's
+    context)."""
+    return [_axes(_inlined(b), _in_branch(side), axis, ctx) for b in eqn.params["branches"]]
 
 
-def _cond(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _cond(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Operands and results at the axes every branch gives them (the index whole)."""
-    found = {_mapping("cond", r, _in_branch(side), axis) for r in _branches(eqn, side, axis)}
+    inner = ctx.in_body()
+    branch = _in_branch(side)
+    found = {_mapping("cond", r, branch, axis, inner) for r in _branches(eqn, side, axis, inner)}
     if len(found) != 1:
         raise NoRule("cond: its branches carry the split axis to different operands or results")
     (m,) = found
-    return Mapping(ins=(None, *m.ins), outs=m.outs)
+    return Through(ins=(None, *m.ins), outs=m.outs, ctx=inner)
 
 
 def _rebind_cond(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
     """The chunk through the branch the index picks, each branch re-traced at chunk shape."""
+    assert isinstance(m, Through)
     side = _side(m)
     axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    funs = [_chunk_fun(r, n) for r in _branches(eqn, side, axis)]
+    funs = [_chunk_fun(r, n) for r in _branches(eqn, side, axis, m.ctx)]
     return list(lax.switch(invals[0], funs, jnp.asarray(start, jnp.int32), *invals[1:]))
 
 

@@ -20,9 +20,9 @@ cotangent dilated by the stride against the reversed kernel; the kernel's: input
 contracted over the batch axis), so the same rule splits them: a batch split of a training step
 makes the kernel gradient a sum sink (gradient accumulation).
 
-While regions grow on extended chunks (:func:`memsafe.split.halo.extending`), a spatial axis
-whose input is ``stride / lhs_dilation`` times as long as its result (one of them 1: a "SAME"
-convolution, a strided one, the input gradient of a strided one) maps through as a
+While regions grow on extended chunks (``RuleContext.extended``, :mod:`memsafe.split.halo`), a
+spatial axis whose input is ``stride / lhs_dilation`` times as long as its result (one of them
+1: a "SAME" convolution, a strided one, the input gradient of a strided one) maps through as a
 :class:`~memsafe.split.registry.Halo`: the chunk's input, extended, is filled with zeros outside
 the axis and convolved unchanged, so several convolutions in a row run in one loop. The kernel
 gradient of such a convolution (input and cotangent both split along the axis) is a sum sink
@@ -42,7 +42,7 @@ from jax import lax
 from memsafe._jax import JaxprEqn, bind_eqn_with
 from memsafe.split import halo, sinks
 from memsafe.split.halo import Window
-from memsafe.split.registry import Halo, Mapping, NoRule, Side, shape, split_rule
+from memsafe.split.registry import Halo, Mapping, NoRule, RuleContext, Side, shape, split_rule
 from memsafe.split.sinks import Sink
 
 _NAME = "conv_general_dilated"
@@ -222,9 +222,9 @@ def _extended(eqn: JaxprEqn, side: Side, k: int) -> Mapping | Sink | None:
     return _windowed(eqn, k) or (_taps_along(eqn, k) if side == ("in", 0) else None)
 
 
-def _spatial(eqn: JaxprEqn, side: Side, k: int) -> Mapping | Sink:
+def _spatial(eqn: JaxprEqn, side: Side, k: int, ctx: RuleContext) -> Mapping | Sink:
     lhs, _, out = _specs(eqn)
-    if halo.enabled() and (extended := _extended(eqn, side, k)) is not None:
+    if ctx.extended and (extended := _extended(eqn, side, k)) is not None:
         return extended
     if side == ("in", 1):
         return Sink(TAPS, ins=(None, _specs(eqn)[1][2 + k]))
@@ -235,12 +235,12 @@ def _spatial(eqn: JaxprEqn, side: Side, k: int) -> Mapping | Sink:
     raise NoRule(f"{_NAME} reads overlapping windows of the split axis (split its result)")
 
 
-def _conv_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+def _conv_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
     """Where the split axis goes through a convolution (see the module's docstring)."""
     spec = _specs(eqn)[1 if side == ("in", 1) else 0 if side[0] == "in" else 2]
     role = spec.index(axis)
     if role >= 2:
-        return _spatial(eqn, side, role - 2)
+        return _spatial(eqn, side, role - 2, ctx)
     if side == ("in", 1):
         return _out_feature(eqn) if role == 0 else _contracting(eqn)
     if side[0] == "out" and role == 1:

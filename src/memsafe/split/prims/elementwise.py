@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from memsafe._jax import JaxprEqn
 from memsafe.primitives import ELEMENTWISE
-from memsafe.split.registry import Mapping, NoRule, Side, elementwise, shape, split_rule
+from memsafe.split.registry import (
+    Mapping,
+    NoRule,
+    RuleContext,
+    Side,
+    elementwise,
+    shape,
+    split_rule,
+)
 
 elementwise(*ELEMENTWISE)
 
 
 @split_rule("bitcast_convert_type")
-def _bitcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _bitcast(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Same-width bitcasts are elementwise; a width change adds or drops a last axis only."""
     rank_in, rank_out = len(shape(eqn.invars[0])), len(shape(eqn.outvars[0]))
     if axis >= min(rank_in, rank_out):
@@ -19,7 +27,7 @@ def _bitcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
 
 
 @split_rule("optimization_barrier")
-def _barrier(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _barrier(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """A barrier around one value is the identity on each chunk of it (the remat pass hands
     each recomputed residual to the backward behind its own barrier)."""
     if len(eqn.invars) != 1:

@@ -9,7 +9,7 @@ from jax import lax
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import sinks
 from memsafe.split.indices import chunk_local_indices
-from memsafe.split.registry import Mapping, NoRule, Side, shape, split_rule
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, shape, split_rule
 from memsafe.split.sinks import Sink
 
 SCATTERS = (
@@ -42,7 +42,7 @@ def _rebind_scatter(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, si
 
 
 @split_rule("gather", rebind=_rebind_gather)
-def _gather(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _gather(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Batch dimensions of a gather (``take_along_axis`` rows, embedding lookups by a chunked
     index array) and full-size offset dimensions pass; an operand axis indexed one position at a
     time by whole indices is a ``pick`` sink; other indexed dimensions stop the axis."""
@@ -89,10 +89,10 @@ def _gather(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
 
 
 @split_rule(*SCATTERS, rebind=_rebind_scatter)
-def _scatter(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _scatter(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Scatters pass the axis along their batching dimensions (the VJP of a batched gather) and
     along full-size window dimensions no index addresses (the VJP of a gather's offset axis)."""
-    window = _scatter_window(eqn, side, axis)
+    window = _scatter_window(eqn, side, axis, ctx)
     if window is not None:
         return window
     dn = eqn.params["dimension_numbers"]
@@ -134,7 +134,7 @@ def _into(eqn: JaxprEqn, index_axis: int, update_axis: int) -> Sink:
     return Sink(reducer, ins=(None, index_axis, update_axis))
 
 
-def _scatter_window(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | None:
+def _scatter_window(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | None:
     """The mapping when the axis is a window dimension of the scatter spanning the whole operand
     axis, which no index vector addresses (so every chunk scatters into its own slice at 0)."""
     dn = eqn.params["dimension_numbers"]

@@ -11,6 +11,7 @@ from memsafe._jax import JaxprEqn, bind_eqn_with
 from memsafe.split.registry import (
     Mapping,
     NoRule,
+    RuleContext,
     Side,
     identity_unless,
     shape,
@@ -24,7 +25,7 @@ def _rebind_broadcast(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, 
 
 
 @split_rule("broadcast_in_dim", rebind=_rebind_broadcast, positional=True)
-def _broadcast(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _broadcast(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     if len(eqn.invars) != 1:
         raise NoRule("broadcast_in_dim with dynamic shapes")
     dims = eqn.params["broadcast_dimensions"]
@@ -43,7 +44,7 @@ def _rebind_reshape(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, si
 
 
 @split_rule("reshape", rebind=_rebind_reshape, positional=True)
-def _reshape(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _reshape(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     if eqn.params.get("dimensions") is not None or len(eqn.invars) != 1:
         raise NoRule("reshape with a dimension permutation or dynamic shape")
     in_shape, out_shape = shape(eqn.invars[0]), shape(eqn.outvars[0])
@@ -71,17 +72,17 @@ def _kept(eqn: JaxprEqn, side: Side, axis: int, larger: int) -> Mapping:
 
 
 @split_rule("squeeze")
-def _squeeze(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _squeeze(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     return _kept(eqn, side, axis, larger=0)
 
 
 @split_rule("expand_dims")
-def _expand_dims(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _expand_dims(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     return _kept(eqn, side, axis, larger=1)
 
 
 @split_rule("transpose")
-def _transpose(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _transpose(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     perm = tuple(eqn.params["permutation"])
     if side[0] == "in":
         return Mapping(ins=(axis,), outs=(perm.index(axis),))
@@ -96,7 +97,7 @@ def _rebind_iota(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size:
 
 
 @split_rule("iota", rebind=_rebind_iota, positional=True)
-def _iota(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _iota(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     return Mapping(ins=tuple(None for _ in eqn.invars), outs=(axis,))
 
 

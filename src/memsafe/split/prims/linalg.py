@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from memsafe._jax import JaxprEqn
-from memsafe.split.registry import Mapping, NoRule, Side, batch_only, shape, split_rule
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, batch_only, shape, split_rule
 
 batch_only("cholesky", "factorizes the matrix")
 
 
 @split_rule("triangular_solve")
-def _triangular_solve(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _triangular_solve(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """``op(a) x = b`` (left side) solves each column of ``b`` on its own, ``x op(a) = b`` each
     row: that axis of ``b`` passes to ``x`` with ``a`` used whole. Batch axes pass through both;
     the triangular system's own axis cannot be split."""

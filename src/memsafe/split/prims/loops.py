@@ -17,7 +17,7 @@ from memsafe._jax import JaxprEqn, bind_eqn_with, scan_counts, scan_layout
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split import replay
-from memsafe.split.registry import Mapping, NoRule, Running, Side, split_rule
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Running, Side, Through, split_rule
 from memsafe.split.sinks import additive_identity
 
 
@@ -191,9 +191,11 @@ def _inlined(body: Any) -> Any:
     return inline_calls(body)
 
 
-def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, loop_body.Reached]:
-    """The inlined body and its split. A stacked result is reached from the body inputs: the
-    first input axis that lands on it wins."""
+def _body_axes(
+    eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext
+) -> tuple[Any, loop_body.Reached]:
+    """The inlined body and its split, reached in ``ctx`` (a body's context). A stacked result
+    is reached from the body inputs: the first input axis that lands on it wins."""
     body = _inlined(eqn.params["jaxpr"])
     ins, outs = _body_seed(eqn, side, axis)
     consts, carry = scan_counts(eqn.params)
@@ -201,19 +203,21 @@ def _body_axes(eqn: JaxprEqn, side: Side, axis: int) -> tuple[Any, loop_body.Rea
     for o, a in outs.items():  # a carried result seeds the carry it comes back through
         if o < carry:
             ins.setdefault(consts + o, a)
-    return body, loop_body.reach(body.jaxpr, ins, outs, tied, sums=True)
+    return body, loop_body.reach(body.jaxpr, ins, outs, ctx, tied, sums=True)
 
 
 def _split_body(eqn: JaxprEqn, m: Mapping) -> tuple[Any, loop_body.Reached]:
     """The inlined body and its split, for a scan mapped through its body as ``m``."""
+    assert isinstance(m, Through)
     side, axis = next((("in", k), a) for k, a in enumerate(m.ins) if a is not None)
-    return _body_axes(eqn, side, axis)
+    return _body_axes(eqn, side, axis, m.ctx)
 
 
-def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _body_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """The axis through the body: every operand and result at its body axis (one more for the
     scanned and stacked ones); None for the results the body sums over it, and their carries."""
-    body, got = _body_axes(eqn, side, axis)
+    inner = ctx.in_body()
+    body, got = _body_axes(eqn, side, axis, inner)
     axes = got.axes
     consts, carry = scan_counts(eqn.params)
     scanned_in = consts + carry
@@ -228,7 +232,7 @@ def _body_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
     given = ins[side[1]] if side[0] == "in" else outs[side[1]]
     if given != axis:
         raise NoRule("scan: the split axis does not pass through the body")
-    return Mapping(ins=ins, outs=outs)
+    return Through(ins=ins, outs=outs, ctx=inner)
 
 
 def _accumulator(eqn: JaxprEqn, side: Side) -> int | None:
@@ -241,10 +245,10 @@ def _accumulator(eqn: JaxprEqn, side: Side) -> int | None:
     return k if replay.accumulator_adds(body, consts + k, k) is not None else None
 
 
-def _replay_map(eqn: JaxprEqn, side: Side, axis: int) -> replay.Replay | None:
+def _replay_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> replay.Replay | None:
     """The scan replayed per chunk of the accumulator carry at ``side`` (while replays are
     tried and the carry is one), else None."""
-    k = _accumulator(eqn, side) if replay.enabled() else None
+    k = _accumulator(eqn, side) if ctx.replaying else None
     if k is None:
         return None
     consts, _ = scan_counts(eqn.params)
@@ -254,16 +258,16 @@ def _replay_map(eqn: JaxprEqn, side: Side, axis: int) -> replay.Replay | None:
 
 
 @split_rule("scan", rebind=lambda *a: _rebind_scan(*a), running=(Threaded(), Replayed(), Summed()))
-def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _scan(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Along the loop's length: the iterations run in chunks (threading the carry). Along
     another axis: the body must map it through (the whole loop runs on each chunk), or, while
     replays are tried, the loop replays per chunk of an accumulator carry."""
     if _along_length(eqn, side, axis):
         return _length_map(eqn)
     try:
-        return _body_map(eqn, side, axis)
+        return _body_map(eqn, side, axis, ctx)
     except NoRule:
-        replayed = _replay_map(eqn, side, axis)
+        replayed = _replay_map(eqn, side, axis, ctx)
         if replayed is None:
             raise
         return replayed

@@ -33,7 +33,7 @@ from jax import lax
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import halo
 from memsafe.split.halo import Window, take
-from memsafe.split.registry import Halo, Mapping, NoRule, Side, shape, split_rule
+from memsafe.split.registry import Halo, Mapping, NoRule, RuleContext, Side, shape, split_rule
 from memsafe.split.sinks import extreme_identity
 
 
@@ -58,14 +58,14 @@ def _operands(eqn: JaxprEqn) -> int:
     return len(eqn.invars) // 2 if eqn.primitive.name == "reduce_window" else len(eqn.invars)
 
 
-def _reduce_window_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _reduce_window_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     k, inits = _operands(eqn), len(eqn.invars) - _operands(eqn)
     outs = tuple(axis for _ in eqn.outvars)
     win = _window(eqn, axis)
     if win.trivial:
         return Mapping(ins=(axis,) * k + (None,) * inits, outs=outs)
     n_in, n_out = shape(eqn.invars[0])[axis], shape(eqn.outvars[0])[axis]
-    if halo.enabled() and halo.aligned(win.stride, win.base_dilation, n_in, n_out):
+    if ctx.extended and halo.aligned(win.stride, win.base_dilation, n_in, n_out):
         return Halo.over(win, (axis,) * k + (None,) * inits, outs)
     if side[0] == "out":
         return Mapping(ins=(None,) * len(eqn.invars), outs=outs)  # windows of the whole operand
@@ -138,12 +138,12 @@ class Tiled(Halo):
         return max(self.stride * (source or 0), operand or 0)
 
 
-def _select_and_scatter_add_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _select_and_scatter_add_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     win = _window(eqn, axis)
     if win.trivial:
         return Mapping(ins=(axis, axis), outs=(axis,))
     tiles = win.size == win.stride and (win.pad_lo, win.pad_hi) == (0, 0)
-    if halo.enabled() and tiles and win.base_dilation == win.window_dilation == 1:
+    if ctx.extended and tiles and win.base_dilation == win.window_dilation == 1:
         return Tiled.over(win, (axis, axis), (axis,))
     if side[0] != "out":
         raise NoRule("select_and_scatter_add scatters overlapping windows along the split axis")

@@ -6,7 +6,7 @@ from typing import Any
 
 from memsafe._jax import JaxprEqn
 from memsafe.split import random_bits
-from memsafe.split.registry import Mapping, NoRule, Side, split_rule
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, split_rule
 
 
 def _rebind(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int) -> list[Any]:
@@ -15,7 +15,7 @@ def _rebind(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int)
 
 
 @split_rule("random_bits", rebind=_rebind)
-def _random_bits(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _random_bits(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     why = random_bits.why_not(eqn.invars[0].aval, tuple(eqn.params["shape"]))
     if why is not None:
         raise NoRule(why)

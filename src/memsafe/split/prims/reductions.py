@@ -11,6 +11,7 @@ from memsafe.split.registry import (
     Axis,
     Mapping,
     NoRule,
+    RuleContext,
     Side,
     bind_unchanged,
     shape,
@@ -20,7 +21,7 @@ from memsafe.split.sinks import Sink
 
 
 @split_rule(*sorted(REDUCTIONS))
-def _reduce(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+def _reduce(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
     axes = sorted(eqn.params["axes"])
     if side[0] == "in":
         if axis in axes:
@@ -33,7 +34,7 @@ def _reduce(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
 
 
 @split_rule("dot_general")
-def _dot_general(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+def _dot_general(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
     (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
     lrank, rrank = len(shape(eqn.invars[0])), len(shape(eqn.invars[1]))
     lfree = [d for d in range(lrank) if d not in lc and d not in lb]
@@ -67,7 +68,7 @@ def _rebind_top_k(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size
 
 
 @split_rule("top_k", rebind=_rebind_top_k, piece_rebind=bind_unchanged)
-def _top_k(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+def _top_k(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
     rank = len(shape(eqn.invars[0]))
     along = eqn.params.get("axis", -1) % rank
     if side[0] == "in" and axis == along:

@@ -12,6 +12,7 @@ from memsafe.split.registry import (
     Accumulate,
     Mapping,
     NoRule,
+    RuleContext,
     Side,
     identity_unless,
     passing,
@@ -28,7 +29,7 @@ def _scan_axis(eqn: JaxprEqn) -> int:
     return eqn.params["axis"] % _rank(eqn)
 
 
-def _scan(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _scan(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     dtype = eqn.outvars[0].aval.dtype
     if axis == _scan_axis(eqn) and jnp.issubdtype(dtype, jnp.inexact) and dtype.itemsize < 4:
         # a chunk's scan plus the carry rounds differently from XLA's whole-axis scan in

@@ -4,7 +4,7 @@ apart along one; the split axis passes around that axis."""
 from __future__ import annotations
 
 from memsafe._jax import JaxprEqn
-from memsafe.split.registry import Mapping, NoRule, Side, split_rule
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, split_rule
 
 
 def _around(eqn: JaxprEqn, side: Side, axis: int, stacked: str) -> tuple[int, int]:
@@ -21,13 +21,13 @@ def _around(eqn: JaxprEqn, side: Side, axis: int, stacked: str) -> tuple[int, in
 
 
 @split_rule("stack")
-def _stack(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _stack(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     whole, piece = _around(eqn, side, axis, stacked="out")
     return Mapping(ins=tuple(piece for _ in eqn.invars), outs=(whole,))
 
 
 @split_rule("unstack")
-def _unstack(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _unstack(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """``unstack`` (the transpose of ``stack``): results drop the unstacked axis."""
     whole, piece = _around(eqn, side, axis, stacked="in")
     return Mapping(ins=(whole,), outs=tuple(piece for _ in eqn.outvars))

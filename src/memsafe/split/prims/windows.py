@@ -22,6 +22,7 @@ from memsafe.split.registry import (
     Mapping,
     NoRule,
     Rebind,
+    RuleContext,
     Side,
     bind_unchanged,
     passing,
@@ -59,9 +60,9 @@ def _moving(
     whole operands; elsewhere the axis maps as ``passes`` says, re-bound by ``rebind_passing``
     (positional: a concatenation of channels runs on extended chunks, memsafe.split.halo)."""
 
-    def axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+    def axis_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
         if not moves(eqn, axis):
-            return passes(eqn, side, axis)
+            return passes(eqn, side, axis, ctx)
         if side[0] == "in" and _length(eqn.invars[side[1]], axis) != _length(eqn.outvars[0], axis):
             # reached from a chunked operand, the result is of another length: the region
             # stops here and hands the operand on whole (the distribute pass runs what follows
@@ -176,7 +177,7 @@ def _rebind_dus(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: 
 
 
 @split_rule("dynamic_update_slice", rebind=_rebind_dus, positional=True)
-def _dynamic_update_slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _dynamic_update_slice(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     op, upd = eqn.invars[0].aval.shape, eqn.invars[1].aval.shape
     if op[axis] != upd[axis]:
         raise NoRule("dynamic_update_slice along the split axis")
@@ -186,7 +187,7 @@ def _dynamic_update_slice(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
 # -- registration ------------------------------------------------------------------------------
 
 
-def _slice_axis_map(eqn: JaxprEqn, side: Side, axis: int) -> Mapping | Sink:
+def _slice_axis_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
     """A slice keeping the whole axis passes it. One selecting positions along it is, read from
     the operand's chunks, a sink gathering them from the chunks that hold them; producing the
     result's chunks, a window read from the whole operand."""
@@ -206,11 +207,11 @@ def _rebind_slice(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -
     return bind_eqn_with(eqn, invals, limit_indices=limits)
 
 
-def _pad_passes(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _pad_passes(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     return Mapping(ins=(axis, None), outs=(axis,))
 
 
-def _dynamic_slice_passes(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _dynamic_slice_passes(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     return Mapping(ins=(axis,) + (None,) * (len(eqn.invars) - 1), outs=(axis,))
 
 
@@ -221,7 +222,7 @@ def _rebind_dynamic_slice(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n
     return bind_eqn_with(eqn, _zero_index(invals, 1 + a), slice_sizes=sizes)
 
 
-def _passing(eqn: JaxprEqn, side: Side, axis: int) -> Mapping:
+def _passing(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     return passing(eqn, axis)
 
 

@@ -1,0 +1,80 @@
+"""Deep programs of the differential fuzzer (tests/fuzz/deep.py): training steps of MLPs, layer
+stacks, transformers, CNNs, graph networks and several large values alive at once.
+
+``test_deep_family_runs`` runs one fixed case per family under memsafe.jit against jax.jit (split,
+unchanged, refused, unreachable or outer pass; wrong, over the limit or a crash fail); the other
+tests check that deep cases are reproducible from their seed, trace under every wrapper and are
+drawn for the asked share of seeds only.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from tests.fuzz import deep
+from tests.fuzz.deep_families import FAMILIES
+from tests.fuzz.program import generate
+from tests.fuzz.runner import run_case
+from tests.fuzz.wrappers import WRAPPERS
+
+#: One quick case per family (seed, forced fields), each a few seconds, together under a minute.
+FAMILY_CASES: dict[str, tuple[int, dict]] = {
+    "mlp": (3, {}),
+    "scan_layers": (14, {}),
+    "transformer": (6, {"wrapper": "plain"}),
+    "cnn": (5, {}),
+    "graph": (13, {}),
+    "multi": (8, {}),
+}
+
+
+def test_every_family_has_a_fixed_case():
+    assert sorted(FAMILY_CASES) == sorted(FAMILIES)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILY_CASES))
+def test_deep_family_runs(family):
+    seed, fields = FAMILY_CASES[family]
+    case = deep.generate_deep(seed, family=family, **fields)
+    result = run_case(case)
+    assert not result.failed, result.describe()
+
+
+def test_deep_cases_are_reproducible_from_their_seed():
+    for seed in range(12):
+        case = deep.generate_deep(seed)
+        assert case == deep.generate_deep(seed)
+        assert deep.render(case) == deep.render(deep.generate_deep(seed))
+        with jax.enable_x64(case.dtype == "float64"):
+            a, b = (jax.tree.leaves(deep.make_inputs(case).args) for _ in range(2))
+        assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert len({deep.render(deep.generate_deep(seed)) for seed in range(24)}) == 24
+
+
+@pytest.mark.parametrize("seed", range(0, 48, 4))
+def test_deep_programs_trace(seed):
+    """Every drawn deep program is valid JAX under its wrapper's reference."""
+    case = deep.generate_deep(seed)
+    with jax.enable_x64(case.dtype == "float64"):
+        args = deep.make_inputs(case).args
+        out = jax.eval_shape(WRAPPERS[case.wrapper].ref(deep.build(case)), *args)
+    assert jax.tree.leaves(out)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_each_family_traces_under_batching_and_gradients(family):
+    for wrapper in ("vmap_inside", "grad_outside"):
+        case = deep.generate_deep(7, family=family, wrapper=wrapper)
+        assert deep.valid(case), deep.render(case)
+
+
+def test_deep_share_of_seeds():
+    seeds = range(2000)
+    assert all(deep.draw(s, 0.0) == generate(s) for s in range(50))
+    assert all(isinstance(deep.draw(s, 1.0), deep.DeepCase) for s in range(50))
+    share = np.mean([deep.is_deep(s, 0.4) for s in seeds])
+    assert 0.35 < share < 0.45
+    # a seed that is pairwise at some share stays the same pairwise case at a smaller one
+    assert all(deep.draw(s, 0.2) == generate(s) for s in seeds if not deep.is_deep(s, 0.4))
