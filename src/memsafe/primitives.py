@@ -196,6 +196,47 @@ TABLE: dict[str, Facts] = {
     **dict.fromkeys(
         ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"], Facts(Kind.CUMULATIVE)
     ),
+    # layout ops whose results are pieces of their operand
+    **dict.fromkeys(["split", "unstack"], _layout()),
+    # contractions, windows, gathers and scatters: XLA stores their results
+    **dict.fromkeys(
+        [
+            "dot_general",
+            "conv_general_dilated",
+            "gather",
+            "dynamic_update_slice",
+            "reduce_window",
+            "reduce_window_max",
+            "reduce_window_min",
+            "reduce_window_sum",
+            "select_and_scatter_add",
+            "scatter",
+            "scatter-add",
+            "scatter_add",
+            "scatter-mul",
+            "scatter_mul",
+            "scatter-max",
+            "scatter_max",
+            "scatter-min",
+            "scatter_min",
+        ],
+        Facts(Kind.OTHER),
+    ),
+    # random bits, barriers, calls and control flow
+    **dict.fromkeys(
+        [
+            "random_bits",
+            "optimization_barrier",
+            "pjit",
+            "jit",
+            "closed_call",
+            "checkpoint",
+            "remat2",
+            "cond",
+            "scan",
+        ],
+        Facts(Kind.OTHER),
+    ),
     # linear algebra: LAPACK calls on the CPU
     **dict.fromkeys(
         [
