@@ -40,8 +40,9 @@ from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
 from memsafe.primitives import FUSIBLE, REDUCTIONS
 
-#: Primitives cheap enough to recompute inside every loop iteration (fused into the consumer).
-CHEAP = FUSIBLE
+#: Primitives recomputed inside every loop iteration: those XLA fuses into their consumer (not
+#: :data:`memsafe.primitives.CHEAP`, which says what a split region recomputes per chunk).
+IN_LOOP = FUSIBLE
 
 #: Loop constants smaller than this are left alone (holding them costs nothing worth a rewrite).
 MIN_BYTES = 64 * 1024
@@ -55,10 +56,10 @@ Skip = Callable[[JaxprEqn], bool]
 Takes = Callable[[JaxprEqn, int], bool]
 
 #: Primitives a value that cannot be held at all may be recomputed with per iteration, besides
-#: :data:`CHEAP`: reductions and matrix products (a distance matrix ``sum((x[:, None] - y) ** 2,
+#: :data:`IN_LOOP`: reductions and matrix products (a distance matrix ``sum((x[:, None] - y) ** 2,
 #: -1)`` or ``x @ y.T`` read by every iteration of a Sinkhorn loop). KeOps and geomloss recompute
 #: such a matrix in every iteration; holding it is what does not fit.
-UNHELD = CHEAP | REDUCTIONS | {"dot_general"}
+UNHELD = IN_LOOP | REDUCTIONS | {"dot_general"}
 
 
 def _never(eqn: JaxprEqn) -> bool:
@@ -75,14 +76,14 @@ class Moving:
 
     Attributes:
         min_bytes: constants smaller than this stay where they are.
-        ops: the primitives a constant's computation may use (:data:`CHEAP` by default).
+        ops: the primitives a constant's computation may use (:data:`IN_LOOP` by default).
         skip: loops to leave as they are.
         takes: which constants of the other loops may move, by operand position.
         whiles: whether the constants of ``while`` loops move too (:func:`loop_const_positions`).
     """
 
     min_bytes: int = MIN_BYTES
-    ops: frozenset[str] = CHEAP
+    ops: frozenset[str] = IN_LOOP
     skip: Skip = _never
     takes: Takes = _any
     whiles: bool = False
@@ -119,7 +120,7 @@ def loop_const_positions(eqn: JaxprEqn, whiles: bool = False) -> list[int]:
     return []
 
 
-def generator(graph: Graph, var: Any, ops: frozenset[str] = CHEAP) -> Generator | None:
+def generator(graph: Graph, var: Any, ops: frozenset[str] = IN_LOOP) -> Generator | None:
     """The computation of ``var`` by primitives in ``ops`` back to small, literal or always-live
     leaves, or None."""
     if not isinstance(var, Var) or graph.info(var).producer is None:
@@ -142,7 +143,7 @@ def generator(graph: Graph, var: Any, ops: frozenset[str] = CHEAP) -> Generator 
         name = eqn.primitive.name
         # A small value a reduction or product made is read, not recomputed: the row sums of a
         # matrix the loop reads, made per iteration, would need the whole matrix each time.
-        recomputed = name in CHEAP or vi.bytes > SMALL_LEAF_BYTES
+        recomputed = name in IN_LOOP or vi.bytes > SMALL_LEAF_BYTES
         if name in ops and recomputed and not eqn.effects:
             cone.add(vi.producer)
             if len(cone) > MAX_CONE:
