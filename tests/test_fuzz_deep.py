@@ -21,12 +21,12 @@ from tests.fuzz.wrappers import WRAPPERS
 
 #: One quick case per family (seed, forced fields), each a few seconds, together under a minute.
 FAMILY_CASES: dict[str, tuple[int, dict]] = {
-    "mlp": (3, {}),
-    "scan_layers": (14, {}),
-    "transformer": (6, {"wrapper": "plain"}),
-    "cnn": (5, {}),
-    "graph": (13, {}),
-    "multi": (8, {}),
+    "mlp": (31, {}),  # vmap outside, dict parameters
+    "scan_layers": (18, {}),  # a Python loop of checkpointed layers
+    "transformer": (34, {}),  # a padding mask, forward
+    "cnn": (20, {}),  # SAME convolutions, average pooling
+    "graph": (41, {}),  # sorted receivers, segment_min, an SGD step
+    "multi": (8, {}),  # two (rows, rows) values alive at once, under an inner jax.jit
 }
 
 

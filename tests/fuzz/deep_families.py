@@ -264,8 +264,8 @@ def _transformer_arrays(
 def _cnn_draw(rng: random.Random) -> tuple[Sizes, set[str]]:
     layers = rng.randint(2, 3)
     sizes = {
-        "images": rng.randint(2, 12),
-        "side": rng.choice((16, 24, 32, 48)),
+        "images": rng.randint(4, 16),
+        "side": rng.choice((24, 32, 48, 64)),
         "cin": rng.randint(1, 4),
         "layers": layers,
         "kernel": rng.choice((3, 5)),
