@@ -222,6 +222,8 @@ TABLE: dict[str, Facts] = {
         ],
         Facts(Kind.OTHER),
     ),
+    # a key per element of its data (``jax.random.fold_in`` under ``jax.vmap``)
+    "random_fold_in": _elementwise(),
     # random bits, barriers, calls and control flow
     **dict.fromkeys(
         [

@@ -27,15 +27,16 @@ def why_not(key_aval: Any, shape: tuple[int, ...]) -> str | None:
         return "random bits are not partitionable (jax_threefry_partitionable is off)"
     if "fry" not in str(key_aval.dtype):
         return "random bits of a key that is not threefry2x32"
-    if key_aval.shape != ():
-        return "random bits of an array of keys"
     if math.prod(shape) >= 2**32:
         return "random bits of more than 2**32 elements"
     return None
 
 
 def chunk_bits(key: Any, shape: tuple[int, ...], bit_width: int, axis: int, start: Any, size: int):
-    """``random_bits(key, shape)`` sliced to ``[start, start + size)`` along ``axis``."""
+    """``random_bits(key, shape)`` sliced to ``[start, start + size)`` along ``axis`` (of
+    ``shape``); for an array of keys (``jax.vmap`` of a sampler), each key's bits so sliced."""
+    if key.shape:
+        return jax.vmap(lambda k: chunk_bits(k, shape, bit_width, axis, start, size))(key)
     chunk = (*shape[:axis], size, *shape[axis + 1 :])
     strides = [math.prod(shape[d + 1 :]) for d in range(len(shape))]
     position = jnp.zeros(chunk, jnp.uint32)
