@@ -12,6 +12,7 @@ import pytest
 
 import memsafe
 from memsafe.xla import Footprint, memsafe_jit
+from tests.fuzz.wrappers import batched_plans
 
 LIMIT = 600_000
 B = 4
@@ -162,16 +163,6 @@ def test_memsafe_inside_memsafe_is_planned_whole_without_warning():
     _close(got, memsafe_jit(lambda a, b, c: jnp.sum(kmv(a, b, c) ** 2))(x[0], y, v))
 
 
-def _batched_plans(f: memsafe.jit) -> list:
-    """The plans of every program ``f`` re-planned under ``jax.vmap`` (forward and backward)."""
-    found, stack = [], list(f._batched_programs.values())
-    while stack:
-        batched = stack.pop()
-        found.extend(child.program.plan for child in batched._children.values())
-        stack.extend(batched._children.values())
-    return found
-
-
 @pytest.mark.parametrize(("mode", "times"), [("forward", 1.0), ("gradient", 1.9)])
 def test_vmap_runs_unchanged_where_jax_jits_batched_program_fits(mode, times):
     """A 2-block transformer, batch 2 under ``jax.vmap``, at a limit between jax.jit's batched
@@ -190,7 +181,7 @@ def test_vmap_runs_unchanged_where_jax_jits_batched_program_fits(mode, times):
     safe = memsafe.jit(one, memory_limit=limit)
     run = safe if mode == "forward" else jax.grad(safe)
     got = jax.vmap(run, in_axes=axes)(params, x, y)
-    plans = _batched_plans(safe)
+    plans = batched_plans(safe)
     assert plans and all(p.fits_unchanged and p.after.total <= limit for p in plans)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(jitted(params, x, y))):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)

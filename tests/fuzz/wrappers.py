@@ -51,7 +51,7 @@ def _forward_and_backward_plans(obj: Any, args: Args) -> list[Plan]:
     return [plan, plan.backward]
 
 
-def _batched_plans(obj: Any, args: Args) -> list[Plan]:
+def batched_plans(obj: Any, args: Args = ()) -> list[Plan]:
     """The plans memsafe verified at the batched shapes under ``jax.vmap`` (the programs that
     ran), reached through the function's cache of re-planned programs."""
     found, stack = [], list(obj._batched_programs.values())
@@ -103,7 +103,7 @@ WRAPPERS: dict[str, Wrapper] = {
         ref=lambda ns: jax.vmap(ns["f"], in_axes=VMAP_AXES),
         make=lambda ns, lim: _ms(ns["f"], lim),
         call=lambda o, a: jax.vmap(o, in_axes=VMAP_AXES)(*a),
-        plans=_batched_plans,
+        plans=batched_plans,
         outer=False,
         code="jax.vmap(memsafe.jit(f, memory_limit=LIMIT), in_axes=(0, None, None, 0))"
         "(x, y, v, labels)",
