@@ -115,12 +115,14 @@ def strategy(graph: Graph, region: Region) -> Split:
     """How ``region`` runs: staged max-shifted exp-sums as one online loop where that applies,
     else one loop per stage (computing the values its later loops recompute and compare the
     same way in every loop, :mod:`memsafe.split.recompute`)."""
-    if region.windowed:  # extended chunks run as plain staged loops (memsafe.split.halo)
-        return StagedSplit(region, same=recompute.decides_on_recomputed(graph, region))
-    try:
-        return online.plan(graph, region)
-    except online.NotOnline:
-        return StagedSplit(region, same=recompute.decides_on_recomputed(graph, region))
+    if not region.windowed:  # extended chunks run as plain staged loops (memsafe.split.halo)
+        try:
+            return online.plan(graph, region)
+        except online.NotOnline:
+            pass
+    if not recompute.decides_on_recomputed(graph, region):
+        return StagedSplit(region)
+    return StagedSplit(region, same=True, pinned=recompute.pinned(graph, region))
 
 
 def _option(

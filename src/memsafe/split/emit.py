@@ -121,8 +121,7 @@ def _loop_group(
     """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``
     (a lone ``top_k`` along the axis: in tiles, memsafe.split.selection). With ``same``, the
     values are computed as in every other loop of the region (no peephole moves, no tiles), and
-    the equations in ``pinned`` (those several loops evaluate) each compiled alone
-    (:meth:`ChunkEnv.pin`)."""
+    the results of the equations in ``pinned`` held behind a barrier (:meth:`ChunkEnv.pin`)."""
     sharded = isinstance(runner, chunk_loop.DevicesRunner)
     tiled = (runner is chunk_loop.run or sharded) and not same and not region.windowed
     devices = runner.devices if sharded else 1
@@ -194,6 +193,9 @@ class StagedSplit(OneDevice):
     #: Its later loops compare values they recompute: every loop computes them the same way
     #: (no peephole moves, no tiles; :mod:`memsafe.split.recompute`).
     same: bool = False
+    #: Equations whose results a comparison reads, computed alone in every loop that evaluates
+    #: them (:meth:`ChunkEnv.pin`, :func:`memsafe.split.recompute.pinned`).
+    pinned: frozenset[int] = frozenset()
     #: Weight of the loop's iterations when choosing between axes.
     cost_weight: ClassVar[float] = 1.0
     #: Name added to the split's record (None: nothing to add).
@@ -211,25 +213,13 @@ class StagedSplit(OneDevice):
         loops = plan_loops(graph, self.region)
         covered = frozenset().union(*(lp.eqns for lp in loops))
         dead = frozenset(self.region.maps) - covered
-        pinned = recomputed(loops) if self.same else frozenset()
         return [
             _loop_group(
                 graph, self.region, lp, chunk, dead if k == 0 else frozenset(), runner,
-                self.same, pinned,
+                self.same, self.pinned,
             )
             for k, lp in enumerate(loops)
         ]  # fmt: skip
-
-
-def recomputed(loops: list[Loop]) -> frozenset[int]:
-    """Equations that more than one of ``loops`` evaluate (a later stage recomputing what an
-    earlier one read)."""
-    seen: set[int] = set()
-    again: set[int] = set()
-    for lp in loops:
-        again.update(seen.intersection(lp.eqns))
-        seen.update(lp.eqns)
-    return frozenset(again)
 
 
 class Split(Protocol):

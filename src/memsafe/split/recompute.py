@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from memsafe._jax import LOOP_BODIES, programs
+from memsafe._jax import LOOP_BODIES, is_var, programs
 from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
 from memsafe.graph.interpret import any_eqn
@@ -55,6 +55,42 @@ def decides_on_recomputed(graph: Graph, region: Region) -> bool:
         and any(_compares(eqns[i]) for i in lp.eqns)
         for lp in plan_loops(graph, region)
     )
+
+
+def pinned(graph: Graph, region: Region) -> frozenset[int]:
+    """Equations of ``region`` that several of its loops evaluate and that a comparison of the
+    region depends on (in its own equation or in a loop or branch it runs):
+    :meth:`memsafe.split.loop.ChunkEnv.pin` holds their floating-point results behind a
+    barrier in every loop, so each is compiled alone, and the value a later loop compares is
+    the one an earlier loop reduced.
+
+    XLA compiles each loop body on its own, and fused and simplified the chain ``tanh(h) * mask
+    / 0.9 * gate`` otherwise where it fed the loop finding the maxima than where it fed the
+    comparison with them (a graph network's gradient of ``segment_max``, 37% off); pinning the
+    compared value alone left its chain free to round otherwise. What follows the comparisons
+    is left to XLA, which makes there the simplifications jax.jit makes (it turns ``a *
+    convert(p)`` of a decision ``p`` into a select: ``inf * False`` is 0 there, not NaN)."""
+    eqns, loops = graph.eqns, plan_loops(graph, region)
+    seen: set[int] = set()
+    again: set[int] = set()
+    for lp in loops:
+        again.update(seen.intersection(lp.eqns))
+        seen.update(lp.eqns)
+    producer = {o: i for i in region.maps for o in eqns[i].outvars}
+    stack = [
+        producer[a]
+        for j in region.maps
+        if _compares(eqns[j])
+        for a in eqns[j].invars
+        if is_var(a) and a in producer
+    ]
+    cone: set[int] = set()
+    while stack:
+        i = stack.pop()
+        if i not in cone:
+            cone.add(i)
+            stack.extend(producer[a] for a in eqns[i].invars if is_var(a) and a in producer)
+    return frozenset(again & cone)
 
 
 def _compares(eqn: Any) -> bool:
