@@ -189,7 +189,8 @@ def _run(case: Case | DeepCase, result: Result) -> None:
     if problems:
         # jax.jit's fused kernels may round a recomputed value differently from JAX's own
         # semantics (tests/fuzz/unfused.py): then memsafe is held to the unfused answer
-        unfused_out = unfused.evaluate(wrapper.ref(ns), args)
+        with _x64(case):  # a float64 case's program, as its arguments were made
+            unfused_out = unfused.evaluate(wrapper.ref(ns), args)
         if not accuracy.check(ms_out, unfused_out, ref, jit_errors):
             result.message = "jax.jit differs from its unfused evaluation: " + "; ".join(problems)
             problems = []
