@@ -70,27 +70,17 @@ def pinned(graph: Graph, region: Region) -> frozenset[int]:
     compared value alone left its chain free to round otherwise. What follows the comparisons
     is left to XLA, which makes there the simplifications jax.jit makes (it turns ``a *
     convert(p)`` of a decision ``p`` into a select: ``inf * False`` is 0 there, not NaN)."""
-    eqns, loops = graph.eqns, plan_loops(graph, region)
-    seen: set[int] = set()
-    again: set[int] = set()
-    for lp in loops:
-        again.update(seen.intersection(lp.eqns))
-        seen.update(lp.eqns)
-    producer = {o: i for i in region.maps for o in eqns[i].outvars}
-    stack = [
-        producer[a]
+    eqns = graph.eqns
+    again = {i for lp in plan_loops(graph, region) for i in lp.eqns if region.stage[i] < lp.stage}
+    compared = [
+        p
         for j in region.maps
         if _compares(eqns[j])
         for a in eqns[j].invars
-        if is_var(a) and a in producer
+        if is_var(a) and a in region.produced
+        if (p := graph.info(a).producer) is not None and p in region.maps
     ]
-    cone: set[int] = set()
-    while stack:
-        i = stack.pop()
-        if i not in cone:
-            cone.add(i)
-            stack.extend(producer[a] for a in eqns[i].invars if is_var(a) and a in producer)
-    return frozenset(again & cone)
+    return frozenset(again & region.ancestors(graph, compared))
 
 
 def _compares(eqn: Any) -> bool:

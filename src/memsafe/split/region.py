@@ -155,6 +155,11 @@ class Region:
                 or self.after_loop(graph, i)
             )
         ]
+        return sorted(self.ancestors(graph, targets))
+
+    def ancestors(self, graph: Graph, targets: list[int]) -> set[int]:
+        """Equations ``targets`` and those of the region computing what they read in the loop."""
+        eqns = graph.eqns
         need: set[int] = set()
         stack = list(targets)
         while stack:
@@ -167,7 +172,7 @@ class Region:
                     p = graph.info(atom).producer
                     if p is not None and p in self.maps:
                         stack.append(p)
-        return sorted(need)
+        return need
 
 
 @dataclass
