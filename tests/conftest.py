@@ -35,14 +35,14 @@ def _fresh_program_cache():
 
 @pytest.fixture
 def ran(monkeypatch):
-    """The verified executables memsafe ran, in order (memsafe.jit.Program.run recorded)."""
-    from memsafe.jit import Program
+    """The verified executables memsafe ran, in order (memsafe.program.Program.run recorded)."""
+    from memsafe.program import Program
 
     seen: list = []
     run = Program.run
 
     def record(self, flat):
-        seen.append(self.compiled)
+        seen.append(self.executable)
         return run(self, flat)
 
     monkeypatch.setattr(Program, "run", record)

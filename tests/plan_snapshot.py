@@ -1,4 +1,4 @@
-"""Plan snapshots: one JSON line per program ``memsafe.jit.build_program`` builds.
+"""Plan snapshots: one JSON line per program ``memsafe.build.build_program`` builds.
 
 As a pytest plugin (registered by ``tests/conftest.py``) it is active only when the environment
 variable ``MEMSAFE_PLAN_SNAPSHOT=<dir>`` is set: each program built during a test is written to
@@ -87,7 +87,7 @@ def plan_record(plan: Any, root: str = "") -> dict[str, Any]:
 
 
 class Recorder:
-    """Wraps ``memsafe.jit.build_program`` and writes one JSON line per call.
+    """Wraps ``memsafe.build.build_program`` and writes one JSON line per call.
 
     Args:
         path: the ``.jsonl`` file to append to (opened on the first record).
@@ -111,8 +111,8 @@ class Recorder:
         self._file.flush()
 
     def install(self) -> None:
-        """Replace ``memsafe.jit.build_program`` by a recording wrapper."""
-        module = importlib.import_module("memsafe.jit")  # ``memsafe.jit`` is the function
+        """Replace ``memsafe.build.build_program`` by a recording wrapper."""
+        module = importlib.import_module("memsafe.build")
         original = module.build_program
         self._original = original
 
@@ -152,7 +152,7 @@ class Recorder:
     def uninstall(self) -> None:
         """Restore the original ``build_program`` and close the file."""
         if self._original is not None:
-            importlib.import_module("memsafe.jit").build_program = self._original
+            importlib.import_module("memsafe.build").build_program = self._original
             self._original = None
         if self._file is not None:
             self._file.close()

@@ -5,7 +5,6 @@ checked against jax.jit and, where it is an error, with the message the user get
 from __future__ import annotations
 
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
@@ -15,8 +14,6 @@ import pytest
 import memsafe
 from memsafe.xla import CPU_COMPILER_OPTIONS, compiler_options, merged_options
 from tests.agree import assert_like_jit
-
-jit_module = importlib.import_module("memsafe.jit")  # ``memsafe.jit`` is the function
 
 
 def knn(x, y, k):

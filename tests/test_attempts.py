@@ -1,11 +1,10 @@
-"""The attempt loop (memsafe.jit._Search): where the passes' size model counts less than XLA
+"""The attempt loop (memsafe.search.Search): where the passes' size model counts less than XLA
 keeps, the first attempt may change nothing; the next attempts plan under smaller budgets
 until the passes act, and compile only programs that differ from the last one compiled."""
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any
 
 import jax
@@ -13,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import memsafe
+from memsafe import search
 from memsafe.passes import split as split_pass
 from memsafe.split import size
 from memsafe.xla import Footprint, memsafe_jit
@@ -114,8 +114,7 @@ def test_an_attempt_that_fits_far_below_the_limit_after_one_over_it_is_refilled(
     need = Footprint.from_compiled(memsafe_jit(grad).lower(x, ws).compile()).total
     limit = int(need * 0.6)
     _undercounting(monkeypatch, 0.25)  # the first attempt is over the limit
-    jit_module = importlib.import_module("memsafe.jit")
-    monkeypatch.setattr(jit_module, "_next_scale", lambda scale, *_: scale / 4)
+    monkeypatch.setattr(search, "next_scale", lambda scale, *_: scale / 4)
     f = memsafe.jit(grad, memory_limit=limit)
     plan = f.plan(x, ws)
     over, shrunk, refill = plan.attempts[:3]

@@ -3,7 +3,7 @@ counted; the dispatch fast path; JAX's persistent compilation cache honoured."""
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 import json
 import logging
 import os
@@ -17,11 +17,10 @@ import numpy as np
 import pytest
 
 import memsafe
-from memsafe import cache
+from memsafe import cache, search
 from memsafe.rules import Rule, register_rule, unregister_rule
 from memsafe.xla import compiler_options, memsafe_jit
 
-jit_module = importlib.import_module("memsafe.jit")
 N, M, D = 512, 2048, 8
 LIMIT = "2MiB"  # the 512 x 2048 product (4 MiB) must be split
 
@@ -274,7 +273,9 @@ def test_compiling_the_original_beside_the_first_attempt_changes_no_plan(fun, mo
     order = [m for r in caplog.records for m in ("attempt 1", "original") if m in r.getMessage()]
     assert order[:2] == ["attempt 1", "original"]  # the attempt was made beside the original
     cache.clear()
-    monkeypatch.setattr(jit_module, "SPECULATE_ABOVE", float("inf"))
+    monkeypatch.setattr(
+        search, "SEARCH", dataclasses.replace(search.SEARCH, speculate_above=float("inf"))
+    )
     sequential = memsafe.jit(fun, memory_limit=LIMIT)
     expected = sequential(*args)
     assert str(sequential.plan(*args)) == str(plan)

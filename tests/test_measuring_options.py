@@ -3,16 +3,12 @@ allocates buffers of the program's size while compiling), elsewhere memsafe's us
 
 from __future__ import annotations
 
-import importlib
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import memsafe
-from memsafe import xla
-
-jit_module = importlib.import_module("memsafe.jit")  # memsafe.jit is also the function
+from memsafe import compiling, search, xla
 
 
 def test_gpu_measuring_compiles_turn_autotuning_off(monkeypatch):
@@ -47,7 +43,8 @@ def _spy(monkeypatch) -> list:
         calls.append(user)
         return xla.merged_options(user)
 
-    monkeypatch.setattr(jit_module, "measuring_options", spy)
+    monkeypatch.setattr(search, "measuring_options", spy)
+    monkeypatch.setattr(compiling, "measuring_options", spy)
     return calls
 
 
@@ -70,17 +67,18 @@ def test_the_attempt_that_fits_is_compiled_again_to_run(monkeypatch):
     """Where measuring differs from running (a GPU), attempts compile to measure and the one
     that fits compiles again with the usual options; its footprint is the plan's."""
     gpu_like = {**xla.merged_options(), "xla_gpu_autotune_level": 0}  # ignored by the CPU
-    monkeypatch.setattr(
-        jit_module, "measuring_options", lambda user=None: {**gpu_like, **(user or {})}
-    )
+    for module in (search, compiling):
+        monkeypatch.setattr(
+            module, "measuring_options", lambda user=None: {**gpu_like, **(user or {})}
+        )
     compiled: list[str] = []
-    real = jit_module._compile
+    real = search.compile_measured
 
     def spy(fun, avals, options, donate, hidden, what):
         compiled.append(f"{what[1]}: {'measure' if 'xla_gpu_autotune_level' in options else 'run'}")
         return real(fun, avals, options, donate, hidden, what)
 
-    monkeypatch.setattr(jit_module, "_compile", spy)
+    monkeypatch.setattr(search, "compile_measured", spy)
     x = np.random.default_rng(2).standard_normal((48, 8)).astype(np.float32)
     y = np.random.default_rng(3).standard_normal((32768, 8)).astype(np.float32)
     f = memsafe.jit(lambda x, y: _knn(x, y), memory_limit="3MiB")

@@ -57,7 +57,7 @@ class OuterJitWarning(UserWarning):
 
 
 class Runnable(Protocol):
-    """What :class:`BatchedProgram` needs of a verified program (``memsafe.jit.Program``)."""
+    """What :class:`BatchedProgram` needs of a verified program (``memsafe.program.Program``)."""
 
     fun: Callable[..., Any]  # the rewritten program, traceable
     avals: tuple[jax.ShapeDtypeStruct, ...]

@@ -90,7 +90,7 @@ class _Entry:
 class ProgramCache:
     """A bounded, thread-safe map from :class:`ProgramKey` to verified programs.
 
-    Programs are dataclasses with a ``plan`` (``memsafe.jit.Program``); each lookup returns a
+    Programs are dataclasses with a ``plan`` (``memsafe.program.Program``); each lookup returns a
     copy with its own plan, so that what one function records on its program (its output tree,
     its backward plan) does not reach another's.
     """

@@ -25,9 +25,9 @@ _unflatten = jax.tree_util.tree_unflatten
 
 
 class Executable(Protocol):
-    """What the fast path needs of a verified program (``memsafe.jit.Program``)."""
+    """What the fast path needs of a verified program (``memsafe.program.Program``)."""
 
-    compiled: Any
+    executable: Any
     out_tree: Any
 
 
@@ -53,7 +53,7 @@ class FastPath:
             elif kind is not np.ndarray or w:
                 return MISS
         try:
-            outs = program.compiled(*leaves)
+            outs = program.executable(*leaves)
         except (TypeError, ValueError):  # another shape or dtype, or an array elsewhere
             return MISS
         return _unflatten(program.out_tree, outs)
@@ -61,7 +61,7 @@ class FastPath:
     def remember(self, args: tuple, kwargs: dict[str, Any], program: Executable) -> None:
         """Let calls structured as ``(args, kwargs)`` run ``program`` directly, when every leaf
         is a concrete array and the program has an executable."""
-        if program.compiled is None:
+        if program.executable is None:
             return
         leaves, tree = _flatten((args, kwargs))
         weak = []

@@ -20,10 +20,10 @@ from memsafe.plan import Plan
 
 
 class VerifiedProgram(Protocol):
-    """What the stages need of a verified program (``memsafe.jit.Program``)."""
+    """What the stages need of a verified program (``memsafe.program.Program``)."""
 
     jitted: Any
-    compiled: Any
+    executable: Any
     avals: tuple[jax.ShapeDtypeStruct, ...]
     out_tree: Any
     plan: Plan
@@ -107,7 +107,7 @@ class Compiled(_Stage):
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):  # not JAX's: no recursion while half-built (copy, pickle)
             raise AttributeError(name)
-        return getattr(self._program.compiled, name)
+        return getattr(self._program.executable, name)
 
     def __repr__(self) -> str:
         return f"memsafe.stages.Compiled({self.fun_name}, {_shapes(self.in_avals)})"

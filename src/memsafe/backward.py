@@ -1,0 +1,146 @@
+"""The gradient program of a memsafe function: its VJP, planned and verified under the same
+memory limit as the forward (rewritten from an algebraically simplified forward where memory
+needs it)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import jax
+
+from memsafe import _jax, build, passes
+from memsafe.batching import planning
+from memsafe.compiling import emit
+from memsafe.graph import inline_calls
+from memsafe.passes import PassContext
+from memsafe.pipeline import run_pass
+from memsafe.plan import Plan
+from memsafe.program import Program
+
+#: Passes that rewrite expressions into cheaper equivalents whatever the limit. The gradient is
+#: taken of the program they produce (custom derivative rules kept), so the backward program
+#: benefits from them too: differentiating ``|x|^2 + |y|^2 - 2 x y^T`` needs no n*m*d value.
+ALGEBRAIC_PASSES = ("match_replace", "reorder")
+
+
+@dataclass(frozen=True)
+class Backward:
+    """A verified gradient program and the primal inputs it differentiates.
+
+    Attributes:
+        program: the VJP program: arguments the primal inputs, then the nonzero cotangents;
+            outputs the gradients of the inputs at ``diff_positions``. Its ``source`` is the VJP
+            of the original forward (re-planned from it under ``jax.vmap``).
+        diff_positions: the positions of the primal inputs differentiated.
+    """
+
+    program: Program
+    diff_positions: tuple[int, ...]
+
+
+def backward_program(
+    forward: Program,
+    rebuild: Callable[..., Any],
+    memory_limit: int,
+    name: str,
+    build_options: Mapping[str, Any],
+    perturbed: tuple[bool, ...],
+    nonzero: tuple[bool, ...],
+) -> Backward:
+    """The VJP of ``forward``, itself rewritten and verified under ``memory_limit``.
+
+    Args:
+        forward: the verified forward program.
+        rebuild: the flat function it was planned from.
+        memory_limit: bytes.
+        name: the function's name (the backward is named "gradient of NAME").
+        build_options: keyword arguments of :func:`memsafe.build.build_program`
+            (``compiler_options``, ``progress``).
+        perturbed: per primal input, whether its gradient is wanted (float inputs only).
+        nonzero: per output, whether its cotangent is given (else zero).
+
+    Returns:
+        The :class:`Backward`.
+
+    Raises:
+        memsafe.MemoryLimitError: no rewrite of the gradient fits the limit.
+    """
+    avals = forward.avals
+    outvars = forward.closed.jaxpr.outvars
+    out_avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
+        for v, keep in zip(outvars, nonzero)
+        if keep
+    ]
+    diff = tuple(
+        i
+        for i, (a, p) in enumerate(zip(avals, perturbed))
+        if p and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
+    )
+    outs = [(v.aval.shape, v.aval.dtype, keep) for v, keep in zip(outvars, nonzero)]
+    simplified, rewrites = algebraic_forward(rebuild, avals, memory_limit)
+    # The original gradient when it fits; the rewritten forward's only where memory needs it.
+    program = build.build_program(
+        vjp_of(rebuild, len(avals), diff, outs),
+        (*avals, *out_avals),
+        memory_limit,
+        (),
+        f"gradient of {name}",
+        rewrite_from=vjp_of(simplified, len(avals), diff, outs),
+        on_mesh=forward.on_mesh,
+        **build_options,
+    )
+    if not program.plan.fits_unchanged:
+        program.plan.records[:0] = rewrites
+    program = replace(program, source=vjp_of(rebuild, len(avals), diff, outs))
+    return Backward(program, diff)
+
+
+def vjp_of(
+    forward: Callable[..., list[Any]],
+    n_in: int,
+    diff: Sequence[int],
+    outs: Sequence[tuple[tuple[int, ...], Any, bool]],
+) -> Callable[..., list[Any]]:
+    """The flat VJP function of ``forward``: arguments its ``n_in`` primal inputs, then the
+    cotangents of the outputs ``outs`` marks given ((shape, dtype, given) per output; the rest
+    are zero); outputs the gradients of the inputs at ``diff``."""
+
+    def vjp_fun(*flat: Any) -> list[Any]:
+        primals, given = flat[:n_in], iter(flat[n_in:])
+        cts = [
+            next(given) if keep else jax.numpy.zeros(shape, dtype) for shape, dtype, keep in outs
+        ]
+
+        def of_diff(*d: Any) -> list[Any]:
+            full = list(primals)
+            for i, v in zip(diff, d):
+                full[i] = v
+            return forward(*full)
+
+        _, pullback = jax.vjp(of_diff, *[primals[i] for i in diff])
+        return list(pullback(cts))
+
+    return vjp_fun
+
+
+@planning
+def algebraic_forward(
+    fun: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct], memory_limit: int
+) -> tuple[Callable[..., list[Any]], list[Any]]:
+    """``fun`` with the algebraic passes applied and custom derivative rules kept, ready to
+    differentiate; and the records of the rewrites that fired."""
+    closed, _ = _jax.make_closed_jaxpr(fun, avals)
+    program = inline_calls(closed, keep_custom_derivatives=True)
+    ctx = PassContext(
+        memory_limit=memory_limit,
+        fixed_bytes=0,
+        plan=Plan(memory_limit),
+        keep_custom_derivatives=True,
+    )
+    for name, run in passes.named_passes():
+        if name in ALGEBRAIC_PASSES:
+            program = run_pass(name, run, program, ctx, getattr(fun, "__name__", "function"))
+    return emit(program), ctx.plan.records

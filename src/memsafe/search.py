@@ -1,0 +1,445 @@
+"""The attempt search: the original program when it fits, else the passes run at shrinking
+chunk scales until a compile of the rewrite fits the limit (larger chunks tried again where
+the fitting one left much of the room unused)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from memsafe import _jax, mesh, passes
+from memsafe.compiling import (
+    Compiled,
+    CompileWith,
+    Compiling,
+    What,
+    compile_measured,
+    emit,
+    tuned,
+    with_trial,
+)
+from memsafe.errors import MemoryLimitError
+from memsafe.graph import Graph, estimate, inline_calls
+from memsafe.limits import format_bytes
+from memsafe.passes import PassContext
+from memsafe.pipeline import run_passes
+from memsafe.plan import Attempt, Plan
+from memsafe.program import Program
+from memsafe.xla import Footprint, hidden_constant_bytes, loop_options, measuring_options
+
+
+@dataclass(frozen=True)
+class SearchPolicy:
+    """The knobs of the attempt search.
+
+    Attributes:
+        max_attempts: compile-and-verify rounds tried, shrinking chunk sizes each time.
+        first_shrink: the first retry shrinks the chunk scale by the excess with a margin, at
+            least by this factor; later ones at least halve it, so that the rounds reach small
+            chunks.
+        shrink_margin: the margin of every shrink (and of every growth).
+        grow_below: an attempt that fits with its splits at the smallest chunk (the size model,
+            conservative, expected no chunk to fit) is tried again at a larger chunk scale where
+            its temporaries used under this share of the room, by the room left (at most
+            ``grow_max`` times): the model's margin costs speed, not memory (a fori_loop MLP's
+            gradient ran 4096 chunks of 1 row in 1.8 MiB of 5 MiB room, 12x slower than
+            jax.jit).
+        grow_max: see ``grow_below``.
+        refill_below: an attempt that fits after one over the limit, with its temporaries under
+            this share of the room, is tried once more at the scale interpolated between the two
+            (retries at least halve the scale: the Sinkhorn gradient at 4096^2 under 32 MiB went
+            from 32.1 MiB, 0.1 MiB over, to 16.5 MiB, and replayed its backward loop 50 times
+            where 27 fit).
+        speculate_above: the original program is compiled beside the first attempt when its
+            estimated peak exceeds the limit by this factor (below, it may well fit, and the
+            attempt would be wasted work).
+    """
+
+    max_attempts: int = 6
+    first_shrink: float = 0.8
+    shrink_margin: float = 0.9
+    grow_below: float = 0.5
+    grow_max: float = 8.0
+    refill_below: float = 0.75
+    speculate_above: float = 1.5
+
+
+#: The policy every search uses.
+SEARCH = SearchPolicy()
+
+
+def search(
+    flat_fun: Callable[..., Any],
+    closed: _jax.ClosedJaxpr,
+    start: _jax.ClosedJaxpr | None,
+    avals: Sequence[jax.ShapeDtypeStruct],
+    memory_limit: int,
+    donate: tuple[int, ...],
+    name: str,
+    compiler_options: Mapping[str, Any] | None,
+    out_tree: Any,
+    on_mesh: mesh.MeshPlan | None = None,
+) -> Program:
+    """The original program when it fits, else the rewrite of ``start`` (default ``closed``)
+    with the largest chunks that compile under the limit (per device, sharded, on a mesh).
+
+    Where the original is estimated well over the limit, it compiles in a worker thread while
+    the first attempt is planned and compiled, from the fixed bytes its arguments and outputs
+    are expected to take; the attempt is used only if the original does not fit and its fixed
+    bytes are the ones expected, so the outcome is the one of compiling first and planning
+    after.
+
+    Args:
+        flat_fun: the flat function traced to ``closed``.
+        closed: the program as traced.
+        start: an equivalent program to rewrite instead (None: ``closed``).
+        avals: the flat arguments' shapes and dtypes (placed, on a mesh).
+        memory_limit: bytes (per device, on a mesh).
+        donate: donated argument positions.
+        name: the function's name, in logs and errors.
+        compiler_options: the user's compiler options.
+        out_tree: the outputs' tree structure.
+        on_mesh: the mesh the program runs on, if any.
+
+    Returns:
+        The verified :class:`Program`.
+
+    Raises:
+        MemoryLimitError: no attempt fits the limit.
+    """
+    hidden = hidden_constant_bytes(closed.consts)
+    attempts = Search(
+        start or closed,
+        avals,
+        memory_limit,
+        donate,
+        name,
+        compiler_options,
+        hidden,
+        out_tree,
+        on_mesh,
+    )
+    peak = estimate(Graph(closed)).peak_bytes
+    guess = None if on_mesh is not None else speculative_fixed(closed, donate, memory_limit, peak)
+    what = (name, "original program", memory_limit)
+    # expected over the limit: compiled to be measured, without allocating (GPU autotuning)
+    options = measuring_options(compiler_options) if peak > memory_limit else compiler_options
+    compiling = Compiling(
+        flat_fun, avals, options, donate, hidden, what, background=guess is not None
+    )
+    first = None if guess is None else attempts.attempt_or_none(guess)
+    original = compiling.result()
+    plan = Plan(memory_limit=memory_limit, before=original.footprint)
+    if original.footprint.total <= memory_limit:
+
+        def compiler(suffix: str) -> CompileWith:
+            """A compile of the original program with other options (logged with ``suffix``)."""
+            again = (name, f"original program, {suffix}", memory_limit)
+            return lambda o: compile_measured(flat_fun, avals, o, donate, hidden, again)
+
+        if options is not compiler_options:  # compiled to measure: now compiled to run
+            original = tuned(original, compiler_options, memory_limit, compiler("tuned"))
+        plan.fits_unchanged = True
+        plan.after = original.footprint
+        plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
+        program = Program(
+            original.jitted,
+            flat_fun,
+            tuple(avals),
+            out_tree,
+            plan,
+            closed,
+            original.compiled,
+            on_mesh=on_mesh,
+            options=compiler_options,
+        )
+        candidate = compiler("candidate options")
+        return with_trial(program, candidate, compiler_options, compiler_options, name)
+    if on_mesh is None:
+        fixed = check_fixed(original.footprint, memory_limit, name)
+    else:
+        fixed = on_mesh.check_fixed(original.footprint, avals, memory_limit, name)
+    return attempts.run(plan, fixed, first if guess == fixed else None)
+
+
+def check_fixed(before: Footprint, memory_limit: int, name: str) -> int:
+    """Bytes no rewrite can shrink (arguments and outputs); raises when they exceed the limit."""
+    fixed = before.arguments + before.outputs - before.aliases
+    if fixed > memory_limit:
+        raise MemoryLimitError(
+            f"{name}: its arguments and outputs alone need {format_bytes(fixed)} "
+            f"(arguments {format_bytes(before.arguments)}, outputs {format_bytes(before.outputs)}),"
+            f" more than the limit; no rewrite can shrink them",
+            limit=memory_limit,
+            footprint=before.total,
+        )
+    return fixed
+
+
+def next_scale(
+    scale: float, attempt: int, after: Footprint, memory_limit: int, fixed: int
+) -> float:
+    """The chunk scale of the next attempt: shrunk in proportion to the excess (chunk temps
+    scale about linearly), with a margin; halving outright cost the 10k x 1M kNN 2x its loop
+    count after a 4% overshoot."""
+    excess = after.total - memory_limit
+    room = max(1, memory_limit - fixed)
+    at_most = SEARCH.first_shrink if attempt == 0 else 0.5
+    return scale * min(at_most, SEARCH.shrink_margin * room / (room + excess))
+
+
+def refusal(
+    flat: Any,
+    name: str,
+    memory_limit: int,
+    before: Footprint,
+    best: Footprint | None,
+    blockers: list,
+) -> MemoryLimitError:
+    """The error when no attempt fit: the largest intermediates and what stopped each split."""
+    largest = Graph(flat).largest(5)
+    detail = ", ".join(f"{v.dtype}{list(v.shape)} ({format_bytes(v.bytes)})" for v in largest[:3])
+    return MemoryLimitError(
+        f"{name}: no rewrite brought the footprint under the limit "
+        f"(largest intermediates: {detail})",
+        limit=memory_limit,
+        footprint=None if best is None else best.total,
+        blockers=blockers,
+        minimum=before.total if best is None else min(best.total, before.total),
+    )
+
+
+def speculative_fixed(
+    closed: _jax.ClosedJaxpr, donate: tuple[int, ...], memory_limit: int, peak: int
+) -> int | None:
+    """The arguments' and outputs' bytes as XLA counts them on this backend (a tuple of
+    outputs adds a pointer each), when the original's estimated ``peak`` is over
+    ``SEARCH.speculate_above`` times the limit, nothing is donated and those bytes fit the
+    limit; else None (no speculation: where they exceed it, the original's compile ends in a
+    refusal, and an attempt planned without room can be a program XLA is slow to compile: on an
+    H100, the one-GPU kNN check's first attempt under 96 MiB, with its 256 MiB database,
+    compiled for over 190 s where the original compiled in 0.2 s)."""
+    if donate or peak <= SEARCH.speculate_above * memory_limit:
+        return None
+    arguments = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars)
+    outs = closed.jaxpr.outvars
+    table = 8 * len(outs) if len(outs) > 1 else 0
+    fixed = arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
+    return fixed if fixed <= memory_limit else None
+
+
+@dataclass(frozen=True)
+class Tried:
+    """One attempt: the rewritten program, its compile, its plan and what blocked splits."""
+
+    program: _jax.ClosedJaxpr
+    emitted: Callable[..., Any]
+    got: Compiled
+    plan: Plan
+    blockers: list
+    scale: float
+    placed: tuple  # the argument avals compiled for (placed on a mesh)
+    what: What
+    options: Mapping[str, Any] | None  # the compiler options it runs with (see loop_options)
+
+
+class Search:
+    """The passes run at shrinking chunk scales until a compile fits the limit.
+
+    Args: as :func:`search`'s (``start`` the program rewritten), and ``hidden``: bytes of
+    constants XLA's memory analysis does not count.
+    """
+
+    def __init__(
+        self,
+        start: _jax.ClosedJaxpr,
+        avals: Sequence[jax.ShapeDtypeStruct],
+        memory_limit: int,
+        donate: tuple[int, ...],
+        name: str,
+        compiler_options: Mapping[str, Any] | None,
+        hidden: int,
+        out_tree: Any,
+        on_mesh: mesh.MeshPlan | None = None,
+    ) -> None:
+        self.flat = inline_calls(start)
+        self.avals, self.memory_limit, self.donate, self.name = avals, memory_limit, donate, name
+        self.options, self.hidden, self.out_tree = compiler_options, hidden, out_tree
+        self.on_mesh = on_mesh
+        self.roll, self.rolled = True, False  # see run
+
+    def attempt(
+        self, index: int, scale: float, fixed: int, previous: list | None = None
+    ) -> Tried | None:
+        """The passes at chunk ``scale`` given ``fixed`` bytes, then the compile; None, with
+        nothing compiled, when the passes did what they did in the ``previous`` attempt (its
+        records: the same program)."""
+        attempt_plan = Plan(memory_limit=self.memory_limit)
+        ctx = PassContext(
+            self.memory_limit, fixed + self.hidden, attempt_plan, chunk_scale=scale, roll=self.roll
+        )
+        sharding = None if self.on_mesh is None else self.on_mesh.sharding()
+        ctx.mesh = sharding  # records where the sharded loops want the inputs placed
+        program = run_passes(passes.named_passes(), self.flat, ctx, self.name)
+        self.rolled |= any(getattr(r, "pass_name", "") == "roll" for r in attempt_plan.records)
+        if previous is not None and attempt_plan.records == previous:
+            return None
+        emitted = emit(program)
+        what = (self.name, f"attempt {index + 1} (chunk scale {scale:.3g})", self.memory_limit)
+        hidden_now = hidden_constant_bytes(program.consts)
+        placed = tuple(self.avals if sharding is None else sharding.placed(self.avals))
+        options = loop_options(self.options, _jax.dtypes_in(program.jaxpr))
+        # over the limit or not, this compile allocates nothing of the program's size
+        measure = measuring_options(options)
+        got = compile_measured(emitted, placed, measure, self.donate, hidden_now, what)
+        return Tried(
+            program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what, options
+        )
+
+    def attempt_or_none(self, fixed: int) -> Tried | None:
+        """The first attempt, or None where it fails (raised again, if the original does not
+        fit, when the attempt is made in turn)."""
+        try:
+            return self.attempt(0, 1.0, fixed)
+        except Exception:  # the original may fit: then the rewrite's failure does not matter
+            return None
+
+    def _compiler(self, tried: Tried, suffix: str) -> CompileWith:
+        """A compile of ``tried``'s program with other options (logged with ``suffix``)."""
+        hidden = hidden_constant_bytes(tried.program.consts)
+        name, description, memory_limit = tried.what
+        what = (name, f"{description}, {suffix}", memory_limit)
+
+        def compile_with(options: Mapping[str, Any] | None) -> Compiled:
+            return compile_measured(tried.emitted, tried.placed, options, self.donate, hidden, what)
+
+        return compile_with
+
+    def _program(self, tried: Tried, plan: Plan) -> Program:
+        """The program of ``tried`` (which fits), compiled to run, with a trial of other compile
+        options where worth it; recorded in ``plan``."""
+        got = tuned(tried.got, tried.options, self.memory_limit, self._compiler(tried, "tuned"))
+        plan.records, plan.after = tried.plan.records, got.footprint
+        program = Program(
+            got.jitted,
+            tried.emitted,
+            tried.placed,
+            self.out_tree,
+            plan,
+            tried.program,
+            got.compiled,
+            on_mesh=self.on_mesh,
+            options=tried.options,
+        )
+        compile_with = self._compiler(tried, "candidate options")
+        return with_trial(program, compile_with, tried.options, self.options, self.name)
+
+    def _grown(
+        self,
+        index: int,
+        scale: float,
+        fixed: int,
+        tried: Tried,
+        plan: Plan,
+        over: tuple[float, int] | None = None,
+    ) -> Tried:
+        """``tried`` (which fits), or an attempt at a larger chunk scale that fits too, where
+        ``tried`` split at the smallest chunks with most of the room unused (``grow_below``),
+        or followed an attempt over the limit (``over``: its scale and temporaries) and left
+        much of the room unused (``refill_below``); the larger attempt is kept only where its
+        splits run fewer loop iterations (at a larger scale the passes may choose other splits:
+        a tiled top_k's 7 iterations became 10 of a query split).
+
+        The first larger scale assumes the temporaries grow with the scale, or interpolates
+        between ``tried`` and ``over``; where that attempt is over the limit, a second one
+        interpolates between the two footprints measured."""
+        room = self.memory_limit - fixed
+        margin = SEARCH.shrink_margin
+        low = (scale, tried.got.footprint.total - fixed)
+        if any(s.floored for s in tried.plan.splits) and low[1] < SEARCH.grow_below * room:
+            up = scale * min(SEARCH.grow_max, margin * room / max(low[1], 1))
+            if over is not None:  # no further than the scale measured over the limit says
+                up = min(up, _between(low, over, margin * room))
+            note, tries = "grown: the smallest chunks fit", 2
+        elif over is not None and low[1] < SEARCH.refill_below * room:
+            up = _between(low, over, margin * room)
+            note, tries = "grown: between the last two attempts", 1
+        else:
+            return tried
+        for step in range(tries):
+            if index + 1 + step >= SEARCH.max_attempts:
+                break
+            bigger = self.attempt(index + 1 + step, up, fixed, tried.plan.records)
+            if bigger is None:  # the passes did the same at the larger scale
+                break
+            after = bigger.got.footprint
+            fits = after.total <= self.memory_limit
+            plan.attempts.append(Attempt(up, after, fits, note))
+            if fits:  # kept where its loops run fewer iterations (it may split otherwise)
+                return bigger if _iterations(bigger) < _iterations(tried) else tried
+            up = _between(low, (up, after.total - fixed), margin * room)
+        return tried
+
+    def run(self, plan: Plan, fixed: int, first: Tried | None) -> Program:
+        """The first attempt that fits (see :meth:`attempts`). Where none does and the roll
+        pass rolled repeated blocks into scans, the program as written is planned again without
+        rolling (a scan can stop a split the unrolled blocks allow: a ResNet's batch-norm
+        stages); raises the MemoryLimitError of the two that came closer."""
+        try:
+            return self.attempts(plan, fixed, first)
+        except MemoryLimitError as rolled:
+            if not self.rolled:
+                raise
+            self.roll = False
+            try:
+                return self.attempts(plan, fixed, None)
+            except MemoryLimitError as unrolled:
+                raise min(rolled, unrolled, key=_closeness) from None
+
+    def attempts(self, plan: Plan, fixed: int, first: Tried | None) -> Program:
+        """The first attempt that fits (``first``, made already, or planned now), recorded in
+        ``plan``; raises MemoryLimitError when none does, with the footprint and blockers of
+        the attempt that came closest."""
+        scale, last, closest, previous, over = 1.0, None, None, None, None
+        for index in range(SEARCH.max_attempts):
+            if index == 0 and first is not None:
+                last = first
+            else:
+                last = self.attempt(index, scale, fixed, previous)
+            if last is None:  # the same program as the last compile: shrink further
+                scale *= 0.5
+                continue
+            after = last.got.footprint
+            fits = after.total <= self.memory_limit
+            plan.attempts.append(Attempt(scale, after, fits))
+            if closest is None or after.total < closest.got.footprint.total:
+                closest = last
+            if fits:
+                return self._program(self._grown(index, scale, fixed, last, plan, over), plan)
+            # even where nothing was split, a smaller budget may make the passes act: their
+            # size model can count less than XLA keeps (the 4-block GPT gradient at L=2048:
+            # 431 MiB modelled, 803 MiB compiled, nothing split under 497 MiB of budget)
+            previous, over = last.plan.records, (scale, after.total - fixed)
+            scale = next_scale(scale, index, after, self.memory_limit, fixed)
+        best = None if closest is None else closest.got.footprint
+        blockers = [] if closest is None else closest.blockers
+        raise refusal(self.flat, self.name, self.memory_limit, plan.before, best, blockers)
+
+
+def _iterations(tried: Tried) -> int:
+    """Loop iterations an attempt's splits run, all together."""
+    return sum(r.loops for r in tried.plan.splits)
+
+
+def _between(low: tuple[float, int], high: tuple[float, int], target: float) -> float:
+    """The chunk scale whose temporaries reach ``target``, linear between two attempts'
+    (scale, temporaries)."""
+    return low[0] + (high[0] - low[0]) * (target - low[1]) / max(high[1] - low[1], 1)
+
+
+def _closeness(err: MemoryLimitError) -> float:
+    """How far a refused plan stayed over its limit: its best footprint (none: the worst)."""
+    return float("inf") if err.footprint is None else err.footprint
