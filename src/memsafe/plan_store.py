@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import logging
 import os
@@ -167,6 +168,16 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
+@cache
+def _version() -> str:
+    """memsafe's installed version (read from its metadata: memsafe's ``__init__`` imports
+    this module)."""
+    try:
+        return importlib.metadata.version("memsafe")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def environment() -> dict[str, str]:
     """What every key carries besides the caller's components (:func:`key` adds it).
 
@@ -178,15 +189,13 @@ def environment() -> dict[str, str]:
     """
     import jaxlib
 
-    import memsafe
-
     devices = jax.devices()
     try:
         platform_version = str(devices[0].client.platform_version)
     except AttributeError:  # not every client reports one
         platform_version = ""
     return {
-        "memsafe": memsafe.__version__,
+        "memsafe": _version(),
         "memsafe_source": _source_digest(),
         "jax": jax.__version__,
         "jaxlib": jaxlib.__version__,
