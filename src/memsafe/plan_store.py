@@ -2,8 +2,8 @@
 
 It knows nothing of plans: a caller builds a :func:`key` from named components (every key also
 carries :func:`environment`: memsafe's and jax's versions and memsafe's source, the backend and
-its devices, this store's format), :func:`save`\\ s a payload and a JSON-able ``meta`` under it,
-and :func:`load`\\ s them back in another process.
+its devices, this store's format), stores a payload and a JSON-able ``meta`` under it with
+:func:`save`, and gets them back, in this process or another, with :func:`load`.
 
 The store is off unless a directory is given: :func:`set_cache_dir` (which overrides) or the
 environment variable ``MEMSAFE_CACHE_DIR``. Nothing is stored by default because what a caller
