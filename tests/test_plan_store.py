@@ -98,6 +98,8 @@ def test_malformed_keys_and_components_are_errors(store):
         plan_store.load("../escape")
     with pytest.raises(ValueError, match="not a key"):
         plan_store.save("ABC", b"x")
+    with pytest.raises(ValueError, match="not a key"):
+        plan_store.load("a" * 64 + "\n")
     with pytest.raises(ValueError, match="environment parts"):
         plan_store.key(jax="0.0")
     with pytest.raises(TypeError, match="not str or bytes"):
@@ -165,6 +167,9 @@ VARIANTS = {
     ),
     "in_shardings": lambda: _digest(in_shardings=[_mesh_sharding("x")]),
     "another sharding": lambda: _digest(in_shardings=[_mesh_sharding()]),
+    "single-device sharding": lambda: _digest(
+        in_shardings=[jax.sharding.SingleDeviceSharding(jax.devices()[0])]
+    ),
 }
 
 
@@ -205,6 +210,9 @@ def test_program_digest_reads_keys_and_refuses_what_it_cannot_read():
     b = jax.make_jaxpr(lambda x: jax.random.normal(k1, (3,)) + x)(jnp.ones(3))
     avals = [jax.ShapeDtypeStruct((3,), jnp.float32)]
     assert plan_store.program_digest(a, avals) != plan_store.program_digest(b, avals)
+    keys = jax.ShapeDtypeStruct((2,), k0.dtype)
+    c = jax.make_jaxpr(lambda k: jax.random.key_data(k))(keys)
+    assert plan_store.program_digest(c, [keys]) == plan_store.program_digest(c, [keys])
     with pytest.raises(TypeError, match="closed-over"):
         plan_store._const_text(object())
 
@@ -289,6 +297,21 @@ def test_a_corrupt_entry_that_cannot_be_removed_is_still_ignored(store, warnings
     monkeypatch.setattr(plan_store, "_remove", lambda p: False)
     assert plan_store.load(k) is None and path.exists()
     assert any("truncated" in w for w in warnings())
+
+
+def test_a_bad_entry_a_writer_replaced_meanwhile_is_left(store, monkeypatch):
+    k, path, data = _saved(store)
+    path.write_bytes(data[:-1])
+    decode = plan_store._decode
+
+    def racing(key, blob):  # another process saves between this read and the removal
+        assert plan_store.save(k, b"fresh")
+        return decode(key, blob)
+
+    monkeypatch.setattr(plan_store, "_decode", racing)
+    assert plan_store.load(k) is None
+    monkeypatch.setattr(plan_store, "_decode", decode)
+    assert plan_store.load(k) == Entry(b"fresh", {})
 
 
 # -- directories that cannot be written -----------------------------------------------------------

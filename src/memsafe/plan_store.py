@@ -57,7 +57,7 @@ STALE_TEMP_SECONDS = 3600.0
 
 _SUFFIX = ".plan"
 _TEMP_PREFIX = ".tmp-"
-_KEY = re.compile(r"^[0-9a-f]{64}$")
+_KEY = re.compile(r"[0-9a-f]{64}")
 _UNSET: Any = object()
 #: The directory :func:`set_cache_dir` chose (None: off), or _UNSET to read the environment.
 _chosen: Path | None = _UNSET
@@ -243,14 +243,17 @@ def key(**components: str | bytes) -> str:
 
 def _sharding_text(sharding: Any) -> str:
     """A sharding as text that names its devices (a NamedSharding's repr shows only the mesh's
-    axis sizes)."""
+    axis sizes): a mesh's device ids in order, else the ids of the devices it uses."""
     if sharding is None:
         return "None"
     text = f"{type(sharding).__name__}:{sharding!r}"
     mesh = getattr(sharding, "mesh", None)
     ids = getattr(mesh, "device_ids", None)
     if ids is not None:
-        text += f" devices={np.asarray(ids).tolist()}"
+        return text + f" devices={np.asarray(ids).tolist()}"
+    devices = getattr(sharding, "device_set", None)
+    if devices is not None:
+        text += f" devices={sorted(d.id for d in devices)}"
     return text
 
 
@@ -306,9 +309,9 @@ def program_digest(
     for value in closed.consts:
         add("const", _const_text(value))
     for aval in avals:
-        shape = tuple(int(d) for d in aval.shape)
+        shape = tuple(str(d) for d in aval.shape)
         weak = bool(getattr(aval, "weak_type", False))
-        add("arg", f"{shape}:{np.dtype(aval.dtype)}:{weak}")
+        add("arg", f"{shape}:{aval.dtype}:{weak}")
         add("sharding", _sharding_text(getattr(aval, "sharding", None)))
     for sharding in in_shardings or ():
         add("in_sharding", _sharding_text(sharding))
@@ -326,7 +329,7 @@ def _warn_once(where: str, operation: str, message: str) -> None:
 
 
 def _checked_key(k: str) -> str:
-    if not isinstance(k, str) or not _KEY.match(k):
+    if not isinstance(k, str) or not _KEY.fullmatch(k):
         raise ValueError(f"plan_store: {k!r} is not a key (64 lowercase hex digits, from key())")
     return k
 
@@ -395,6 +398,7 @@ def load(k: str) -> Entry | None:
     try:
         with open(path, "rb") as file:
             data = file.read()
+            stat = os.fstat(file.fileno())
     except FileNotFoundError:
         return None
     except OSError as err:
@@ -403,7 +407,10 @@ def load(k: str) -> Entry | None:
     found = _decode(k, data)
     if isinstance(found, str):
         log.note(logging.WARNING, "memsafe plan store: ignored %s: %s", path, found)
-        _remove(path)
+        with contextlib.suppress(OSError):  # unless a writer has replaced it meanwhile
+            now = os.stat(path)
+            if (now.st_dev, now.st_ino) == (stat.st_dev, stat.st_ino):
+                _remove(path)
         return None
     with contextlib.suppress(OSError):  # read-only, or evicted meanwhile: the hit stands
         os.utime(path)
@@ -426,8 +433,8 @@ def save(k: str, payload: bytes, meta: Mapping[str, Any] | None = None) -> bool:
         bound, or the directory cannot be written (logged once).
 
     Raises:
-        ValueError: ``k`` is not a key.
-        TypeError, ValueError: ``meta`` is not JSON-serializable.
+        ValueError: ``k`` is not a key, or ``meta`` holds a NaN or an infinity.
+        TypeError: ``meta`` holds a value JSON cannot represent.
     """
     _checked_key(k)
     data = _encode(k, bytes(payload), meta or {})
@@ -484,7 +491,7 @@ def _entries(directory: Path) -> Iterator[tuple[Path, os.stat_result]]:
     except FileNotFoundError:
         return
     for name in names:
-        if name.endswith(_SUFFIX) and _KEY.match(name[: -len(_SUFFIX)]):
+        if name.endswith(_SUFFIX) and _KEY.fullmatch(name[: -len(_SUFFIX)]):
             path = directory / name
             try:
                 yield path, path.stat()
@@ -557,10 +564,8 @@ def clear(directory: str | os.PathLike[str] | None = None) -> int:
             removed += 1
         else:
             _warn_once(str(where), "clearing", f"cannot remove {path.name}")
-    try:
+    with contextlib.suppress(OSError):
         for name in os.listdir(where):
             if name.startswith(_TEMP_PREFIX):
                 _remove(where / name)
-    except OSError:
-        pass
     return removed
