@@ -150,3 +150,68 @@ def test_plan_reports_an_impossible_limit_and_rejects_a_malformed_one(knn_file, 
         main([*argv, "--limit", "lots"])
     assert info.value.code == 2
     assert "cannot read memory_limit 'lots'" in capsys.readouterr().err
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A persistent plan store with two entries; the store's directory chosen by nothing."""
+    from memsafe import plan_store
+
+    monkeypatch.delenv("MEMSAFE_CACHE_DIR", raising=False)
+    monkeypatch.delenv("MEMSAFE_CACHE_MAX_BYTES", raising=False)
+    monkeypatch.setattr(plan_store, "_warned", set())
+    monkeypatch.setattr(plan_store, "_chosen", tmp_path / "store")
+    for limit in ("1", "2"):
+        assert plan_store.save(plan_store.key(program="p", limit=limit), bytes(1000))
+    monkeypatch.setattr(plan_store, "_chosen", plan_store._UNSET)
+    return tmp_path / "store"
+
+
+def test_cache_info_and_clear(store, monkeypatch, capsys):
+    assert main(["cache", "info"]) == 0
+    assert "off (set MEMSAFE_CACHE_DIR" in capsys.readouterr().out
+    assert main(["cache", "info", "--dir", str(store)]) == 0
+    out = capsys.readouterr().out
+    assert (
+        f"memsafe plan store: {store}\n  entries: 2\n  size: 2." in out
+        and "of at most 1.0 GiB" in out
+    )
+    monkeypatch.setenv("MEMSAFE_CACHE_DIR", str(store))
+    monkeypatch.setenv("MEMSAFE_CACHE_MAX_BYTES", "10MiB")
+    assert main(["cache", "info"]) == 0
+    assert "entries: 2" in (out := capsys.readouterr().out) and "of at most 10.0 MiB" in out
+    assert main(["cache", "clear"]) == 0
+    assert capsys.readouterr().out.strip() == f"removed 2 entries from {store}"
+    assert main(["cache", "info", "--dir", str(store)]) == 0
+    assert "entries: 0" in capsys.readouterr().out
+    assert main(["cache", "info", "--dir", str(store / "new")]) == 0
+    assert "(not created yet)" in capsys.readouterr().out
+
+
+def test_cache_clear_reports_entries_it_cannot_remove(store, monkeypatch, capsys):
+    from memsafe import plan_store
+
+    monkeypatch.setattr(plan_store, "_remove", lambda path: False)
+    assert main(["cache", "clear", "--dir", str(store)]) == 1
+    captured = capsys.readouterr()
+    assert "removed 0 entries" in captured.out and "2 entries could not be removed" in captured.err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["cache"], "required: action"),
+        (["cache", "purge"], "invalid choice"),
+        (["cache", "clear"], "no store to clear: give --dir PATH or set MEMSAFE_CACHE_DIR"),
+        (["cache", "info", "--dir", "FILE"], "not a directory"),
+        (["cache", "clear", "--dir", ""], "--dir needs a directory"),
+        (["cache", "info", "--dir"], "expected one argument"),
+    ],
+)
+def test_cache_usage_errors(argv, message, store, knn_file, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main([a.replace("FILE", str(knn_file)) for a in argv])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert len(list(store.iterdir())) == 2  # nothing removed

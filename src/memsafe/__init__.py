@@ -7,6 +7,7 @@ from memsafe.jit import MemsafeFunction, jit
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.log import set_verbosity
 from memsafe.plan import Plan, RuleRecord, SplitRecord
+from memsafe.plan_store import set_cache_dir
 from memsafe.rules import Rule, register_rule
 from memsafe.xla import Footprint
 
@@ -29,5 +30,6 @@ __all__ = [
     "jit",
     "parse_limit",
     "register_rule",
+    "set_cache_dir",
     "set_verbosity",
 ]

@@ -2,6 +2,9 @@
 
     memsafe inspect path/to/file.py:function --arg f32[2000,64] --arg f32[20000,64] \\
         [--kwarg k=10] [--svg out.svg] [--html out.html] [--xla-defaults]
+    memsafe plan path/to/file.py:function --arg f32[2000,64] --limit 256MiB [--grad]
+    memsafe cache info [--dir PATH]
+    memsafe cache clear [--dir PATH]
 
 also as ``python -m memsafe``. Name a function as ``file.py:function`` or ``module:function``.
 """
@@ -175,7 +178,24 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
     pln.add_argument(
         "--grad", action="store_true", help="also plan the gradient (backward) program"
     )
-    return parser, {"inspect": ins, "plan": pln}
+    cch = sub.add_parser(
+        "cache",
+        help="show or empty the persistent plan store",
+        description="Show or empty memsafe's persistent plan store: the directory given by "
+        "--dir, else MEMSAFE_CACHE_DIR.",
+    )
+    commands = {"inspect": ins, "plan": pln, "cache": cch}
+    actions = cch.add_subparsers(dest="action", required=True)
+    for action, text in (
+        ("info", "print the store's directory, entries, size and bound"),
+        ("clear", "remove every entry"),
+    ):
+        act = actions.add_parser(action, help=text, description=text[0].upper() + text[1:] + ".")
+        act.add_argument(
+            "--dir", metavar="PATH", help="the store's directory (default: MEMSAFE_CACHE_DIR)"
+        )
+        commands[f"cache {action}"] = act
+    return parser, commands
 
 
 def _inspect(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -236,6 +256,33 @@ def _plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _cache(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from memsafe import plan_store
+
+    directory = args.dir
+    if directory is not None and not directory.strip():
+        parser.error("--dir needs a directory")
+    where = plan_store.cache_dir() if directory is None else Path(directory).expanduser()
+    if where is not None and where.exists() and not where.is_dir():
+        parser.error(f"not a directory: {where}")
+    try:
+        if args.action == "info":
+            print(plan_store.info(where))
+            return 0
+        if where is None:
+            parser.error("no store to clear: give --dir PATH or set MEMSAFE_CACHE_DIR")
+        removed = plan_store.clear(where)
+        left = plan_store.info(where).entries
+    except OSError as err:
+        print(f"memsafe cache {args.action}: {err}", file=sys.stderr)
+        return 1
+    print(f"removed {removed} entr{'y' if removed == 1 else 'ies'} from {where}")
+    if left:
+        print(f"memsafe cache clear: {left} entries could not be removed", file=sys.stderr)
+        return 1
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``memsafe`` and ``python -m memsafe``; returns the exit status."""
     parser, commands = _parser()
@@ -244,6 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _inspect(args, commands["inspect"])
     if args.command == "plan":
         return _plan(args, commands["plan"])
+    if args.command == "cache":
+        return _cache(args, commands[f"cache {args.action}"])
     parser.error(f"unknown command {args.command!r}")
     return 2
 
