@@ -7,6 +7,8 @@ import os
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A pass that raises is a bug in that pass: under the tests it fails instead of being skipped.
 os.environ.setdefault("MEMSAFE_STRICT", "1")
+# A developer's plan store never reaches the tests (tests/test_stored.py sets its own).
+os.environ.pop("MEMSAFE_CACHE_DIR", None)
 
 import pytest
 from hypothesis import HealthCheck, settings

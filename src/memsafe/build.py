@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, cache, log, mesh
+from memsafe import _jax, cache, log, mesh, stored
 from memsafe.batching import planning
 from memsafe.errors import MemoryLimitError
 from memsafe.lapack_order import ordered
@@ -37,7 +37,7 @@ def reported(build: Callable[..., Program]) -> Callable[..., Program]:
             except MemoryLimitError:
                 log.note(logging.INFO, "%s: no plan fits (%.2f s)", name, watch.elapsed)
                 raise
-            log.finished(name, len(program.plan.attempts), True, watch.elapsed)
+            log.finished(name, len(program.plan.attempts), True, watch.elapsed, program.origin)
         return program
 
     return run
@@ -63,7 +63,8 @@ def build_program(
     are the user's, merged with memsafe's (see ``xla.merged_options``). With ``on_mesh`` the
     limit is per device, ``avals`` carry the arguments' placement for the original program, and
     the split axes are sharded over the mesh (memsafe.mesh). A program traced the same under the
-    same settings before, by any memsafe function, is reused (:mod:`memsafe.cache`). Raises
+    same settings before, by any memsafe function, is reused (:mod:`memsafe.cache`), and one
+    another process planned is loaded where the plan store is on (:mod:`memsafe.stored`). Raises
     :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
     closed, out_tree = trace(flat_fun, avals, name)
     start = None if rewrite_from is None else trace(rewrite_from, avals, name)[0]
@@ -73,18 +74,27 @@ def build_program(
     if found is not None:
         log.reused(name)
         return _adopted(found, flat_fun, out_tree, compiler_options, donate)
-    program = search(
-        flat_fun,
-        closed,
-        start,
-        avals,
-        memory_limit,
-        donate,
-        name,
-        compiler_options,
-        out_tree,
-        on_mesh,
+    on_disk = stored.key_of(closed, start, avals, memory_limit, donate, compiler_options, on_mesh)
+    program = (
+        None
+        if on_disk is None
+        else stored.load(on_disk, avals, memory_limit, donate, out_tree, name)
     )
+    if program is None:
+        program = search(
+            flat_fun,
+            closed,
+            start,
+            avals,
+            memory_limit,
+            donate,
+            name,
+            compiler_options,
+            out_tree,
+            on_mesh,
+        )
+        if on_disk is not None and not program.plan.fits_unchanged:
+            stored.save(on_disk, program, name)
     cache.PROGRAMS.put(key, program, (closed, start, settings))
     return program
 
@@ -126,6 +136,8 @@ def _adopted(
     unchanged, this caller's function (what runs inside an outer trace, or through jit for
     argument types the executable refuses)."""
     if not found.plan.fits_unchanged:
-        return dataclasses.replace(found, out_tree=out_tree)
+        return dataclasses.replace(found, out_tree=out_tree, origin="reused")
     jitted = memsafe_jit(ordered(flat_fun), compiler_options, donate_argnums=donate)
-    return dataclasses.replace(found, out_tree=out_tree, fun=flat_fun, jitted=jitted)
+    return dataclasses.replace(
+        found, out_tree=out_tree, fun=flat_fun, jitted=jitted, origin="reused"
+    )

@@ -28,6 +28,8 @@ class Program:
         on_mesh: the mesh it runs on (limit per device), if any.
         trial: compile options being timed over the first calls (:mod:`memsafe.tuning`).
         options: the compiler options it was compiled with (memsafe's merged in when compiled).
+        origin: how it was obtained: "planned" (a search), "reused" (verified before in this
+            process, :mod:`memsafe.cache`), "loaded" (from the plan store, :mod:`memsafe.stored`).
     """
 
     jitted: Any
@@ -41,6 +43,7 @@ class Program:
     on_mesh: mesh.MeshPlan | None = None
     trial: tuning.Trial | None = None
     options: Mapping[str, Any] | None = None
+    origin: str = "planned"
 
     @property
     def settled(self) -> bool:

@@ -1,0 +1,197 @@
+"""Verified programs kept in the plan store (memsafe.stored): a second process compiles the
+stored program once instead of searching, with the first process's footprint and answers; what
+does not load or no longer fits is planned anew."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import memsafe
+from memsafe import cache, plan_store, stored
+from memsafe.rules import Rule, register_rule, unregister_rule
+
+LIMIT = "2MiB"  # the 512 x 2048 product (4 MiB) must be split
+
+
+def _kernel_sum(x, y, v):
+    return jnp.exp(-(x @ y.T)) @ v
+
+
+def _inputs():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32) / 4
+    y = rng.normal(size=(2048, 8)).astype(np.float32) / 4
+    v = rng.normal(size=(2048,)).astype(np.float32)
+    return x, y, v
+
+
+@pytest.fixture
+def store(tmp_path):
+    """The plan store on in a fresh directory, off again after the test."""
+    plan_store.set_cache_dir(tmp_path / "store")
+    yield tmp_path / "store"
+    plan_store.set_cache_dir(None)
+
+
+# What one process does: plan (or load) the kernel sum and its gradient, and report.
+_SCRIPT = textwrap.dedent(
+    """
+    import json, logging, sys
+    import jax, jax.numpy as jnp, numpy as np
+    import memsafe
+
+    compiles = []
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _d, **_: compiles.append(1)
+        if event == "/jax/core/compile/backend_compile_duration" else None
+    )
+    messages = []
+    handler = logging.Handler()
+    handler.emit = lambda record: messages.append(record.getMessage())
+    logging.getLogger("memsafe").addHandler(handler)
+    logging.getLogger("memsafe").setLevel(logging.INFO)
+
+    def kernel_sum(x, y, v):
+        return jnp.exp(-(x @ y.T)) @ v
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(512, 8)).astype(np.float32) / 4
+    y = rng.normal(size=(2048, 8)).astype(np.float32) / 4
+    v = rng.normal(size=(2048,)).astype(np.float32)
+    memsafe.xla.compiler_options()  # the one probe compile, done before counting
+    compiles.clear()
+    f = memsafe.jit(kernel_sum, memory_limit="2MiB")
+    plan = f.plan(x, y, v)
+    backward = f.backward_plan(x, y, v)  # of every input: what jax.grad below runs
+    planning = len(compiles)
+    out = np.asarray(f(x, y, v))
+    grads = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(x, y, v)
+    grad = np.concatenate([np.asarray(g).ravel() for g in grads])
+    print(json.dumps({
+        "out": out.tobytes().hex(), "grad": grad.tobytes().hex(),
+        "after": plan.after.total, "backward": backward.after.total,
+        "plan": str(plan), "compiles": planning, "messages": messages,
+    }))
+    """
+)
+
+
+def _process(directory: Path) -> dict:
+    env = {**os.environ, "MEMSAFE_CACHE_DIR": str(directory), "JAX_PLATFORMS": "cpu"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(memsafe.__file__).parents[1]), os.getcwd()])
+    run = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_second_process_compiles_the_stored_programs_once(tmp_path):
+    first = _process(tmp_path / "store")
+    second = _process(tmp_path / "store")
+    assert not any("loaded from the plan store" in m for m in first["messages"])
+    loaded = [m for m in second["messages"] if "loaded from the plan store" in m]
+    assert len(loaded) == 2, second["messages"]  # the function and its gradient
+    # the first searched (the original, then attempts, for each program); the second compiled
+    # each stored program once
+    assert first["compiles"] >= 4
+    assert second["compiles"] == 2, second["messages"]
+    for k in ("out", "grad", "after", "backward", "plan"):
+        assert first[k] == second[k], k
+    assert len(list((tmp_path / "store").glob("*.plan"))) == 2
+
+
+def test_every_setting_of_the_plan_is_in_the_key(store):
+    x, y, v = _inputs()
+    memsafe.jit(_kernel_sum, memory_limit=LIMIT)(x, y, v)
+    assert len(list(store.glob("*.plan"))) == 1
+    closed = jax.make_jaxpr(_kernel_sum)(x, y, v)
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, y, v)]
+    base = dict(memory_limit=2 << 20, donate=(), compiler_options=None, on_mesh=None)
+    key = stored.key_of(closed, None, avals, **base)
+    assert key is not None and (store / f"{key}.plan").exists()
+    others = [
+        dict(base, memory_limit=3 << 20),
+        dict(base, donate=(0,)),
+        dict(base, compiler_options={"xla_cpu_enable_fast_math": True}),
+    ]
+    keys = {stored.key_of(closed, None, avals, **o) for o in others}
+    keys.add(stored.key_of(closed, closed, avals, **base))  # another start of the rewrite
+    keys.add(
+        stored.key_of(jax.make_jaxpr(lambda *a: _kernel_sum(*a) * 2)(x, y, v), None, avals, **base)
+    )
+    assert key not in keys and len(keys) == 5
+    assert stored.key_of(closed, None, avals, **dict(base, on_mesh=object())) is None
+
+
+def test_a_hit_in_process_skips_the_search_with_the_same_answer(store, caplog):
+    x, y, v = _inputs()
+    first = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    want = np.asarray(first(x, y, v))
+    cache.clear()  # the in-memory cache would answer first
+    second = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    with caplog.at_level(logging.INFO, logger="memsafe"):
+        got = np.asarray(second(x, y, v))
+    assert any("loaded from the plan store" in r.getMessage() for r in caplog.records)
+    np.testing.assert_array_equal(got, want)
+    assert second.plan(x, y, v).after.total == first.plan(x, y, v).after.total
+
+
+def test_an_entry_that_does_not_load_is_planned_anew(store, caplog):
+    x, y, v = _inputs()
+    want = np.asarray(memsafe.jit(_kernel_sum, memory_limit=LIMIT)(x, y, v))
+    (path,) = store.glob("*.plan")
+    plan_store.save(path.stem, b"not a pickle", {})  # a well-formed entry, a bad payload
+    cache.clear()
+    f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    with caplog.at_level(logging.INFO, logger="memsafe"):
+        got = np.asarray(f(x, y, v))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("did not load" in m for m in messages), messages
+    assert any("planned in" in m for m in messages), messages
+    np.testing.assert_array_equal(got, want)
+    assert plan_store.load(path.stem).payload != b"not a pickle"  # stored again
+
+
+def test_a_stored_program_over_the_limit_is_not_trusted(store, caplog, monkeypatch):
+    x, y, v = _inputs()
+    memsafe.jit(_kernel_sum, memory_limit=LIMIT)(x, y, v)
+    cache.clear()
+    real = stored.compile_measured
+
+    def bigger(*args, **kwargs):  # as if this machine's XLA now kept more for it
+        got = real(*args, **kwargs)
+        footprint = type(got.footprint)(**{**got.footprint.__dict__, "temps": 1 << 30})
+        return type(got)(got.jitted, got.compiled, footprint)
+
+    monkeypatch.setattr(stored, "compile_measured", bigger)
+    f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    with caplog.at_level(logging.INFO, logger="memsafe"):
+        f(x, y, v)
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("no longer fits" in m for m in messages), messages
+    assert f.plan(x, y, v).after.total <= 2 << 20
+
+
+def test_programs_that_fit_unchanged_or_use_user_rules_are_not_stored(store):
+    x, y, v = _inputs()
+    memsafe.jit(_kernel_sum, memory_limit="1GiB")(x, y, v)
+    assert not list(store.glob("*.plan"))
+    rule = Rule("test_stored_abs_abs", lambda a: jnp.abs(jnp.abs(a)), jnp.abs, shapes="n")
+    register_rule(rule)
+    try:
+        memsafe.jit(_kernel_sum, memory_limit=LIMIT)(x, y, v)
+    finally:
+        unregister_rule(rule)
+    assert not list(store.glob("*.plan"))
