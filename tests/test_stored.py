@@ -145,7 +145,14 @@ def test_a_hit_in_process_skips_the_search_with_the_same_answer(store, caplog):
         got = np.asarray(second(x, y, v))
     assert any("loaded from the plan store" in r.getMessage() for r in caplog.records)
     np.testing.assert_array_equal(got, want)
-    assert second.plan(x, y, v).after.total == first.plan(x, y, v).after.total
+    planned, loaded = first.plan(x, y, v), second.plan(x, y, v)
+    assert loaded.after.total == planned.after.total
+    # the time by phase: the search's passes and compiles, then the one compile of the load
+    assert planned.time.origin == "planned" and planned.time.total > 0
+    assert "split" in planned.time.passes and len(planned.time.compiles) >= 2
+    assert loaded.time.origin == "loaded" and not loaded.time.passes
+    assert [what for what, _ in loaded.time.compiles] == ["stored program"]
+    assert "loaded from the plan store" in loaded.time.describe()
 
 
 def test_an_entry_that_does_not_load_is_planned_anew(store, caplog):

@@ -15,6 +15,7 @@ from memsafe import _jax, cache, log, mesh, stored
 from memsafe.batching import planning
 from memsafe.errors import MemoryLimitError
 from memsafe.lapack_order import ordered
+from memsafe.plan import PlanTime
 from memsafe.program import Program
 from memsafe.progress import display as progress_display
 from memsafe.progress import enabled as progress_enabled
@@ -37,7 +38,9 @@ def reported(build: Callable[..., Program]) -> Callable[..., Program]:
             except MemoryLimitError:
                 log.note(logging.INFO, "%s: no plan fits (%.2f s)", name, watch.elapsed)
                 raise
-            log.finished(name, len(program.plan.attempts), True, watch.elapsed, program.origin)
+            time = program.plan.time
+            time.origin, time.total = program.origin, watch.elapsed
+            log.finished(name, len(program.plan.attempts), True, time.describe())
         return program
 
     return run
@@ -66,13 +69,16 @@ def build_program(
     same settings before, by any memsafe function, is reused (:mod:`memsafe.cache`), and one
     another process planned is loaded where the plan store is on (:mod:`memsafe.stored`). Raises
     :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
+    watch = log.Stopwatch()
     closed, out_tree = trace(flat_fun, avals, name)
     start = None if rewrite_from is None else trace(rewrite_from, avals, name)[0]
+    traced = watch.elapsed
     settings = (*_settings(memory_limit, donate, compiler_options, start), on_mesh)
     key = cache.program_key(closed, avals, settings)
     found = cache.PROGRAMS.get(key)
     if found is not None:
         log.reused(name)
+        found.plan.time = PlanTime(trace=traced)  # (a copy of the plan: memsafe.cache.fresh)
         return _adopted(found, flat_fun, out_tree, compiler_options, donate)
     on_disk = stored.key_of(closed, start, avals, memory_limit, donate, compiler_options, on_mesh)
     program = (
@@ -95,6 +101,7 @@ def build_program(
         )
         if on_disk is not None and not program.plan.fits_unchanged:
             stored.save(on_disk, program, name)
+    program.plan.time.trace = traced
     cache.PROGRAMS.put(key, program, (closed, start, settings))
     return program
 

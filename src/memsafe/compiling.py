@@ -27,6 +27,7 @@ class Compiled:
     jitted: Any
     compiled: Any
     footprint: Footprint
+    seconds: float = 0.0  # lowering and compiling, wall clock
 
 
 #: Compiles a program with the given options (memsafe's merged in) and measures it.
@@ -74,8 +75,9 @@ class Compiling:
         compiled = self._compiled if self._future is None else self._future.result()
         footprint = Footprint.from_compiled(compiled, self._hidden)
         name, what, memory_limit = self._what
-        log.compiled(name, what, footprint.total, memory_limit, self._watch.elapsed)
-        return Compiled(self._jitted, compiled, footprint)
+        seconds = self._watch.elapsed
+        log.compiled(name, what, footprint.total, memory_limit, seconds)
+        return Compiled(self._jitted, compiled, footprint, seconds)
 
 
 @functools.cache

@@ -126,15 +126,9 @@ def pass_done(
     note(logging.DEBUG, "%s: pass %s (%.2f s)%s: %s", name, pass_name, seconds, peak, what)
 
 
-def finished(name: str, attempts: int, fits: bool, seconds: float, origin: str = "planned") -> None:
-    """Report a plan's outcome: ``origin`` says how the program was obtained ("planned": by a
-    search of ``attempts`` compiles; "reused": verified before in this process; "loaded": from
-    the plan store, compiled once)."""
+def finished(name: str, attempts: int, fits: bool, phases: str) -> None:
+    """Report a plan's outcome: its compile attempts, whether it fits, and ``phases``
+    (:meth:`memsafe.plan.PlanTime.describe`: how the program was obtained, planned, reused or
+    loaded from the plan store, in how long, and the time of each phase)."""
     outcome = "fits the limit" if fits else "does not fit the limit"
-    if origin == "planned":
-        how = f"planned in {seconds:.2f} s, {attempts} compile attempt(s)"
-    elif origin == "loaded":
-        how = f"loaded from the plan store and verified in {seconds:.2f} s (one compile)"
-    else:
-        how = f"reused in {seconds:.2f} s (verified before in this process)"
-    note(logging.INFO, "%s: %s; %s", name, how, outcome)
+    note(logging.INFO, "%s: %s; %d compile attempt(s); %s", name, phases, attempts, outcome)

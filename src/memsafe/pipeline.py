@@ -70,10 +70,17 @@ def run_logged(pass_name: str, run: Run, program: Any, ctx: PassContext, fun_nam
 
 
 def run_passes(
-    passes: Iterable[tuple[str, Run]], program: Any, ctx: PassContext, fun_name: str
+    passes: Iterable[tuple[str, Run]],
+    program: Any,
+    ctx: PassContext,
+    fun_name: str,
+    seconds: dict[str, float] | None = None,
 ) -> Any:
     """``program`` rewritten by each of ``passes`` ((name, run) pairs) in order, each through
-    :func:`run_logged`."""
+    :func:`run_logged`; each pass's time is added to ``seconds[name]`` where given."""
     for pass_name, run in passes:
+        watch = log.Stopwatch()
         program = run_logged(pass_name, run, program, ctx, fun_name)
+        if seconds is not None:
+            seconds[pass_name] = seconds.get(pass_name, 0.0) + watch.elapsed
     return program

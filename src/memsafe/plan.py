@@ -131,8 +131,51 @@ class Attempt:
 
 
 @dataclass
+class PlanTime:
+    """Seconds one plan took, by phase (wall clock; the original program compiles in a worker
+    thread beside the first attempt, so the phases can add up to more than ``total``).
+
+    Attributes:
+        origin: how the program was obtained: "planned", "reused" (verified before in this
+            process) or "loaded" (from the plan store).
+        trace: tracing the function (and the program a rewrite starts from).
+        passes: each pass's seconds, summed over the attempts.
+        compiles: each XLA compile, as (what, seconds).
+        total: the whole plan, from the call to the verified program.
+    """
+
+    origin: str = "planned"
+    trace: float = 0.0
+    passes: dict[str, float] = field(default_factory=dict)
+    compiles: list[tuple[str, float]] = field(default_factory=list)
+    total: float = 0.0
+
+    def describe(self) -> str:
+        """One line: the total and each phase, the slowest passes first."""
+        passes = sorted(self.passes.items(), key=lambda kv: -kv[1])
+        shown = ", ".join(f"{name} {seconds:.2f} s" for name, seconds in passes[:4])
+        compiled = sum(seconds for _, seconds in self.compiles)
+        parts = [f"trace {self.trace:.2f} s"]
+        if passes:
+            parts.append(f"passes {sum(self.passes.values()):.2f} s ({shown})")
+        n = len(self.compiles)
+        parts.append(f"{n} compile{'s' if n != 1 else ''} {compiled:.2f} s")
+        how = _ORIGINS.get(self.origin, self.origin)
+        return f"{how} in {self.total:.2f} s: " + "; ".join(parts)
+
+
+_ORIGINS = {
+    "reused": "reused (verified before in this process)",
+    "loaded": "loaded from the plan store and verified",
+}
+
+
+@dataclass
 class Plan:
-    """The driver's account of one program (one set of argument shapes)."""
+    """The driver's account of one program (one set of argument shapes).
+
+    ``time`` (not compared, not printed) is how long planning took, by phase.
+    """
 
     memory_limit: int
     before: Footprint | None = None
@@ -142,6 +185,7 @@ class Plan:
     attempts: list[Attempt] = field(default_factory=list)
     backward: Plan | None = None
     tuning: str = ""  # how the first calls chose between compile options (memsafe.tuning)
+    time: PlanTime = field(default_factory=PlanTime, compare=False, repr=False)
 
     @property
     def rules(self) -> list[RuleRecord]:

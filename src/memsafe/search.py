@@ -26,7 +26,7 @@ from memsafe.graph import Graph, estimate, inline_calls
 from memsafe.limits import format_bytes
 from memsafe.passes import PassContext
 from memsafe.pipeline import run_passes
-from memsafe.plan import Attempt, Plan
+from memsafe.plan import Attempt, Plan, PlanTime
 from memsafe.program import Program
 from memsafe.xla import Footprint, hidden_constant_bytes, loop_options, measuring_options
 
@@ -111,6 +111,7 @@ def search(
         MemoryLimitError: no attempt fits the limit.
     """
     hidden = hidden_constant_bytes(closed.consts)
+    time = PlanTime()
     attempts = Search(
         start or closed,
         avals,
@@ -120,6 +121,7 @@ def search(
         compiler_options,
         hidden,
         out_tree,
+        time,
         on_mesh,
     )
     peak = estimate(Graph(closed)).peak_bytes
@@ -132,7 +134,8 @@ def search(
     )
     first = None if guess is None else attempts.attempt_or_none(guess)
     original = compiling.result()
-    plan = Plan(memory_limit=memory_limit, before=original.footprint)
+    plan = Plan(memory_limit=memory_limit, before=original.footprint, time=time)
+    time.compiles.append(("original program", original.seconds))
     if original.footprint.total <= memory_limit:
 
         def compiler(suffix: str) -> CompileWith:
@@ -141,7 +144,10 @@ def search(
             return lambda o: compile_measured(flat_fun, avals, o, donate, hidden, again)
 
         if options is not compiler_options:  # compiled to measure: now compiled to run
+            measured = original
             original = tuned(original, compiler_options, memory_limit, compiler("tuned"))
+            if original is not measured:
+                time.compiles.append(("original program, tuned", original.seconds))
         plan.fits_unchanged = True
         plan.after = original.footprint
         plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
@@ -249,8 +255,9 @@ class Tried:
 class Search:
     """The passes run at shrinking chunk scales until a compile fits the limit.
 
-    Args: as :func:`search`'s (``start`` the program rewritten), and ``hidden``: bytes of
-    constants XLA's memory analysis does not count.
+    Args: as :func:`search`'s (``start`` the program rewritten), ``hidden``: bytes of
+    constants XLA's memory analysis does not count, and ``time``: where the passes' and the
+    compiles' seconds are added.
     """
 
     def __init__(
@@ -263,12 +270,13 @@ class Search:
         compiler_options: Mapping[str, Any] | None,
         hidden: int,
         out_tree: Any,
+        time: PlanTime,
         on_mesh: mesh.MeshPlan | None = None,
     ) -> None:
         self.flat = inline_calls(start)
         self.avals, self.memory_limit, self.donate, self.name = avals, memory_limit, donate, name
         self.options, self.hidden, self.out_tree = compiler_options, hidden, out_tree
-        self.on_mesh = on_mesh
+        self.on_mesh, self.time = on_mesh, time
         self.roll, self.rolled = True, False  # see run
 
     def attempt(
@@ -283,7 +291,7 @@ class Search:
         )
         sharding = None if self.on_mesh is None else self.on_mesh.sharding()
         ctx.mesh = sharding  # records where the sharded loops want the inputs placed
-        program = run_passes(passes.named_passes(), self.flat, ctx, self.name)
+        program = run_passes(passes.named_passes(), self.flat, ctx, self.name, self.time.passes)
         self.rolled |= any(getattr(r, "pass_name", "") == "roll" for r in attempt_plan.records)
         if previous is not None and attempt_plan.records == previous:
             return None
@@ -295,6 +303,7 @@ class Search:
         # over the limit or not, this compile allocates nothing of the program's size
         measure = measuring_options(options)
         got = compile_measured(emitted, placed, measure, self.donate, hidden_now, what)
+        self.time.compiles.append((what[1], got.seconds))
         return Tried(
             program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what, options
         )
@@ -322,6 +331,8 @@ class Search:
         """The program of ``tried`` (which fits), compiled to run, with a trial of other compile
         options where worth it; recorded in ``plan``."""
         got = tuned(tried.got, tried.options, self.memory_limit, self._compiler(tried, "tuned"))
+        if got is not tried.got:
+            self.time.compiles.append((f"{tried.what[1]}, tuned", got.seconds))
         plan.records, plan.after = tried.plan.records, got.footprint
         program = Program(
             got.jitted,

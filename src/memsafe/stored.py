@@ -26,6 +26,7 @@ import jax
 
 from memsafe import _jax, log, plan_store
 from memsafe.compiling import add_trial, compile_measured
+from memsafe.plan import PlanTime
 from memsafe.program import Program
 from memsafe.rules.registry import registered_rules
 from memsafe.xla import hidden_constant_bytes, merged_options
@@ -84,6 +85,7 @@ def load(
     if got.footprint.total > memory_limit:
         log.note(logging.WARNING, "%s: the stored plan no longer fits; planning", name)
         return None
+    plan.time = PlanTime(compiles=[("stored program", got.seconds)])
     program = Program(
         got.jitted,
         fun,
