@@ -125,6 +125,14 @@ class Call:
     static_kwargs: tuple[tuple[str, Any], ...] = ()
     n_args: int = 0
 
+    @property
+    def family(self) -> Any:
+        """``key`` without the arrays' sizes (ranks and dtypes kept): the same program at other
+        shapes, such as another batch size."""
+        treedef, _, *rest = self.key
+        ranks = tuple((len(a.shape), str(a.dtype)) for a in self.avals)
+        return (treedef, ranks, *rest)
+
 
 @dataclass(frozen=True)
 class ArgSpec:

@@ -20,7 +20,7 @@ from memsafe.program import Program
 from memsafe.progress import display as progress_display
 from memsafe.progress import enabled as progress_enabled
 from memsafe.rules.registry import registered_rules
-from memsafe.search import search
+from memsafe.search import Hint, search
 from memsafe.xla import memsafe_jit, merged_options
 
 
@@ -39,7 +39,9 @@ def reported(build: Callable[..., Program]) -> Callable[..., Program]:
                 log.note(logging.INFO, "%s: no plan fits (%.2f s)", name, watch.elapsed)
                 raise
             time = program.plan.time
-            time.origin, time.total = program.origin, watch.elapsed
+            if program.origin != "planned":  # (a search says whether it re-sized)
+                time.origin = program.origin
+            time.total = watch.elapsed
             log.finished(name, len(program.plan.attempts), True, time.describe())
         return program
 
@@ -57,6 +59,7 @@ def build_program(
     compiler_options: Mapping[str, Any] | None = None,
     rewrite_from: Callable[..., Any] | None = None,
     on_mesh: mesh.MeshPlan | None = None,
+    hint: Hint | None = None,
 ) -> Program:
     """Trace ``flat_fun`` at ``avals`` and return a program verified to fit ``memory_limit``.
 
@@ -67,8 +70,9 @@ def build_program(
     limit is per device, ``avals`` carry the arguments' placement for the original program, and
     the split axes are sharded over the mesh (memsafe.mesh). A program traced the same under the
     same settings before, by any memsafe function, is reused (:mod:`memsafe.cache`), and one
-    another process planned is loaded where the plan store is on (:mod:`memsafe.stored`). Raises
-    :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
+    another process planned is loaded where the plan store is on (:mod:`memsafe.stored`); a
+    ``hint`` from the plan at other shapes shortens the search (:class:`memsafe.search.Hint`).
+    Raises :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
     watch = log.Stopwatch()
     closed, out_tree = trace(flat_fun, avals, name)
     start = None if rewrite_from is None else trace(rewrite_from, avals, name)[0]
@@ -98,6 +102,7 @@ def build_program(
             compiler_options,
             out_tree,
             on_mesh,
+            hint,
         )
         if on_disk is not None and not program.plan.fits_unchanged:
             stored.save(on_disk, program, name)

@@ -22,6 +22,7 @@ from memsafe.gradient import differentiable
 from memsafe.limits import format_bytes, parse_limit
 from memsafe.plan import Plan
 from memsafe.program import Program
+from memsafe.search import Hint
 
 
 class MemsafeFunction:
@@ -57,6 +58,7 @@ class MemsafeFunction:
         self.progress = progress
         self._build_options = {"compiler_options": self.compiler_options, "progress": progress}
         self._programs: dict[Any, Program] = {}
+        self._hints: dict[Any, Hint] = {}  # the latest plan of each program at other shapes
         self._backward: dict[Any, Backward] = {}
         self._latest_backward: dict[Any, Program] = {}
         self._batched_programs: dict[Any, BatchedProgram] = {}
@@ -81,8 +83,10 @@ class MemsafeFunction:
                 call.donate,
                 self._name,
                 on_mesh=on_mesh,
+                hint=self._hints.get(call.family),
                 **self._build_options,
             )
+            self._hints[call.family] = Hint.of(program) or self._hints.get(call.family)
             # the user's output structure
             program = dataclasses.replace(program, out_tree=call.out_tree[0])
             self._programs[self._key(call, on_mesh)] = program

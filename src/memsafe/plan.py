@@ -136,8 +136,9 @@ class PlanTime:
     thread beside the first attempt, so the phases can add up to more than ``total``).
 
     Attributes:
-        origin: how the program was obtained: "planned", "reused" (verified before in this
-            process) or "loaded" (from the plan store).
+        origin: how the program was obtained: "planned", "re-sized" (from the plan of the same
+            program at smaller shapes, :class:`memsafe.search.Hint`), "reused" (verified before
+            in this process) or "loaded" (from the plan store).
         trace: tracing the function (and the program a rewrite starts from).
         passes: each pass's seconds, summed over the attempts.
         compiles: each XLA compile, as (what, seconds).
@@ -165,6 +166,7 @@ class PlanTime:
 
 
 _ORIGINS = {
+    "re-sized": "re-sized (the plan at other shapes' chunk scale, the original not compiled)",
     "reused": "reused (verified before in this process)",
     "loaded": "loaded from the plan store and verified",
 }
@@ -186,6 +188,10 @@ class Plan:
     backward: Plan | None = None
     tuning: str = ""  # how the first calls chose between compile options (memsafe.tuning)
     time: PlanTime = field(default_factory=PlanTime, compare=False, repr=False)
+    # the chunk scale and roll setting of the attempt that runs (a search at new shapes starts
+    # there, memsafe.search.Hint)
+    chunk_scale: float | None = field(default=None, compare=False, repr=False)
+    rolled: bool = field(default=True, compare=False, repr=False)
 
     @property
     def rules(self) -> list[RuleRecord]:

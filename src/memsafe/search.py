@@ -71,6 +71,40 @@ class SearchPolicy:
 SEARCH = SearchPolicy()
 
 
+@dataclass(frozen=True)
+class Hint:
+    """What the plan of the same program at other argument shapes found, for a search at new
+    shapes (another batch size or sequence length) to start from.
+
+    Attributes:
+        avals: the shapes it was planned at.
+        scale: the chunk scale of the attempt that ran.
+        roll: whether the roll pass was on for it.
+    """
+
+    avals: tuple[jax.ShapeDtypeStruct, ...]
+    scale: float
+    roll: bool
+
+    @classmethod
+    def of(cls, program: Program) -> Hint | None:
+        """The hint a verified program gives (None where it fits unchanged)."""
+        if program.plan.fits_unchanged or program.plan.chunk_scale is None:
+            return None
+        return cls(program.avals, program.plan.chunk_scale, program.plan.rolled)
+
+    def covers(self, avals: Sequence[jax.ShapeDtypeStruct]) -> bool:
+        """Whether ``avals`` are as large as this hint's in every dimension (and as many, of the
+        same dtypes): then the original program, which did not fit at the smaller shapes, is
+        taken not to fit either, and is not compiled."""
+        return len(avals) == len(self.avals) and all(
+            a.dtype == b.dtype
+            and len(a.shape) == len(b.shape)
+            and all(x >= y for x, y in zip(a.shape, b.shape))
+            for a, b in zip(avals, self.avals)
+        )
+
+
 def search(
     flat_fun: Callable[..., Any],
     closed: _jax.ClosedJaxpr,
@@ -82,6 +116,7 @@ def search(
     compiler_options: Mapping[str, Any] | None,
     out_tree: Any,
     on_mesh: mesh.MeshPlan | None = None,
+    hint: Hint | None = None,
 ) -> Program:
     """The original program when it fits, else the rewrite of ``start`` (default ``closed``)
     with the largest chunks that compile under the limit (per device, sharded, on a mesh).
@@ -103,6 +138,10 @@ def search(
         compiler_options: the user's compiler options.
         out_tree: the outputs' tree structure.
         on_mesh: the mesh the program runs on, if any.
+        hint: the plan of the same program at smaller shapes (:class:`Hint`): where it
+            :meth:`~Hint.covers` ``avals``, the original is not compiled and the attempts start
+            at its chunk scale (the program is "re-sized"); where no attempt fits from there,
+            the search runs in full.
 
     Returns:
         The verified :class:`Program`.
@@ -124,6 +163,11 @@ def search(
         time,
         on_mesh,
     )
+    if hint is not None and on_mesh is None and not donate and hint.covers(avals):
+        resized = _resized(attempts, closed, memory_limit, hint, time)
+        if resized is not None:
+            return resized
+        attempts.roll = True
     peak = estimate(Graph(closed)).peak_bytes
     guess = None if on_mesh is not None else speculative_fixed(closed, donate, memory_limit, peak)
     what = (name, "original program", memory_limit)
@@ -171,6 +215,24 @@ def search(
     return attempts.run(plan, fixed, first if guess == fixed else None)
 
 
+def _resized(
+    attempts: Search, closed: _jax.ClosedJaxpr, memory_limit: int, hint: Hint, time: PlanTime
+) -> Program | None:
+    """The rewrite at new shapes, its attempts started at ``hint``'s chunk scale, without
+    compiling the original (see :func:`search`); None where none fits from there."""
+    fixed = _fixed_bytes(closed)
+    if fixed > memory_limit:
+        return None
+    time.origin = "re-sized"
+    plan = Plan(memory_limit=memory_limit, time=time)
+    attempts.roll = hint.roll
+    try:
+        return attempts.attempts(plan, fixed, None, hint.scale)
+    except MemoryLimitError:
+        time.origin = "planned"
+        return None
+
+
 def check_fixed(before: Footprint, memory_limit: int, name: str) -> int:
     """Bytes no rewrite can shrink (arguments and outputs); raises when they exceed the limit."""
     fixed = before.arguments + before.outputs - before.aliases
@@ -201,7 +263,7 @@ def refusal(
     flat: Any,
     name: str,
     memory_limit: int,
-    before: Footprint,
+    before: Footprint | None,
     best: Footprint | None,
     blockers: list,
 ) -> MemoryLimitError:
@@ -214,7 +276,7 @@ def refusal(
         limit=memory_limit,
         footprint=None if best is None else best.total,
         blockers=blockers,
-        minimum=before.total if best is None else min(best.total, before.total),
+        minimum=min((f.total for f in (before, best) if f is not None), default=None),
     )
 
 
@@ -230,11 +292,17 @@ def speculative_fixed(
     compiled for over 190 s where the original compiled in 0.2 s)."""
     if donate or peak <= SEARCH.speculate_above * memory_limit:
         return None
+    fixed = _fixed_bytes(closed)
+    return fixed if fixed <= memory_limit else None
+
+
+def _fixed_bytes(closed: _jax.ClosedJaxpr) -> int:
+    """The arguments' and outputs' bytes as XLA counts them on this backend (a tuple of outputs
+    adds a pointer each), nothing donated."""
     arguments = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars)
     outs = closed.jaxpr.outvars
     table = 8 * len(outs) if len(outs) > 1 else 0
-    fixed = arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
-    return fixed if fixed <= memory_limit else None
+    return arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
 
 
 @dataclass(frozen=True)
@@ -334,6 +402,7 @@ class Search:
         if got is not tried.got:
             self.time.compiles.append((f"{tried.what[1]}, tuned", got.seconds))
         plan.records, plan.after = tried.plan.records, got.footprint
+        plan.chunk_scale, plan.rolled = tried.scale, self.roll
         program = Program(
             got.jitted,
             tried.emitted,
@@ -410,11 +479,11 @@ class Search:
             except MemoryLimitError as unrolled:
                 raise min(rolled, unrolled, key=_closeness) from None
 
-    def attempts(self, plan: Plan, fixed: int, first: Tried | None) -> Program:
-        """The first attempt that fits (``first``, made already, or planned now), recorded in
-        ``plan``; raises MemoryLimitError when none does, with the footprint and blockers of
-        the attempt that came closest."""
-        scale, last, closest, previous, over = 1.0, None, None, None, None
+    def attempts(self, plan: Plan, fixed: int, first: Tried | None, scale: float = 1.0) -> Program:
+        """The first attempt that fits (``first``, made already, or planned now from chunk
+        ``scale``), recorded in ``plan``; raises MemoryLimitError when none does, with the
+        footprint and blockers of the attempt that came closest."""
+        last, closest, previous, over = None, None, None, None
         for index in range(SEARCH.max_attempts):
             if index == 0 and first is not None:
                 last = first

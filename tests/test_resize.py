@@ -1,0 +1,79 @@
+"""A planned program at new shapes (another batch size) starts from the plan it had at smaller
+ones (memsafe.search.Hint): the original, which did not fit there, is not compiled, and the
+attempts start at the chunk scale that ran; the answers are jax.jit's, under the limit."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import memsafe
+from memsafe.search import Hint
+from tests.agree import assert_like_jit
+
+LIMIT = 2 << 20
+
+
+def _kernel_sum(x, y, v):
+    return jnp.exp(-(x @ y.T)) @ v
+
+
+def _inputs(n, m=2048, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype(np.float32) / 4
+    y = rng.normal(size=(m, 8)).astype(np.float32) / 4
+    v = rng.normal(size=(m,)).astype(np.float32)
+    return x, y, v
+
+
+class _Compiles:
+    count = 0
+
+    @classmethod
+    def on_event(cls, event, _duration, **_):
+        if event == "/jax/core/compile/backend_compile_duration":
+            cls.count += 1
+
+
+jax.monitoring.register_event_duration_secs_listener(_Compiles.on_event)
+
+
+def test_a_larger_batch_is_re_sized_without_compiling_the_original():
+    f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    small = _inputs(512)
+    f(*small)
+    first = f.plan(*small)
+    assert first.time.origin == "planned" and first.splits
+    large = _inputs(1024, seed=1)
+    before = _Compiles.count
+    got = f(*large)
+    plan = f.plan(*large)
+    assert plan.time.origin == "re-sized" and plan.splits and plan.before is None
+    assert _Compiles.count - before == len(plan.attempts)  # the attempts only, no original
+    assert plan.after.total <= LIMIT
+    assert_like_jit(got, _kernel_sum, *large)
+    assert "re-sized" in plan.time.describe()
+
+
+def test_a_smaller_or_other_shaped_call_is_planned_in_full():
+    f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    f(*_inputs(1024))
+    smaller = _inputs(512)
+    f(*smaller)
+    assert f.plan(*smaller).time.origin == "planned"
+    assert f.plan(*smaller).before is not None
+    other = _inputs(1024, m=1024)  # y and v shorter: not covered by the first plan's shapes
+    f(*other)
+    assert f.plan(*other).time.origin == "planned"
+
+
+def test_the_hint_covers_only_shapes_as_large_in_every_dimension():
+    a = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+    hint = Hint((a,), 0.5, True)
+    assert hint.covers((jax.ShapeDtypeStruct((8, 8), jnp.float32),))
+    assert hint.covers((a,))
+    assert not hint.covers((jax.ShapeDtypeStruct((8, 4), jnp.float32),))
+    assert not hint.covers((jax.ShapeDtypeStruct((8, 8), jnp.float16),))
+    assert not hint.covers((jax.ShapeDtypeStruct((8, 8, 1), jnp.float32),))
+    assert not hint.covers((a, a))
