@@ -233,3 +233,21 @@ def test_builtin_patterns_do_not_match_their_replacement(rule):
     assert not rule.check_replacement
     for variant in rule.variants:
         variant.check_not_self_matching()
+
+
+def test_batched_variants_need_at_least_their_forms_operations():
+    """Rule.variants_for traces a form's batched variants only where the program holds the
+    form's operations: exact only because each batched variant needs those operations too."""
+    from memsafe.rules.pattern import required_ops
+
+    for rule in builtin_rules():
+        variants = rule.variants
+        forms = [v for v in variants if " batched " not in v.label]
+        assert len(forms) == len(rule.patterns)
+        for v in variants:
+            form = forms[int(v.label.split()[1])]
+            assert required_ops(form) <= required_ops(v), (rule.name, v.label)
+        every = set().union(*(required_ops(v) for v in variants))
+        assert rule.variants_for(every) == variants  # all of them, in the same order
+        for form in forms:
+            assert form not in rule.variants_for(required_ops(form) - {form.root.node.op})

@@ -26,10 +26,12 @@ from memsafe.rules.registry import active_rules, builtin_rewrites
 MAX_ROUNDS = 4
 
 
-def _variants_by_op(rules: Sequence[Rule]) -> dict[str, list[Variant]]:
+def _variants_by_op(rules: Sequence[Rule], ops: set[str]) -> dict[str, list[Variant]]:
+    """The variants of ``rules`` that can match in a program with the operations ``ops``, by
+    their root's operation, largest first (then in the rules' order)."""
     ordered: list[tuple[int, int, Variant]] = []
     for r, rule in enumerate(rules):
-        for variant in rule.variants:
+        for variant in rule.variants_for(ops):
             ordered.append((-variant.size, r, variant))
     ordered.sort(key=lambda t: (t[0], t[1]))
     by_op: dict[str, list[Variant]] = {}
@@ -47,7 +49,7 @@ def find_matches(
     saves (always done for rules with ``min_bytes_saved``, which need it to decide)."""
     graph = Graph(closed)
     ir = IR(closed).build_all()
-    by_op = _variants_by_op(rules)
+    by_op = _variants_by_op(rules, {node.op for node in ir.nodes})
     claimed: set[int] = set()
     found: list[tuple[Match, RuleRecord]] = []
     eqns = graph.eqns

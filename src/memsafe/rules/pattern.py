@@ -20,7 +20,7 @@ An intermediate of a match that is used outside it blocks the rewrite, as in tor
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -564,24 +564,45 @@ class Rule:
         self.check_replacement = check_replacement
         self.description = description or (replacement.__doc__ or "").strip().split("\n")[0]
         self._variants: list[Variant] | None = None
+        self._forms: dict[int, list[Variant]] = {}  # form i, then its batched variants
 
     def __repr__(self) -> str:
         return f"Rule({self.name!r})"
 
     @property
     def variants(self) -> list[Variant]:
-        """The traced forms of this rule (traced on first use)."""
+        """The traced forms of this rule, each followed by its batched variants (traced on
+        first use)."""
         if self._variants is None:
-            variants = []
-            for i, pattern in enumerate(self.patterns):
-                variants.append(
-                    Variant(self, f"form {i}", pattern, self.replacement, self.specs,
-                            self.in_dtypes)
-                )  # fmt: skip
-                if self.batched:
-                    variants.extend(self._batched(i, pattern))
-            self._variants = variants
+            self._variants = [v for i in range(len(self.patterns)) for v in self._form(i, True)]
         return self._variants
+
+    def variants_for(self, ops: Collection[str]) -> list[Variant]:
+        """The variants that can match in a program whose canonical operations (``IR`` node
+        ops) are ``ops``, in the order of :attr:`variants`: each form whose operations (those a
+        match reaches from the root, :func:`required_ops`) all occur in ``ops``, with its
+        batched variants, which hold at least those operations (``jax.vmap`` keeps each
+        primitive of these patterns; ``tests/test_rules_builtin.py`` checks it of every built-in
+        rule). Only those variants are traced: a program without a rule's operations does not
+        pay for tracing its batched forms."""
+        out = []
+        for i in range(len(self.patterns)):
+            form = self._form(i, False)
+            if required_ops(form[0]) <= set(ops):
+                out.extend(self._form(i, True) if self.batched else form)
+        return out
+
+    def _form(self, i: int, batched: bool) -> list[Variant]:
+        """Form ``i`` traced, and with ``batched`` its batched variants after it (cached)."""
+        done = self._forms.get(i)
+        if done is None:
+            pattern = self.patterns[i]
+            done = [Variant(self, f"form {i}", pattern, self.replacement, self.specs,
+                            self.in_dtypes)]  # fmt: skip
+            self._forms[i] = done
+        if batched and self.batched and len(done) == 1:
+            done.extend(self._batched(i, self.patterns[i]))
+        return done if batched else done[:1]
 
     def _batched(self, i: int, pattern: Callable[..., Any]) -> list[Variant]:
         n = len(self.specs)
@@ -617,4 +638,21 @@ class Rule:
         return None
 
 
-__all__ = ["Filter", "Match", "Rule", "Variant"]
+def required_ops(variant: Variant) -> frozenset[str]:
+    """The operations a match of ``variant`` needs in the program: those of the pattern's nodes
+    reachable from its root through operands (inputs and literals aside)."""
+    seen: set[int] = set()
+    ops: set[str] = set()
+    stack = [variant.root.node]
+    while stack:
+        node = stack.pop()
+        if node.uid in seen:
+            continue
+        seen.add(node.uid)
+        if node.op not in ("input", "literal"):
+            ops.add(node.op)
+        stack.extend(view.node for view in node.operands)
+    return frozenset(ops)
+
+
+__all__ = ["Filter", "Match", "Rule", "Variant", "required_ops"]
