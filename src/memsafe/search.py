@@ -181,38 +181,53 @@ def search(
     plan = Plan(memory_limit=memory_limit, before=original.footprint, time=time)
     time.compiles.append(("original program", original.seconds))
     if original.footprint.total <= memory_limit:
-
-        def compiler(suffix: str) -> CompileWith:
-            """A compile of the original program with other options (logged with ``suffix``)."""
-            again = (name, f"original program, {suffix}", memory_limit)
-            return lambda o: compile_measured(flat_fun, avals, o, donate, hidden, again)
-
-        if options is not compiler_options:  # compiled to measure: now compiled to run
-            measured = original
-            original = tuned(original, compiler_options, memory_limit, compiler("tuned"))
-            if original is not measured:
-                time.compiles.append(("original program, tuned", original.seconds))
-        plan.fits_unchanged = True
-        plan.after = original.footprint
-        plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
-        program = Program(
-            original.jitted,
-            flat_fun,
-            tuple(avals),
-            out_tree,
-            plan,
-            closed,
-            original.compiled,
-            on_mesh=on_mesh,
-            options=compiler_options,
-        )
-        candidate = compiler("candidate options")
-        return with_trial(program, candidate, compiler_options, compiler_options, name)
+        return _unchanged(attempts, flat_fun, closed, original, options, plan)
     if on_mesh is None:
         fixed = check_fixed(original.footprint, memory_limit, name)
     else:
         fixed = on_mesh.check_fixed(original.footprint, avals, memory_limit, name)
     return attempts.run(plan, fixed, first if guess == fixed else None)
+
+
+def _unchanged(
+    search: Search,
+    flat_fun: Callable[..., Any],
+    closed: _jax.ClosedJaxpr,
+    original: Compiled,
+    options: Mapping[str, Any] | None,
+    plan: Plan,
+) -> Program:
+    """The original program, which fits: compiled to run where it was compiled (with
+    ``options``) only to be measured, recorded in ``plan``, with a trial of other compile
+    options where worth it."""
+    user, memory_limit, name = search.options, search.memory_limit, search.name
+
+    def compiler(suffix: str) -> CompileWith:
+        """A compile of the original program with other options (logged with ``suffix``)."""
+        again = (name, f"original program, {suffix}", memory_limit)
+        avals, donate, hidden = search.avals, search.donate, search.hidden
+        return lambda o: compile_measured(flat_fun, avals, o, donate, hidden, again)
+
+    if options is not user:  # compiled to measure: now compiled to run
+        measured = original
+        original = tuned(original, user, memory_limit, compiler("tuned"))
+        if original is not measured:
+            search.time.compiles.append(("original program, tuned", original.seconds))
+    plan.fits_unchanged = True
+    plan.after = original.footprint
+    plan.attempts.append(Attempt(1.0, original.footprint, True, "original program"))
+    program = Program(
+        original.jitted,
+        flat_fun,
+        tuple(search.avals),
+        search.out_tree,
+        plan,
+        closed,
+        original.compiled,
+        on_mesh=search.on_mesh,
+        options=user,
+    )
+    return with_trial(program, compiler("candidate options"), user, user, name)
 
 
 def _resized(
