@@ -43,11 +43,12 @@ QUICK = ("attention", "knn", "kernel_matvec")
 STEPS = ("flax_loop", "flax_scan", "equinox", "mlp")
 
 
-def _step(name: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-    """A training step of one of ``tests/deep_models.py``'s models and its arguments."""
+def _step(name: str, scale: int = 1) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+    """A training step of one of ``tests/deep_models.py``'s models and its arguments, at
+    ``scale`` times the batch."""
     from tests import deep_models as dm
 
-    shape = dm.Shape(blocks=4, batch=4, length=1024, width=256)
+    shape = dm.Shape(blocks=4, batch=4 * scale, length=1024, width=256)
     if name == "flax_loop":
         model = dm.flax_model(shape)
     elif name == "flax_scan":
@@ -55,7 +56,7 @@ def _step(name: str) -> tuple[Callable[..., Any], tuple[Any, ...]]:
     elif name == "equinox":
         model = dm.equinox_model(shape)
     else:
-        model = dm.mlp(batch=8192, width=512, layers=8)
+        model = dm.mlp(batch=8192 * scale, width=512, layers=8)
     loss, params, batch = model
     step, state = dm.adam_step(loss, params)
     return step, (params, state, *batch)
@@ -77,12 +78,16 @@ def _timed(build: Callable[[], Any]) -> float:
 
 
 def worker(name: str, mode: str, limit: int | None) -> dict[str, Any]:
-    """One process: jax.jit's compile (``mode`` "jax") or memsafe's plan ("memsafe")."""
+    """One process: jax.jit's compile (``mode`` "jax"), memsafe's plan ("memsafe"), or a
+    training step at twice the batch: jax.jit's compile ("jax2") and memsafe's plan after the
+    plan at the first batch ("resize", that first plan not timed)."""
     import jax
 
     import memsafe
 
     jax.block_until_ready(jax.jit(lambda x: x + 1)(1.0))  # the backend started
+    if mode in ("jax2", "resize"):
+        return _resize_worker(name, mode, limit)
     fun, args, quick_limit = _program(name)
     out: dict[str, Any] = {"loadavg": os.getloadavg()}
     quick = quick_limit is not None
@@ -110,6 +115,28 @@ def worker(name: str, mode: str, limit: int | None) -> dict[str, Any]:
     out["fits_unchanged"] = plan.fits_unchanged
     out["phases"] = plan.time.describe()
     out["origin"] = plan.time.origin
+    return out
+
+
+def _resize_worker(name: str, mode: str, limit: int | None) -> dict[str, Any]:
+    import jax
+
+    import memsafe
+
+    fun, args = _step(name, 2)
+    out: dict[str, Any] = {"loadavg": os.getloadavg()}
+    if mode == "jax2":
+        out["seconds"] = _timed(lambda: jax.jit(fun).lower(*args).compile())
+        return out
+    safe = memsafe.jit(fun, memory_limit=limit)
+    safe.lower(*_step(name, 1)[1]).compile()
+    out["seconds"] = _timed(lambda: safe.lower(*args).compile())
+    plan = safe.plan(*args)
+    out["origin"], out["phases"], out["attempts"] = (
+        plan.time.origin,
+        plan.time.describe(),
+        len(plan.attempts),
+    )
     return out
 
 
@@ -149,6 +176,18 @@ def measure(names: list[str], repeats: int) -> dict[str, Any]:
         def med(runs: list[dict[str, Any]]) -> float:
             return statistics.median(r["seconds"] for r in runs)
 
+        resize: dict[str, Any] = {}
+        if name in STEPS:  # a new batch size of the step just planned (the same limit)
+            jax2 = [_run(name, "jax2", None, None) for _ in range(repeats)]
+            ms2 = [_run(name, "resize", limit, None) for _ in range(repeats)]
+            resize = {
+                "jax_2x_s": med(jax2),
+                "memsafe_2x_s": med(ms2),
+                "origin_2x": ms2[0]["origin"],
+                "phases_2x": ms2[0]["phases"],
+                "attempts_2x": ms2[0]["attempts"],
+            }
+
         row = {
             "footprint": jax_cold[0]["footprint"],
             "limit": limit,
@@ -165,6 +204,7 @@ def measure(names: list[str], repeats: int) -> dict[str, Any]:
             "phases_warm": ms_warm[0]["phases"],
             "runs": {"jax_cold": jax_cold, "memsafe_cold": ms_cold},
             "runs_warm": {"jax": jax_warm, "memsafe": ms_warm},
+            **resize,
         }
         results[name] = row
         print(name, json.dumps({k: v for k, v in row.items() if not k.startswith("runs")}))
@@ -206,6 +246,22 @@ def write(run: dict[str, Any]) -> None:
             f"| {r['memsafe_warm_s'] / r['jax_warm_s']:.2f}x | {r['origin_warm']} "
             f"| {r['after_cold'] == r['after_warm']} |"
         )
+    resized = {n: r for n, r in run["results"].items() if "jax_2x_s" in r}
+    if resized:
+        lines += [
+            "",
+            "A training step at twice the batch, planned after the step at the first batch "
+            "(the same limit), against jax.jit's compile at that batch:",
+            "",
+            "| program | jax.jit | memsafe | ratio | memsafe was | attempts |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, r in resized.items():
+            lines.append(
+                f"| {name} | {r['jax_2x_s']:.2f} s | {r['memsafe_2x_s']:.2f} s "
+                f"| {r['memsafe_2x_s'] / r['jax_2x_s']:.2f}x | {r['origin_2x']} "
+                f"| {r['attempts_2x']} |"
+            )
     lines += ["", "Where memsafe's time went (the first cold process and the first warm one):", ""]
     for name, r in run["results"].items():
         lines += [f"- {name}: cold {r['phases_cold']}; warm {r['phases_warm']}"]
