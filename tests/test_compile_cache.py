@@ -20,6 +20,7 @@ import memsafe
 from memsafe import cache, search
 from memsafe.rules import Rule, register_rule, unregister_rule
 from memsafe.xla import compiler_options, memsafe_jit
+from tests.compiles import Compiles
 
 N, M, D = 512, 2048, 8
 LIMIT = "2MiB"  # the 512 x 2048 product (4 MiB) must be split
@@ -37,25 +38,11 @@ def _inputs(seed=0):
     return jnp.asarray(x), jnp.asarray(y), jnp.asarray(v)
 
 
-class _Compiles:
-    """XLA compile requests seen by JAX's monitoring (one listener for the module)."""
-
-    count = 0
-
-    @classmethod
-    def on_event(cls, event, _duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            cls.count += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_Compiles.on_event)
-
-
 def _compiles_during(fn):
     compiler_options()  # memsafe's one probe compile (whether YNNPACK can be turned off) done
-    before = _Compiles.count
+    before = Compiles.count
     out = jax.block_until_ready(fn())
-    return out, _Compiles.count - before
+    return out, Compiles.count - before
 
 
 def _close(a, b):

@@ -11,6 +11,7 @@ import numpy as np
 import memsafe
 from memsafe.search import Hint
 from tests.agree import assert_like_jit
+from tests.compiles import Compiles
 
 LIMIT = 2 << 20
 
@@ -27,18 +28,6 @@ def _inputs(n, m=2048, seed=0):
     return x, y, v
 
 
-class _Compiles:
-    count = 0
-
-    @classmethod
-    def on_event(cls, event, _duration, **_):
-        if event == "/jax/core/compile/backend_compile_duration":
-            cls.count += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_Compiles.on_event)
-
-
 def test_a_larger_batch_is_re_sized_without_compiling_the_original():
     f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
     small = _inputs(512)
@@ -46,11 +35,11 @@ def test_a_larger_batch_is_re_sized_without_compiling_the_original():
     first = f.plan(*small)
     assert first.time.origin == "planned" and first.splits
     large = _inputs(1024, seed=1)
-    before = _Compiles.count
+    before = Compiles.count
     got = f(*large)
     plan = f.plan(*large)
     assert plan.time.origin == "re-sized" and plan.splits and plan.before is None
-    assert _Compiles.count - before == len(plan.attempts)  # the attempts only, no original
+    assert Compiles.count - before == len(plan.attempts)  # the attempts only, no original
     assert plan.after.total <= LIMIT
     assert_like_jit(got, _kernel_sum, *large)
     assert "re-sized" in plan.time.describe()
