@@ -13,10 +13,10 @@ import pytest
 
 import memsafe
 from memsafe._jax import LOOP_BODIES, programs
+from memsafe.context import PassContext
 from memsafe.graph import Graph
 from memsafe.graph.interpret import inline_calls
 from memsafe.passes import split as split_pass
-from memsafe.passes.base import PassContext
 from memsafe.plan import Plan
 from memsafe.split import recompute
 from memsafe.split.emit import StagedSplit

@@ -20,9 +20,9 @@ import jax
 import numpy as np
 
 from memsafe._jax import ClosedJaxpr, make_closed_jaxpr
+from memsafe.context import PassContext
 from memsafe.graph import evaluate
 from memsafe.passes._sched_generators import Candidate, fit
-from memsafe.passes.base import PassContext
 from memsafe.passes.recompute import transform
 from memsafe.plan import PassRecord
 

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 
 from memsafe._jax import ClosedJaxpr, Var, dce, eqn_context, make_closed_jaxpr, source_line
+from memsafe.context import PassContext
 from memsafe.graph import Graph, evaluate, inline_calls
-from memsafe.passes.base import PassContext
 from memsafe.plan import RuleRecord
 from memsafe.rules.cost import savings
 from memsafe.rules.ir import IR

@@ -35,8 +35,8 @@ from memsafe._jax import (
     scan_counts,
     source_line,
 )
+from memsafe.context import PassContext
 from memsafe.graph import Graph, evaluate, inline_calls
-from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
 from memsafe.primitives import FUSIBLE, REDUCTIONS
 

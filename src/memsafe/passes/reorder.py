@@ -32,8 +32,8 @@ from memsafe._jax import (
     nbytes_of_aval,
     source_line,
 )
+from memsafe.context import PassContext
 from memsafe.graph import Graph, evaluate
-from memsafe.passes.base import PassContext
 from memsafe.plan import RuleRecord
 
 

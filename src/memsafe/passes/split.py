@@ -27,11 +27,11 @@ from memsafe._jax import (
     programs,
     source_line,
 )
+from memsafe.context import PassContext
 from memsafe.errors import Blocker
 from memsafe.graph import Graph, estimate
 from memsafe.graph.interpret import evaluate, inline_calls, retrace
 from memsafe.passes import recompute as recompute_pass
-from memsafe.passes.base import PassContext
 from memsafe.plan import SplitRecord
 from memsafe.primitives import FUSIBLE
 from memsafe.split import halo, online, recompute, replay
