@@ -19,8 +19,8 @@ from examples.seed002 import f, f_numpy
 from memsafe._jax import eval_jaxpr
 from memsafe.context import PassContext
 from memsafe.passes import constants
-from memsafe.passes._sched_generators import fit
 from memsafe.plan import Plan
+from memsafe.rewrite.generators import fit
 from memsafe.xla import hidden_constant_bytes, memsafe_jit
 
 

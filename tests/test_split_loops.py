@@ -494,9 +494,9 @@ def test_a_normalized_affinity_is_made_inside_the_loop_from_its_row_sums_read_on
     assert_like_jit(g(x, y), fun, x, y)
 
     from memsafe.graph import Graph
-    from memsafe.passes import recompute
+    from memsafe.rewrite import invariants
 
     graph = Graph(jax.make_jaxpr(fun)(x, y))
     (loop,) = [e for e in graph.eqns if e.primitive.name == "scan"]
-    gen = recompute.generator(graph, loop.invars[0], recompute.UNHELD)
+    gen = invariants.generator(graph, loop.invars[0], invariants.UNHELD)
     assert [v.aval.shape for v in gen.leaves if v.aval.shape == (768,)], gen.leaves

@@ -36,8 +36,7 @@ from memsafe._jax import (
 )
 from memsafe.context import PassContext
 from memsafe.graph import Graph, evaluate
-from memsafe.graph.estimate import materialized_values
-from memsafe.passes._sched_branches import (
+from memsafe.graph.branches import (
     Chain,
     branch_bytes,
     dead_equations,
@@ -45,6 +44,7 @@ from memsafe.passes._sched_branches import (
     find_chains,
     is_heavy,
 )
+from memsafe.graph.estimate import materialized_values
 from memsafe.plan import PassRecord
 
 _SKIPPED = object()  # placeholder for values computed inside the new loop instead

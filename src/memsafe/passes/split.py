@@ -31,9 +31,9 @@ from memsafe.context import PassContext
 from memsafe.errors import Blocker
 from memsafe.graph import Graph, estimate
 from memsafe.graph.interpret import evaluate, inline_calls, retrace
-from memsafe.passes import recompute as recompute_pass
-from memsafe.plan import SplitRecord
+from memsafe.plan import PassRecord, SplitRecord
 from memsafe.primitives import FUSIBLE
+from memsafe.rewrite import invariants
 from memsafe.split import halo, online, recompute, replay
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
 from memsafe.split.region import Region, SplitFailure, grow
@@ -355,22 +355,32 @@ def _invariants_inside(
     ``[batch, heads, L, L]``), so that splitting a body chunks them with the rest; held
     outside, they stay whole beside the split body. Done after the top-level split, which may
     slice them per chunk instead; kept loops stay as they are. Then :func:`_unheld_inside`."""
-    floor = max(recompute_pass.MIN_BYTES, ctx.temp_budget // SHARE)
+    floor = max(invariants.MIN_BYTES, ctx.temp_budget // SHARE)
     skip = lambda e: _is_kept(e, kept)
-    closed = recompute_pass.run(closed, ctx, recompute_pass.Moving(floor, skip=skip))
+    closed = _moved(closed, ctx, invariants.Moving(floor, skip=skip))
     return _unheld_inside(closed, ctx, skip=skip)
 
 
 def _unheld_inside(closed: ClosedJaxpr, ctx: PassContext, **which: Any) -> ClosedJaxpr:
     """``closed`` with the loop invariants larger than all the room for temporaries (those the
-    ``skip``/``takes`` of ``which`` choose, :class:`memsafe.passes.recompute.Moving`) made inside
+    ``skip``/``takes`` of ``which`` choose, :class:`memsafe.rewrite.invariants.Moving`) made inside
     the loops that read them, their reductions and products included (a Sinkhorn loop's cost
     matrix); ``while`` loops too, since XLA hoists nothing out of a split body's chunk loops.
     One the room could hold stays outside: made inside, its computation would have to split
     within the body (fuzz seed 1389 was refused so)."""
-    floor = max(recompute_pass.MIN_BYTES, ctx.room)
-    moving = recompute_pass.Moving(floor, recompute_pass.UNHELD, whiles=True, **which)
-    return recompute_pass.run(closed, ctx, moving)
+    floor = max(invariants.MIN_BYTES, ctx.room)
+    moving = invariants.Moving(floor, invariants.UNHELD, whiles=True, **which)
+    return _moved(closed, ctx, moving)
+
+
+def _moved(closed: ClosedJaxpr, ctx: PassContext, moving: invariants.Moving) -> ClosedJaxpr:
+    """``closed`` with the loop invariants ``moving`` selects made inside the loops that read
+    them, each move recorded in ``ctx`` (as the recompute pass records its own)."""
+    records: list[PassRecord] = []
+    new = invariants.transform(closed, records, moving=moving)
+    for rec in records:
+        ctx.record(rec)
+    return new
 
 
 def _live(graph: Graph, eqn: Any) -> int:
