@@ -37,7 +37,8 @@ from memsafe._jax import (
     nbytes_of_aval,
 )
 from memsafe.context import PassContext
-from memsafe.graph.interpret import evaluate, runs_any, with_bodies
+from memsafe.graph.bodies import runs_any, with_bodies
+from memsafe.graph.interpret import evaluate
 from memsafe.plan import PassRecord
 from memsafe.primitives import CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from memsafe.split import registry

@@ -47,7 +47,8 @@ from memsafe._jax import (
 from memsafe.context import SHARE_OF_BUDGET, PassContext
 from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
-from memsafe.graph.interpret import any_eqn, inline_calls, retrace
+from memsafe.graph.bodies import any_eqn
+from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, format_bytes
 from memsafe.primitives import compares_floats
 

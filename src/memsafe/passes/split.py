@@ -15,14 +15,10 @@ from dataclasses import replace
 from typing import Any
 
 from memsafe._jax import (
-    CALL_PRIMITIVES,
     LOOP_BODIES,
     ClosedJaxpr,
     JaxprEqn,
     Var,
-    bind_eqn_with,
-    call_again,
-    inner_jaxpr,
     nbytes_of_aval,
     programs,
     source_line,
@@ -30,7 +26,8 @@ from memsafe._jax import (
 from memsafe.context import PassContext
 from memsafe.errors import Blocker
 from memsafe.graph import Graph, estimate
-from memsafe.graph.interpret import evaluate, inline_calls, retrace
+from memsafe.graph.bodies import bodies, with_bodies
+from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, SplitRecord
 from memsafe.primitives import FUSIBLE
 from memsafe.rewrite import invariants
@@ -264,22 +261,13 @@ def _held_whole(eqn: JaxprEqn, position: int) -> bool:
     return True
 
 
-def _bodies(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...]:
-    """The programs a loop, cond or call (a chunk body under ``jax.checkpoint``) runs; none
-    for other equations."""
-    if eqn.primitive.name in LOOP_BODIES:
-        return programs(eqn)
-    sub = inner_jaxpr(eqn) if eqn.primitive.name in CALL_PRIMITIVES else None
-    return () if sub is None else (sub,)
-
-
 def _largest_inside(eqn: JaxprEqn) -> int:
     """Bytes of the largest value the programs ``eqn`` runs make (a loop's or cond's: its own
     and those of loops replayed per chunk within them; a call's: those of such loops only). A
     replayed loop makes its term whole in each iteration, wherever it sits: in a chunk loop's
     body, or in its first or last chunk, a call under ``jax.checkpoint``."""
     own = eqn.primitive.name in LOOP_BODIES
-    return max((_largest_made(b.jaxpr, own) for b in _bodies(eqn)), default=0)
+    return max((_largest_made(b.jaxpr, own) for b in bodies(eqn)), default=0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -293,7 +281,7 @@ def _largest_made(jaxpr: Any, own: bool) -> int:
         if eqn.primitive.name in LOOP_BODIES:
             replayed = (b for b in programs(eqn) if replay.made(b))
             largest = max([largest, *(_largest_made(b.jaxpr, True) for b in replayed)])
-        elif sub := _bodies(eqn):  # a chunk body: what its split sized, but for replays
+        elif sub := bodies(eqn):  # a chunk body: what its split sized, but for replays
             largest = max(largest, _largest_made(sub[0].jaxpr, False))
     return largest
 
@@ -312,7 +300,7 @@ def _split_bodies(
     targets = {
         i
         for i, e in enumerate(graph.eqns)
-        if _bodies(e) and _largest_inside(e) > budget // SHARE and not _is_kept(e, kept)
+        if bodies(e) and _largest_inside(e) > budget // SHARE and not _is_kept(e, kept)
     }
     if not targets:
         return closed
@@ -323,15 +311,12 @@ def _split_bodies(
         sub = PassContext(
             ctx.memory_limit, ctx.fixed_bytes + _live(graph, eqn), ctx.plan, ctx.chunk_scale
         )
-        if eqn.primitive.name not in LOOP_BODIES:  # the replayed loops in a call
-            inner = _split_bodies(inline_calls(_bodies(eqn)[0]), kept, sub)
-            _block_all(ctx, sub)
-            return call_again(eqn, invals, lambda *ops: evaluate(inner, list(ops)))
-        split = tuple(run(inline_calls(b), sub) for b in _bodies(eqn))
+        if eqn.primitive.name in LOOP_BODIES:
+            out = with_bodies(eqn, invals, lambda b: run(inline_calls(b), sub))
+        else:  # the replayed loops in a call
+            out = with_bodies(eqn, invals, lambda b: _split_bodies(inline_calls(b), kept, sub))
         _block_all(ctx, sub)
-        key = LOOP_BODIES[eqn.primitive.name]
-        held = split if isinstance(eqn.params[key], tuple) else split[0]
-        return bind_eqn_with(eqn, invals, **{key: held})
+        return out
 
     return retrace(closed, override)
 
@@ -344,7 +329,7 @@ def _block_all(ctx: PassContext, sub: PassContext) -> None:
 
 def _is_kept(eqn: Any, kept: dict[int, ClosedJaxpr]) -> bool:
     """Whether a loop's (cond's, call's) bodies are among ``kept``, not to be touched again."""
-    return any(id(b.jaxpr) in kept for b in _bodies(eqn))
+    return any(id(b.jaxpr) in kept for b in bodies(eqn))
 
 
 def _invariants_inside(
@@ -395,7 +380,7 @@ def _live(graph: Graph, eqn: Any) -> int:
 def _loop_bodies(closed: ClosedJaxpr) -> dict[int, ClosedJaxpr]:
     """Each loop body, cond branch and call body at the top level of ``closed``, by the ``id``
     of its jaxpr (a call's is wrapped anew each time it is asked for)."""
-    return {id(b.jaxpr): b for e in closed.jaxpr.eqns for b in _bodies(e)}
+    return {id(b.jaxpr): b for e in closed.jaxpr.eqns for b in bodies(e)}
 
 
 def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict[int, ClosedJaxpr]]:
