@@ -13,9 +13,9 @@ from jax import lax
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
-from memsafe.passes.split import strategy
 from memsafe.split import halo
 from memsafe.split.emit import emit
+from memsafe.split.planner import strategy
 from memsafe.split.region import SplitFailure, grow
 from memsafe.split.registry import RuleContext
 from memsafe.xla import memsafe_jit

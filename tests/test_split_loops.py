@@ -458,7 +458,7 @@ def test_a_cost_matrix_every_iteration_reads_is_made_inside_the_split_loop(loop)
 def test_only_invariants_no_axis_of_which_passes_the_loop_move_before_the_top_split():
     """An invariant the loop maps along an axis may be sliced per chunk by a split around the
     loop, so it stays for the top level; the cost matrix above passes along no axis."""
-    from memsafe.passes.split import _held_whole
+    from memsafe.split.program import _held_whole
 
     def rows(x, w):
         return lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h * w), x)

@@ -4,7 +4,7 @@
 cheap generators compute (:func:`generator`) and moves their computation into the loop bodies,
 recursively; :class:`Moving` says which constants move. The recompute pass
 (:mod:`memsafe.passes.recompute`) runs it with the defaults, the constants pass on the generators
-it puts in place of constants, and the split pass (:mod:`memsafe.passes.split`) on invariants
+it puts in place of constants, and the split planner (:mod:`memsafe.split.program`) on invariants
 too large to hold beside a split body.
 """
 
