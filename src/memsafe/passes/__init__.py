@@ -1,7 +1,9 @@
 """The rewriting passes and the pipelines that run them, declared here once.
 
 Each pass is a module with ``run(closed, ctx) -> closed`` (:class:`Pass`); its name is the
-module's. ``memsafe.lapack_order`` is applied to every program memsafe compiles.
+module's. No pass imports another: what several share lives outside ``passes/``
+(:mod:`memsafe.rewrite`, :mod:`memsafe.graph`, :mod:`memsafe.split`, :mod:`memsafe.context`).
+``memsafe.lapack_order`` is applied to every program memsafe compiles.
 """
 
 from __future__ import annotations
