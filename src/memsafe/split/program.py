@@ -30,7 +30,7 @@ from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, SplitRecord
 from memsafe.rewrite import invariants
 from memsafe.split import recompute, replay
-from memsafe.split.emit import StagedSplit, emit, tiled_selection, unwrapped
+from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
 from memsafe.split.planner import SHARE, absorbed, best_split, candidates
 from memsafe.split.registry import PLAIN, NoRule, axis_map
 from memsafe.split.size import ChunkPlan, speed_cap
@@ -242,69 +242,81 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
     kept: dict[int, ClosedJaxpr] = {}
     for _ in range(MAX_REGIONS):
         graph = Graph(closed)
-        budget = ctx.temp_budget
-        chosen = None
-        for var in candidates(graph, budget, ctx.memory_limit):
-            if _key(graph, var) in failed:
-                continue
-            got = best_split(graph, var, budget, ctx.mesh, _floor(ctx))
-            if isinstance(got, tuple):
-                chosen = (var, *got, absorbed(graph, got[0].region, var, budget))
-                break
-            failed.add(_key(graph, var))
-            info = graph.info(var)
-            for axis, failure in got:
-                ctx.block(
-                    Blocker(
-                        value=_describe(graph, var),
-                        shape=info.shape,
-                        dtype=str(info.dtype),
-                        bytes=info.bytes,
-                        operation=failure.operation,
-                        reason=f"axis {axis}: {failure.reason}",
-                        where=failure.where,
-                        inherent=failure.inherent,
-                    )
-                )
+        chosen = _chosen(graph, ctx, failed)
         if chosen is None:
             return closed, kept
         var, split, chunk, merged = chosen
-        region = split.region
-        chunk = speed_cap(graph, region, chunk)
+        chunk = speed_cap(graph, split.region, chunk)
         if chunk.floored:
-            ctx.block(_floor_blocker(graph, var, region.seed_axis, chunk))
+            ctx.block(_floor_blocker(graph, var, split.region.seed_axis, chunk))
         new = emit(closed, graph, split, chunk.chunk)
         inner = unwrapped(split)
         if isinstance(inner, StagedSplit) and inner.same:
             old = _loop_bodies(closed)
             kept |= {k: b for k, b in _loop_bodies(new).items() if k not in old}
-        eqns = graph.eqns
-        sinks = sorted({m.kind for m in region.sinks.values()})
-        if any(graph.info(v).is_output for v in region.surviving):
-            sinks.append("output")
-        if split.label is not None:
-            sinks.append(split.label)
-        tiled = tiled_selection(graph, split, chunk.chunk)
-        if tiled is not None:
-            sinks.append(tiled.describe())
-        ctx.record(
-            SplitRecord(
-                value=" + ".join(_describe(graph, v) for v in [var, *merged]),
-                bytes=sum(graph.info(v).bytes for v in [var, *merged]),
-                axis=region.seed_axis,
-                size=region.size,
-                chunk=chunk.chunk if tiled is None else tiled.step,
-                loops=chunk.iterations if tiled is None else tiled.loops,
-                devices=chunk.devices,
-                share=chunk.share,
-                mesh_axes=split.mesh_axes,
-                batch_mesh_axes=getattr(split, "batch_mesh_axes", ()),
-                floored=chunk.floored,
-                ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
-                sinks=tuple(sinks),
-                where=source_line(eqns[graph.info(var).producer]),
-                **recompute.cost(graph, split, chunk.chunk),
-            )
-        )
+        ctx.record(_record(graph, split, chunk, [var, *merged]))
         closed = new
     return closed, kept
+
+
+def _chosen(
+    graph: Graph, ctx: PassContext, failed: set[tuple]
+) -> tuple[Var, Split, ChunkPlan, list[Var]] | None:
+    """The first candidate (:func:`memsafe.split.planner.candidates`) that some axis splits: the
+    value, its split and chunk, and the other too-large values its region computes; None where
+    none is. Candidates no axis splits are blocked in ``ctx`` and added to ``failed`` (by
+    :func:`_key`), not to be tried again."""
+    budget = ctx.temp_budget
+    for var in candidates(graph, budget, ctx.memory_limit):
+        if _key(graph, var) in failed:
+            continue
+        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx))
+        if isinstance(got, tuple):
+            return (var, *got, absorbed(graph, got[0].region, var, budget))
+        failed.add(_key(graph, var))
+        info = graph.info(var)
+        for axis, failure in got:
+            ctx.block(
+                Blocker(
+                    value=_describe(graph, var),
+                    shape=info.shape,
+                    dtype=str(info.dtype),
+                    bytes=info.bytes,
+                    operation=failure.operation,
+                    reason=f"axis {axis}: {failure.reason}",
+                    where=failure.where,
+                    inherent=failure.inherent,
+                )
+            )
+    return None
+
+
+def _record(graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var]) -> SplitRecord:
+    """What the plan says of ``split`` at ``chunk``, splitting ``values`` (the candidate first,
+    then those its region absorbed)."""
+    region, eqns = split.region, graph.eqns
+    sinks = sorted({m.kind for m in region.sinks.values()})
+    if any(graph.info(v).is_output for v in region.surviving):
+        sinks.append("output")
+    if split.label is not None:
+        sinks.append(split.label)
+    tiled = tiled_selection(graph, split, chunk.chunk)
+    if tiled is not None:
+        sinks.append(tiled.describe())
+    return SplitRecord(
+        value=" + ".join(_describe(graph, v) for v in values),
+        bytes=sum(graph.info(v).bytes for v in values),
+        axis=region.seed_axis,
+        size=region.size,
+        chunk=chunk.chunk if tiled is None else tiled.step,
+        loops=chunk.iterations if tiled is None else tiled.loops,
+        devices=chunk.devices,
+        share=chunk.share,
+        mesh_axes=split.mesh_axes,
+        batch_mesh_axes=getattr(split, "batch_mesh_axes", ()),
+        floored=chunk.floored,
+        ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
+        sinks=tuple(sinks),
+        where=source_line(eqns[graph.info(values[0]).producer]),
+        **recompute.cost(graph, split, chunk.chunk),
+    )
