@@ -244,6 +244,51 @@ def _dead_after(graph: Graph, removed_uses: set[tuple[int, int]], keep: set[Var]
     return dead
 
 
+#: A loop's new bodies (by parameter name) and the generators of the constants moving into it
+#: (by operand position).
+LoopPlan = tuple[dict[str, ClosedJaxpr], dict[int, Generator]]
+
+
+def _plan_loop(
+    graph: Graph, eqn: JaxprEqn, records: list[PassRecord], depth: int, moving: Moving
+) -> LoopPlan | None:
+    """The plan of loop ``eqn``: its bodies transformed (their moves recorded first), and the
+    generators of its constants ``moving`` selects, each recorded; None where neither changes."""
+    positions = loop_const_positions(eqn, moving.whiles)
+    bodies = {k: _process_body(b, records, depth, moving) for k, b in _body_jaxprs(eqn).items()}
+    changed = any(bodies[k] is not b for k, b in _body_jaxprs(eqn).items())
+    gens: dict[int, Generator] = {}
+    for pos in positions:
+        var = eqn.invars[pos]
+        if not isinstance(var, Var) or graph.info(var).bytes < moving.min_bytes:
+            continue
+        if not moving.takes(eqn, pos):
+            continue
+        gen = generator(graph, var, moving.ops)
+        if gen is not None:
+            gens[pos] = gen
+    if not (gens or changed):
+        return None
+    records.extend(_record(graph, eqn, gen, depth) for gen in gens.values())
+    return bodies, gens
+
+
+def _record(graph: Graph, eqn: JaxprEqn, gen: Generator, depth: int) -> PassRecord:
+    """What the plan says of ``gen``'s value, recomputed inside loop ``eqn`` at ``depth``."""
+    eqns = graph.eqns
+    prims = sorted({eqns[j].primitive.name for j in gen.eqns})
+    nbytes = graph.info(gen.var).bytes
+    return PassRecord(
+        "recompute",
+        f"recomputed a loop-invariant {gen.var.aval.str_short()} "
+        f"({nbytes} B) inside the {eqn.primitive.name} body instead of holding "
+        f"it for the whole loop ({len(gen.eqns)} ops: {', '.join(prims)})",
+        where=source_line(eqns[gen.eqns[-1]]),
+        bytes_saved=nbytes,
+        data={"loop": eqn.primitive.name, "ops": prims, "depth": depth},
+    )
+
+
 def transform(
     closed: ClosedJaxpr,
     records: list[PassRecord],
@@ -251,44 +296,28 @@ def transform(
     moving: Moving = Moving(),
 ) -> ClosedJaxpr:
     """Move the loop constants ``moving`` selects into loop bodies in ``closed`` and,
-    recursively, its loops."""
+    recursively, its loops.
+
+    Args:
+        closed: the program.
+        records: where each move is recorded (inner loops' first).
+        depth: how many loops ``closed`` runs in (recorded).
+        moving: which constants move.
+
+    Returns:
+        The new program, or ``closed`` itself where nothing moves.
+    """
     graph = Graph(closed)
     eqns = graph.eqns
-    plans: dict[int, tuple[dict[str, ClosedJaxpr], dict[int, Generator]]] = {}
+    plans: dict[int, LoopPlan] = {}
     removed: set[tuple[int, int]] = set()
     for i, eqn in enumerate(eqns):
         if eqn.primitive.name not in ("scan", "while") or moving.skip(eqn):
             continue
-        positions = loop_const_positions(eqn, moving.whiles)
-        bodies = {k: _process_body(b, records, depth, moving) for k, b in _body_jaxprs(eqn).items()}
-        changed = any(bodies[k] is not b for k, b in _body_jaxprs(eqn).items())
-        gens: dict[int, Generator] = {}
-        for pos in positions:
-            var = eqn.invars[pos]
-            if not isinstance(var, Var) or graph.info(var).bytes < moving.min_bytes:
-                continue
-            if not moving.takes(eqn, pos):
-                continue
-            gen = generator(graph, var, moving.ops)
-            if gen is not None:
-                gens[pos] = gen
-        if gens or changed:
-            plans[i] = (bodies, gens)
-            removed |= {(i, pos) for pos in gens}
-            for gen in gens.values():
-                prims = sorted({eqns[j].primitive.name for j in gen.eqns})
-                nbytes = graph.info(gen.var).bytes
-                records.append(
-                    PassRecord(
-                        "recompute",
-                        f"recomputed a loop-invariant {gen.var.aval.str_short()} "
-                        f"({nbytes} B) inside the {eqn.primitive.name} body instead of holding "
-                        f"it for the whole loop ({len(gen.eqns)} ops: {', '.join(prims)})",
-                        where=source_line(eqns[gen.eqns[-1]]),
-                        bytes_saved=nbytes,
-                        data={"loop": eqn.primitive.name, "ops": prims, "depth": depth},
-                    )
-                )
+        plan = _plan_loop(graph, eqn, records, depth, moving)
+        if plan is not None:
+            plans[i] = plan
+            removed |= {(i, pos) for pos in plan[1]}
     if not plans:
         return closed
     leaves = {v for _, gens in plans.values() for g in gens.values() for v in g.leaves}
