@@ -1,5 +1,6 @@
-"""What every pass sees beside the program: the limit, the plan it records into, and the shares
-of the budget the passes agree on. The split planner (:mod:`memsafe.split.program`) reads it too."""
+"""What every pass sees beside the program: the limit, the plan it records into, and the share of
+the budget the remat and roll passes agree on. The split planner (:mod:`memsafe.split.program`)
+reads it too."""
 
 from __future__ import annotations
 
