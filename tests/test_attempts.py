@@ -13,8 +13,7 @@ import numpy as np
 
 import memsafe
 from memsafe import search
-from memsafe.passes import split as split_pass
-from memsafe.split import size
+from memsafe.split import planner, size
 from memsafe.xla import Footprint, memsafe_jit
 from tests.agree import assert_like_jit
 
@@ -37,13 +36,13 @@ def _args():
 
 def _undercounting(monkeypatch, factor: float) -> None:
     """The split pass's size model reads ``factor`` times the estimated peak."""
-    real = split_pass.estimate
+    real = planner.estimate
 
     def estimate(graph):
         got = real(graph)
         return dataclasses.replace(got, peak_bytes=int(got.peak_bytes * factor))
 
-    monkeypatch.setattr(split_pass, "estimate", estimate)
+    monkeypatch.setattr(planner, "estimate", estimate)
 
 
 def test_a_first_attempt_that_changes_nothing_is_followed_by_smaller_budgets(monkeypatch):

@@ -17,10 +17,10 @@ import pytest
 import memsafe
 from examples.seed002 import f, f_numpy
 from memsafe._jax import eval_jaxpr
+from memsafe.context import PassContext
 from memsafe.passes import constants
-from memsafe.passes._sched_generators import fit
-from memsafe.passes.base import PassContext
 from memsafe.plan import Plan
+from memsafe.rewrite.generators import fit
 from memsafe.xla import hidden_constant_bytes, memsafe_jit
 
 

@@ -13,9 +13,9 @@ from jax import lax
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
-from memsafe.passes.split import strategy
 from memsafe.split import sinks
 from memsafe.split.emit import emit
+from memsafe.split.planner import strategy
 from memsafe.split.prims.conv import TAPS
 from memsafe.split.region import grow
 from memsafe.split.registry import PLAIN, Mapping, NoRule, axis_map

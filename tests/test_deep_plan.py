@@ -9,10 +9,10 @@ from jax import lax
 
 from memsafe.flops import eqn_flops, jaxpr_flops
 from memsafe.graph import Graph, inline_calls
-from memsafe.passes.split import strategy
 from memsafe.plan import Plan, SplitRecord
 from memsafe.split import recompute
 from memsafe.split.emit import StagedSplit
+from memsafe.split.planner import strategy
 from memsafe.split.region import grow
 
 

@@ -13,9 +13,9 @@ from jax import lax
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
-from memsafe.passes.split import strategy
 from memsafe.split import halo
 from memsafe.split.emit import emit
+from memsafe.split.planner import strategy
 from memsafe.split.region import SplitFailure, grow
 from memsafe.split.registry import RuleContext
 from memsafe.xla import memsafe_jit
@@ -273,7 +273,7 @@ def test_strided_convolutions_and_their_gradients_share_one_region():
 def test_pad_into_window_keeps_the_average_pooling_gradient(window, stride, padding):
     """The rewrite folds the gradient's pad into its reduce_window_sum: the same values, and no
     pad left in the program."""
-    from memsafe.passes.match_replace import apply_rules
+    from memsafe.rewrite.match import apply_rules
     from memsafe.rules import window as window_rule
 
     def pooled(x):
@@ -292,7 +292,7 @@ def test_pad_into_window_keeps_the_average_pooling_gradient(window, stride, padd
 
 def test_a_pad_with_another_value_stays():
     """Padding a max pooling's operand with zeros is not the pooling's own padding (-inf)."""
-    from memsafe.passes.match_replace import apply_rules
+    from memsafe.rewrite.match import apply_rules
     from memsafe.rules import window as window_rule
 
     def fun(x):

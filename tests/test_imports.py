@@ -95,7 +95,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_graph_is_read():
     graph = _graph()
-    assert "memsafe.rules.pattern" in graph["memsafe.passes.match_replace"]
+    assert "memsafe.rules.pattern" in graph["memsafe.rewrite.match"]
     assert "memsafe.inspect.findings" in graph["memsafe.inspect.report"]
 
 

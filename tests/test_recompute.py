@@ -15,9 +15,9 @@ import pytest
 import memsafe
 from examples.seed002 import f_filter_with_recalc, f_filter_with_temp, get_kmesh
 from memsafe._jax import eval_jaxpr
+from memsafe.context import PassContext
 from memsafe.graph import inline_calls
 from memsafe.passes import recompute
-from memsafe.passes.base import PassContext
 from memsafe.plan import Plan
 from memsafe.xla import memsafe_jit
 

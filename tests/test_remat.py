@@ -12,9 +12,9 @@ from jax import lax
 
 import memsafe
 from memsafe._jax import ClosedJaxpr, jaxpr_as_fun
+from memsafe.context import PassContext
 from memsafe.graph import Graph
 from memsafe.passes import remat
-from memsafe.passes.base import PassContext
 from memsafe.plan import Plan
 from memsafe.xla import Footprint, memsafe_jit
 from tests.agree import assert_like_jit

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import memsafe
 from memsafe.graph import evaluate, inline_calls
-from memsafe.passes.algebraic import rewritten
-from memsafe.passes.reorder import best_order, reorder_chains
+from memsafe.rewrite.algebraic import rewritten
+from memsafe.rewrite.chains import best_order, reorder_chains
 from memsafe.xla import memsafe_jit
 from tests.agree import assert_like_jit
 from tests.budget import examples

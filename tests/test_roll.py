@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 
 import memsafe
 from memsafe._jax import ClosedJaxpr, is_var, jaxpr_as_fun
+from memsafe.context import PassContext
 from memsafe.graph import Graph, inline_calls
 from memsafe.graph.repeats import loops
 from memsafe.passes import remat, roll
-from memsafe.passes.base import PassContext
 from memsafe.plan import Plan
 from memsafe.xla import Footprint, memsafe_jit
 from tests import deep_models as models

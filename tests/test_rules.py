@@ -10,8 +10,8 @@ import pytest
 
 import memsafe
 from memsafe.graph import inline_calls
-from memsafe.passes.algebraic import rewritten
-from memsafe.passes.match_replace import apply_rules
+from memsafe.rewrite.algebraic import rewritten
+from memsafe.rewrite.match import apply_rules
 from memsafe.rules import Rule, register_rule, registered_rules, unregister_rule
 
 

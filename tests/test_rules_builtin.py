@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from memsafe.graph import inline_calls
-from memsafe.passes.algebraic import rewritten
-from memsafe.passes.match_replace import apply_rules
+from memsafe.rewrite.algebraic import rewritten
+from memsafe.rewrite.match import apply_rules
 from memsafe.rules import builtin_rules
 from memsafe.xla import memsafe_jit
 from tests.budget import examples

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from examples import hutchinson as H
-from memsafe.passes.algebraic import rewritten
+from memsafe.rewrite.algebraic import rewritten
 from memsafe.xla import memsafe_jit
 
 

@@ -18,9 +18,9 @@ from jax import lax
 import memsafe
 from examples.seed002 import f_fft_multi, f_fft_multi_barrier, f_fft_multi_for
 from memsafe._jax import eval_jaxpr
+from memsafe.context import PassContext
 from memsafe.graph import inline_calls
 from memsafe.passes import schedule
-from memsafe.passes.base import PassContext
 from memsafe.plan import Plan
 from memsafe.xla import memsafe_jit
 from tests.budget import examples

@@ -289,8 +289,8 @@ def test_naive_knn_splits_on_its_own_without_other_passes():
     """The split pass alone (no pairwise-distance rewrite before it) on the broadcast kNN: its
     compiled footprint fits and its indices are exact."""
     from memsafe.compiling import emit as _emit
+    from memsafe.context import PassContext
     from memsafe.graph import inline_calls
-    from memsafe.passes import PassContext
     from memsafe.passes import split as split_pass
     from memsafe.plan import Plan
     from memsafe.xla import Footprint, memsafe_jit

@@ -13,12 +13,11 @@ import pytest
 
 import memsafe
 from memsafe._jax import LOOP_BODIES, programs
+from memsafe.context import PassContext
 from memsafe.graph import Graph
 from memsafe.graph.interpret import inline_calls
-from memsafe.passes import split as split_pass
-from memsafe.passes.base import PassContext
 from memsafe.plan import Plan
-from memsafe.split import recompute
+from memsafe.split import planner, program, recompute
 from memsafe.split.emit import StagedSplit
 from memsafe.split.region import grow
 from memsafe.xla import memsafe_jit
@@ -50,7 +49,7 @@ def test_a_later_loop_comparing_recomputed_values_computes_them_alike(fun, same)
     graph = Graph(inline_calls(jax.make_jaxpr(fun)(X, Y)))
     seed = next(e.outvars[0] for e in graph.eqns if e.primitive.name == "dot_general")
     region = grow(graph, seed, 1, 1, 10**9)
-    split = split_pass.strategy(graph, region)
+    split = planner.strategy(graph, region)
     assert isinstance(split, StagedSplit) and region.n_stages >= 2
     assert recompute.decides_on_recomputed(graph, region) is same
     assert split.same is same
@@ -60,7 +59,7 @@ def _split_top(fun):
     closed = inline_calls(jax.make_jaxpr(fun)(X, Y))
     budget = 64 << 10
     ctx = PassContext(memory_limit=budget, fixed_bytes=0, plan=Plan(memory_limit=budget))
-    return split_pass._split_top(closed, ctx), ctx
+    return program._split_top(closed, ctx), ctx
 
 
 def test_the_loops_of_such_a_split_are_not_split_again():
@@ -71,7 +70,7 @@ def test_the_loops_of_such_a_split_are_not_split_again():
     loops = [e for e in new.jaxpr.eqns if e.primitive.name in LOOP_BODIES]
     assert loops and all(kept.get(id(b.jaxpr)) is b for e in loops for b in programs(e))
     tiny = PassContext(memory_limit=64, fixed_bytes=0, plan=Plan(memory_limit=64))
-    again = split_pass._split_bodies(new, kept, tiny)
+    again = program._split_bodies(new, kept, tiny)
     assert again is new or [e.params for e in again.jaxpr.eqns] == [
         e.params for e in new.jaxpr.eqns
     ]

@@ -458,7 +458,7 @@ def test_a_cost_matrix_every_iteration_reads_is_made_inside_the_split_loop(loop)
 def test_only_invariants_no_axis_of_which_passes_the_loop_move_before_the_top_split():
     """An invariant the loop maps along an axis may be sliced per chunk by a split around the
     loop, so it stays for the top level; the cost matrix above passes along no axis."""
-    from memsafe.passes.split import _held_whole
+    from memsafe.split.program import _held_whole
 
     def rows(x, w):
         return lax.fori_loop(0, 3, lambda i, h: jnp.tanh(h * w), x)
@@ -494,9 +494,9 @@ def test_a_normalized_affinity_is_made_inside_the_loop_from_its_row_sums_read_on
     assert_like_jit(g(x, y), fun, x, y)
 
     from memsafe.graph import Graph
-    from memsafe.passes import recompute
+    from memsafe.rewrite import invariants
 
     graph = Graph(jax.make_jaxpr(fun)(x, y))
     (loop,) = [e for e in graph.eqns if e.primitive.name == "scan"]
-    gen = recompute.generator(graph, loop.invars[0], recompute.UNHELD)
+    gen = invariants.generator(graph, loop.invars[0], invariants.UNHELD)
     assert [v.aval.shape for v in gen.leaves if v.aval.shape == (768,)], gen.leaves

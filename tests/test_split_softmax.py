@@ -11,10 +11,9 @@ import pytest
 from jax.scipy.special import logsumexp
 
 import memsafe
-import memsafe.passes.split as split_pass
 from memsafe._jax import jaxpr_as_fun
 from memsafe.graph import Graph, inline_calls
-from memsafe.split import online
+from memsafe.split import online, planner
 from memsafe.split.region import grow
 
 
@@ -156,7 +155,7 @@ def test_online_structure_is_detected_on_the_jaxpr(fun, online_ok):
             args.append(jnp.arange(8) * 7)
     graph, region = _region_along(fun, args, axis)
     assert region.n_stages >= 2
-    split = split_pass.strategy(graph, region)
+    split = planner.strategy(graph, region)
     assert isinstance(split, online.OnlineSplit) is online_ok
     assert split.region.n_stages == (1 if online_ok else region.n_stages)
 

@@ -12,8 +12,8 @@ from jax import lax
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
-from memsafe.passes.split import strategy
 from memsafe.split.emit import emit
+from memsafe.split.planner import strategy
 from memsafe.split.region import grow
 from memsafe.xla import memsafe_jit
 

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memsafe
-from memsafe.passes.algebraic import rewritten
+from memsafe.rewrite.algebraic import rewritten
 from memsafe.rules.sqdist import sqdist
 from memsafe.xla import memsafe_jit
 from tests.agree import assert_like_jit

@@ -13,16 +13,11 @@ import jax
 from memsafe import _jax, build, passes
 from memsafe.batching import planning
 from memsafe.compiling import emit
+from memsafe.context import PassContext
 from memsafe.graph import inline_calls
-from memsafe.passes import PassContext
 from memsafe.pipeline import run_pass
 from memsafe.plan import Plan
 from memsafe.program import Program
-
-#: Passes that rewrite expressions into cheaper equivalents whatever the limit. The gradient is
-#: taken of the program they produce (custom derivative rules kept), so the backward program
-#: benefits from them too: differentiating ``|x|^2 + |y|^2 - 2 x y^T`` needs no n*m*d value.
-ALGEBRAIC_PASSES = ("match_replace", "reorder")
 
 
 @dataclass(frozen=True)
@@ -130,8 +125,11 @@ def vjp_of(
 def algebraic_forward(
     fun: Callable[..., Any], avals: Sequence[jax.ShapeDtypeStruct], memory_limit: int
 ) -> tuple[Callable[..., list[Any]], list[Any]]:
-    """``fun`` with the algebraic passes applied and custom derivative rules kept, ready to
-    differentiate; and the records of the rewrites that fired."""
+    """``fun`` with the algebraic passes (``passes.ALGEBRAIC``: rewrites into cheaper equivalents
+    whatever the limit) applied and custom derivative rules kept, ready to differentiate; and the
+    records of the rewrites that fired. The gradient is taken of the program they produce, so
+    the backward program benefits from them too: differentiating ``|x|^2 + |y|^2 - 2 x y^T``
+    needs no n*m*d value."""
     closed, _ = _jax.make_closed_jaxpr(fun, avals)
     program = inline_calls(closed, keep_custom_derivatives=True)
     ctx = PassContext(
@@ -140,7 +138,6 @@ def algebraic_forward(
         plan=Plan(memory_limit),
         keep_custom_derivatives=True,
     )
-    for name, run in passes.named_passes():
-        if name in ALGEBRAIC_PASSES:
-            program = run_pass(name, run, program, ctx, getattr(fun, "__name__", "function"))
+    for name, run in passes.named_passes(passes.ALGEBRAIC):
+        program = run_pass(name, run, program, ctx, getattr(fun, "__name__", "function"))
     return emit(program), ctx.plan.records

@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from memsafe import log
+from memsafe.context import PassContext
 from memsafe.graph import Graph, estimate
-from memsafe.passes import PassContext
 from memsafe.plan import PassRecord
 
 #: A pass: (program, context) -> program.

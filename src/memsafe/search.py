@@ -21,10 +21,10 @@ from memsafe.compiling import (
     tuned,
     with_trial,
 )
+from memsafe.context import PassContext
 from memsafe.errors import MemoryLimitError
 from memsafe.graph import Graph, estimate, inline_calls
 from memsafe.limits import format_bytes
-from memsafe.passes import PassContext
 from memsafe.pipeline import run_passes
 from memsafe.plan import Attempt, Plan, PlanTime
 from memsafe.program import Program
@@ -375,7 +375,8 @@ class Search:
         sharding = None if self.on_mesh is None else self.on_mesh.sharding()
         ctx.mesh = sharding  # records where the sharded loops want the inputs placed
         program = run_passes(passes.named_passes(), self.flat, ctx, self.name, self.time.passes)
-        self.rolled |= any(getattr(r, "pass_name", "") == "roll" for r in attempt_plan.records)
+        retried = {name for name, _ in passes.named_passes(passes.RETRIED_WITHOUT)}
+        self.rolled |= any(getattr(r, "pass_name", "") in retried for r in attempt_plan.records)
         if previous is not None and attempt_plan.records == previous:
             return None
         emitted = emit(program)

@@ -8,7 +8,7 @@ edits jaxpr objects by hand; it says what to compute instead, and JAX builds the
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,18 +17,15 @@ import numpy as np
 
 from memsafe._jax import (
     CUSTOM_DIFF_PRIMITIVES,
-    LOOP_BODIES,
     ClosedJaxpr,
     JaxprEqn,
     Literal,
     bind_eqn,
-    bind_eqn_with,
     cond_branches,
     inner_jaxpr,
     is_tracer,
     make_closed_jaxpr,
     platform_index_value,
-    programs,
 )
 
 #: An override receives (equation index, equation, input values) and returns the output values,
@@ -147,38 +144,6 @@ def retrace(
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
     new, _ = make_closed_jaxpr(lambda *xs: evaluate(closed, xs, override, groups=groups), avals)
     return new
-
-
-def any_eqn(closed: ClosedJaxpr, pred: Callable[[JaxprEqn], bool]) -> bool:
-    """Whether ``closed``, or a loop body or cond branch it runs, has an equation ``pred``
-    holds for."""
-    for eqn in closed.jaxpr.eqns:
-        if pred(eqn):
-            return True
-        if eqn.primitive.name in LOOP_BODIES and any(any_eqn(b, pred) for b in programs(eqn)):
-            return True
-    return False
-
-
-def runs_any(closed: ClosedJaxpr, names: Collection[str]) -> bool:
-    """Whether ``closed``, or a loop body or cond branch it runs, has an equation of a primitive
-    in ``names`` (a pass that rewrites only those can skip the program otherwise)."""
-    return any_eqn(closed, lambda eqn: eqn.primitive.name in names)
-
-
-def with_bodies(
-    eqn: JaxprEqn, invals: list[Any], rewrite: Callable[[ClosedJaxpr], ClosedJaxpr]
-) -> list[Any] | None:
-    """A loop or cond ``eqn`` bound with each program it runs rewritten by ``rewrite`` (which
-    returns a program itself where it changes nothing); None where none changed."""
-    old = programs(eqn)
-    new = tuple(rewrite(b) for b in old)
-    if all(n is o for n, o in zip(new, old)):
-        return None
-    key = LOOP_BODIES[eqn.primitive.name]
-    return bind_eqn_with(
-        eqn, invals, **{key: new if isinstance(eqn.params[key], tuple) else new[0]}
-    )
 
 
 def _resolve_platform(eqn: JaxprEqn, invals: list[Any], override: Override) -> Sequence[Any] | None:

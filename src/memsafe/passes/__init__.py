@@ -1,11 +1,14 @@
-"""The rewriting pipeline, in order: match-and-replace, reorder, unflatten, hoist, distribute,
-roll, remat, fission, split, schedule, recompute, constants. Each pass is a module with
-``run(closed, ctx) -> closed``; its name is the module's. ``memsafe.lapack_order`` is applied
-to every program memsafe compiles."""
+"""The rewriting passes and the pipelines that run them, declared here once.
+
+Each pass is a module with ``run(closed, ctx) -> closed`` (:class:`Pass`); its name is the
+module's. No pass imports another: what several share lives outside ``passes/``
+(:mod:`memsafe.rewrite`, :mod:`memsafe.graph`, :mod:`memsafe.split`, :mod:`memsafe.context`).
+``memsafe.lapack_order`` is applied to every program memsafe compiles.
+"""
 
 from __future__ import annotations
 
-from types import ModuleType
+from collections.abc import Sequence
 
 from memsafe.passes import (
     constants,
@@ -21,10 +24,10 @@ from memsafe.passes import (
     split,
     unflatten,
 )
-from memsafe.passes.base import Pass, PassContext
+from memsafe.passes.base import Pass, Rewrite
 
-#: Pass modules in the order the driver runs them.
-PIPELINE: tuple[ModuleType, ...] = (
+#: The full pipeline: every pass, in the order the driver runs them on a program to fit a limit.
+PIPELINE: tuple[Pass, ...] = (
     match_replace,
     reorder,
     unflatten,
@@ -39,15 +42,41 @@ PIPELINE: tuple[ModuleType, ...] = (
     constants,
 )
 
+#: The algebraic pipeline: the passes that rewrite the algebra alone, whatever the limit (run on
+#: the forward a gradient differentiates, custom derivative rules kept).
+ALGEBRAIC: tuple[Pass, ...] = (match_replace, reorder)
 
-def pass_name(module: ModuleType) -> str:
+#: Passes the driver plans the program without again (``PassContext.roll`` false) where no
+#: attempt with them fits and they rewrote something: a scan they make can stop a split the
+#: program as written allows (a ResNet's batch-norm gradient).
+RETRIED_WITHOUT: tuple[Pass, ...] = (roll,)
+
+
+def pass_name(module: Pass) -> str:
     """The name a pass is recorded and reported under: its module's last component."""
     return module.__name__.rsplit(".", 1)[-1]
 
 
-def named_passes() -> tuple[tuple[str, Pass], ...]:
-    """The passes of :data:`PIPELINE` as (name, run) pairs, in order."""
-    return tuple((pass_name(module), module.run) for module in PIPELINE)
+def named_passes(pipeline: Sequence[Pass] | None = None) -> tuple[tuple[str, Rewrite], ...]:
+    """The passes of a pipeline as (name, run) pairs, in order.
+
+    Args:
+        pipeline: :data:`ALGEBRAIC`, :data:`RETRIED_WITHOUT` or another sequence of passes;
+            :data:`PIPELINE` (as it is when called) by default.
+
+    Returns:
+        Each pass's :func:`pass_name` and ``run``.
+    """
+    chosen = PIPELINE if pipeline is None else pipeline
+    return tuple((pass_name(module), module.run) for module in chosen)
 
 
-__all__ = ["PIPELINE", "Pass", "PassContext", "named_passes", "pass_name"]
+__all__ = [
+    "ALGEBRAIC",
+    "PIPELINE",
+    "RETRIED_WITHOUT",
+    "Pass",
+    "Rewrite",
+    "named_passes",
+    "pass_name",
+]

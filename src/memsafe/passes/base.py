@@ -1,57 +1,34 @@
-"""What every pass sees: the program, the limit, and the plan it records into."""
+"""What a pass is: a module of :mod:`memsafe.passes` with ``run(closed, ctx) -> closed``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from memsafe._jax import ClosedJaxpr
-from memsafe.errors import Blocker
-from memsafe.plan import Plan, Record
+from memsafe.context import PassContext
 
 
-@dataclass
-class PassContext:
-    """Shared state of one run of the pipeline.
+class Pass(Protocol):
+    """A rewriting pass: a module of :mod:`memsafe.passes` (or any object with these two
+    attributes). It is recorded and reported under its name, the last component of
+    ``__name__`` (:func:`memsafe.passes.pass_name`); no pass imports another."""
 
-    ``memory_limit`` is the whole-program limit in bytes; ``fixed_bytes`` what arguments, outputs
-    and constants take regardless of rewriting; ``chunk_scale`` (<= 1) is lowered by the driver when
-    a verified compile still exceeds the limit, so size-choosing passes pick smaller pieces.
-    ``keep_custom_derivatives``: rewrites keep the custom derivative rules their replacements
-    carry (the program is to be differentiated); otherwise only their primal computation is kept.
-    ``mesh``: where set (a :class:`memsafe.mesh.Sharding`), the split pass shards the axis of
-    each top-level region over its devices, and the limit is per device.
-    ``roll``: whether the roll pass may turn repeated blocks into scans (the driver plans the
-    program as written again, without, when no rolled attempt fits).
-    """
+    __name__: str
 
-    memory_limit: int
-    fixed_bytes: int
-    plan: Plan
-    chunk_scale: float = 1.0
-    keep_custom_derivatives: bool = False
-    mesh: Any = None
-    roll: bool = True
-    blockers: list[Blocker] = field(default_factory=list)
+    def run(self, closed: ClosedJaxpr, ctx: PassContext, /) -> ClosedJaxpr:
+        """``closed`` rewritten into an equivalent program (or ``closed`` itself).
 
-    @property
-    def temp_budget(self) -> int:
-        """Bytes left for temporaries once arguments, outputs and constants are placed."""
-        return int(self.room * self.chunk_scale)
+        Args:
+            closed: the program, calls inlined.
+            ctx: the limit and budget; the pass records what it did with ``ctx.record`` and
+                what stopped it with ``ctx.block``.
 
-    @property
-    def room(self) -> int:
-        """Bytes left for temporaries, not scaled by ``chunk_scale``: what fits at all."""
-        return max(0, self.memory_limit - self.fixed_bytes)
-
-    def record(self, rec: Record) -> None:
-        self.plan.records.append(rec)
-
-    def block(self, blocker: Blocker) -> None:
-        if blocker not in self.blockers:
-            self.blockers.append(blocker)
+        Returns:
+            The rewritten program; a pass that cannot handle a program raises.
+        """
+        ...
 
 
-#: A pass rewrites a program; it may record into ``ctx.plan`` and report blockers.
-Pass = Callable[[ClosedJaxpr, PassContext], ClosedJaxpr]
+#: A pass's ``run``: the program and the context to the rewritten program.
+Rewrite = Callable[[ClosedJaxpr, PassContext], ClosedJaxpr]

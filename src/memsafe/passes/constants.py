@@ -6,10 +6,10 @@ constants are passed to the executable as hidden arguments that ``memory_analysi
 array held; and it compiled about 10x slower than the jnp version); older versions folded them into
 the executable (``generated_code_size``). The driver counts them against the limit
 (``xla.hidden_constant_bytes``); this pass removes the ones that are cheap to recompute: each
-constant is fitted to a small family of iota-based generators (``_sched_generators``), verified
-against the whole array (exact for integers, rtol 1e-6 for floats), and replaced by the generator,
-which XLA fuses into the constant's consumers. Regenerated constants used inside loops are then
-moved into the loop bodies (``recompute.transform``).
+constant is fitted to a small family of iota-based generators (:mod:`memsafe.rewrite.generators`),
+verified against the whole array (exact for integers, rtol 1e-6 for floats), and replaced by the
+generator, which XLA fuses into the constant's consumers. Regenerated constants used inside loops
+are then moved into the loop bodies (:func:`memsafe.rewrite.invariants.transform`).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import jax
 import numpy as np
 
 from memsafe._jax import ClosedJaxpr, make_closed_jaxpr
+from memsafe.context import PassContext
 from memsafe.graph import evaluate
-from memsafe.passes._sched_generators import Candidate, fit
-from memsafe.passes.base import PassContext
-from memsafe.passes.recompute import transform
 from memsafe.plan import PassRecord
+from memsafe.rewrite.generators import Candidate, fit
+from memsafe.rewrite.invariants import transform
 
 #: Constants smaller than this are left as they are (not worth a fit).
 MIN_BYTES = 4096

@@ -32,8 +32,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import ClosedJaxpr, JaxprEqn, Var, dce, inner_jaxpr, nbytes_of_aval
+from memsafe.context import PassContext
 from memsafe.graph.interpret import inline_calls, retrace
-from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
 from memsafe.split import registry
 from memsafe.split.registry import Mapping, NoRule

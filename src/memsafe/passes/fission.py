@@ -29,8 +29,8 @@ from memsafe._jax import (
     scan_layout,
     with_outputs,
 )
+from memsafe.context import PassContext
 from memsafe.graph.interpret import retrace
-from memsafe.passes.base import PassContext
 from memsafe.plan import PassRecord
 
 

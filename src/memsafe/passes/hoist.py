@@ -36,8 +36,9 @@ from memsafe._jax import (
     make_closed_jaxpr,
     nbytes_of_aval,
 )
-from memsafe.graph.interpret import evaluate, runs_any, with_bodies
-from memsafe.passes.base import PassContext
+from memsafe.context import PassContext
+from memsafe.graph.bodies import runs_any, with_bodies
+from memsafe.graph.interpret import evaluate
 from memsafe.plan import PassRecord
 from memsafe.primitives import CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from memsafe.split import registry

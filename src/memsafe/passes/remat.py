@@ -44,15 +44,13 @@ from memsafe._jax import (
     with_outputs,
     with_results,
 )
+from memsafe.context import SHARE_OF_BUDGET, PassContext
 from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
-from memsafe.graph.interpret import any_eqn, inline_calls, retrace
-from memsafe.passes.base import PassContext
+from memsafe.graph.bodies import any_eqn
+from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, format_bytes
 from memsafe.primitives import compares_floats
-
-#: Residuals are recomputed when they take more than this share of the temporaries' budget.
-SHARE_OF_BUDGET = 0.5
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,11 @@ import jax
 import jax.numpy as jnp
 
 from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
+from memsafe.context import SHARE_OF_BUDGET, PassContext
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, retrace
 from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops, signature
 from memsafe.log import logger
-from memsafe.passes.base import PassContext
-from memsafe.passes.remat import SHARE_OF_BUDGET
 from memsafe.plan import PassRecord, format_bytes
 
 

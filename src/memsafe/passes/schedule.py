@@ -34,9 +34,9 @@ from memsafe._jax import (
     make_closed_jaxpr,
     source_line,
 )
+from memsafe.context import PassContext
 from memsafe.graph import Graph, evaluate
-from memsafe.graph.estimate import materialized_values
-from memsafe.passes._sched_branches import (
+from memsafe.graph.branches import (
     Chain,
     branch_bytes,
     dead_equations,
@@ -44,7 +44,7 @@ from memsafe.passes._sched_branches import (
     find_chains,
     is_heavy,
 )
-from memsafe.passes.base import PassContext
+from memsafe.graph.estimate import materialized_values
 from memsafe.plan import PassRecord
 
 _SKIPPED = object()  # placeholder for values computed inside the new loop instead

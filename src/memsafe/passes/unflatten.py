@@ -27,8 +27,9 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import LOOP_BODIES, ClosedJaxpr, JaxprEqn, Var, bind_eqn, bind_eqn_with, dce
-from memsafe.graph.interpret import retrace, runs_any, with_bodies
-from memsafe.passes.base import PassContext
+from memsafe.context import PassContext
+from memsafe.graph.bodies import runs_any, with_bodies
+from memsafe.graph.interpret import retrace
 from memsafe.plan import PassRecord
 from memsafe.primitives import ELEMENTWISE
 

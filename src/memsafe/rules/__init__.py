@@ -1,7 +1,7 @@
 """Match-and-replace rules: a pattern and its replacement, both plain JAX functions.
 
 ``Rule`` defines one, ``register_rule`` adds it to every ``memsafe.jit``;
-``memsafe.passes.algebraic.rewritten(f)`` returns ``f`` with the rules (and reordering) applied.
+``memsafe.rewrite.algebraic.rewritten(f)`` returns ``f`` with the rules (and reordering) applied.
 """
 
 from memsafe.rules.pattern import Match, Rule

@@ -1,5 +1,8 @@
 """Splitting large intermediates into sequential chunks (the pass is memsafe.passes.split).
 
+- ``planner``: which values to split, along which axis, with which strategy and chunk.
+- ``program``: the planner run over a whole program, its top level and then its loop bodies.
+
 - ``registry``: the split rule of each primitive (how the axis maps, how it is re-bound), with
   the rules themselves in ``prims/``, one module per family of primitives.
 - ``sinks``: reducers, the objects that combine a sink's results across chunks (and devices).

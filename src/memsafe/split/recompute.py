@@ -22,7 +22,7 @@ from typing import Any
 from memsafe._jax import LOOP_BODIES, is_var, programs
 from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
-from memsafe.graph.interpret import any_eqn
+from memsafe.graph.bodies import any_eqn
 from memsafe.primitives import compares_floats
 from memsafe.split.emit import StagedSplit, plan_loops, unwrapped
 from memsafe.split.region import Region

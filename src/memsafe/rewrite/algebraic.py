@@ -11,9 +11,9 @@ import jax
 
 from memsafe import _jax
 from memsafe.graph import inline_calls
-from memsafe.passes.match_replace import apply_rules
-from memsafe.passes.reorder import reorder_chains
 from memsafe.plan import Plan, RuleRecord
+from memsafe.rewrite.chains import reorder_chains
+from memsafe.rewrite.match import apply_rules
 from memsafe.rules.pattern import Rule
 from memsafe.rules.registry import active_rules, builtin_rewrites
 

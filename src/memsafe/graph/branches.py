@@ -2,7 +2,8 @@
 
 XLA may run such branches side by side and keep every branch's result alive until a final fused
 combination (seed 002's f_fft_multi: temps grew linearly with the number of FFT chains). This module
-only analyses the top-level jaxpr; ``memsafe.passes.schedule`` rewrites what it finds.
+only analyses the top-level jaxpr; the schedule pass (``memsafe.passes.schedule``) rewrites what it
+finds.
 
 A *chain* is ``e_1 = op_1(a_0, t_1); e_2 = op_2(e_1, t_2); ...; e_m = op_m(e_{m-1}, t_m)`` where
 every ``e_j`` (j < m) is used only by ``e_{j+1}`` and has the shape and dtype of ``e_m`` (operand

@@ -1,0 +1,57 @@
+"""What every pass sees beside the program: the limit, the plan it records into, and the share of
+the budget the remat and roll passes agree on. The split planner (:mod:`memsafe.split.program`)
+reads it too."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from memsafe.errors import Blocker
+from memsafe.plan import Plan, Record
+
+#: Residuals are worth recomputing (the remat pass), and repeated blocks worth rolling into scans
+#: (the roll pass), when they take more than this share of the temporaries' budget.
+SHARE_OF_BUDGET = 0.5
+
+
+@dataclass
+class PassContext:
+    """Shared state of one run of the pipeline.
+
+    ``memory_limit`` is the whole-program limit in bytes; ``fixed_bytes`` what arguments, outputs
+    and constants take regardless of rewriting; ``chunk_scale`` (<= 1) is lowered by the driver when
+    a verified compile still exceeds the limit, so size-choosing passes pick smaller pieces.
+    ``keep_custom_derivatives``: rewrites keep the custom derivative rules their replacements
+    carry (the program is to be differentiated); otherwise only their primal computation is kept.
+    ``mesh``: where set (a :class:`memsafe.mesh.Sharding`), the split pass shards the axis of
+    each top-level region over its devices, and the limit is per device.
+    ``roll``: whether the roll pass may turn repeated blocks into scans (the driver plans the
+    program as written again, without, when no rolled attempt fits).
+    """
+
+    memory_limit: int
+    fixed_bytes: int
+    plan: Plan
+    chunk_scale: float = 1.0
+    keep_custom_derivatives: bool = False
+    mesh: Any = None
+    roll: bool = True
+    blockers: list[Blocker] = field(default_factory=list)
+
+    @property
+    def temp_budget(self) -> int:
+        """Bytes left for temporaries once arguments, outputs and constants are placed."""
+        return int(self.room * self.chunk_scale)
+
+    @property
+    def room(self) -> int:
+        """Bytes left for temporaries, not scaled by ``chunk_scale``: what fits at all."""
+        return max(0, self.memory_limit - self.fixed_bytes)
+
+    def record(self, rec: Record) -> None:
+        self.plan.records.append(rec)
+
+    def block(self, blocker: Blocker) -> None:
+        if blocker not in self.blockers:
+            self.blockers.append(blocker)

@@ -1,0 +1,184 @@
+"""The split planner: which values to split, along which axis, and how.
+
+For each intermediate larger than a share of the temporary budget (:func:`candidates`, largest
+first), every axis is tried: the region that axis allows is grown (:mod:`memsafe.split.region`),
+it is planned (:func:`strategy`: one online loop for staged max-shifted exp-sums,
+:mod:`memsafe.split.online`, else one loop per stage), its chunk chosen from the budget
+(:mod:`memsafe.split.size`), and the option with the fewest loop iterations wins
+(:func:`cheapest_split`). :mod:`memsafe.split.program` runs this over a whole program and its
+loop bodies; the split pass (:mod:`memsafe.passes.split`) runs that.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from memsafe._jax import Var
+from memsafe.graph import Graph, estimate
+from memsafe.primitives import FUSIBLE
+from memsafe.split import halo, online, recompute, replay
+from memsafe.split.emit import Split, StagedSplit
+from memsafe.split.region import Region, SplitFailure, grow
+from memsafe.split.registry import PLAIN, RuleContext
+from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, two_chunks
+
+#: A value is split when it exceeds this share of the temporary budget.
+SHARE = 4
+#: Where no value exceeds budget / SHARE, values over budget / MANY_SHARE are split.
+MANY_SHARE = 16
+#: Values up to budget / SMALL may stay whole outside a region.
+SMALL = 8
+#: Axes whose loop counts are within this factor of the fewest count as equally cheap; among
+#: them a plain split beats an online-softmax one, then the thickest slab wins. A 67-row slab of
+#: a 10k x 1M kNN ran 1.7x slower than a 6,850-column one with nearly the same loop count (150
+#: vs 146): a thin side starves the GEMM and multiplies per-row calls.
+SIMILAR_COST = 1.25
+
+
+def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]:
+    """Intermediates over ``budget / SHARE`` bytes, largest first. Where none is, but the
+    program is still estimated over ``limit`` (many moderate values alive at once, as in a deep
+    network's backward pass), those over ``budget / MANY_SHARE``."""
+    values = [
+        vi
+        for vi in graph.values()
+        if vi.producer is not None and not vi.is_output and vi.consumers  # dead: XLA drops it
+    ]
+    out = [vi for vi in values if vi.bytes > budget // SHARE]
+    if not out and limit is not None and estimate(graph).peak_bytes > limit:
+        out = [vi for vi in values if vi.bytes > budget // MANY_SHARE]
+    out.sort(key=lambda vi: (-vi.bytes, vi.producer))
+    return [vi.var for vi in out]
+
+
+def strategy(graph: Graph, region: Region) -> Split:
+    """How ``region`` runs: staged max-shifted exp-sums as one online loop where that applies,
+    else one loop per stage (computing the values its later loops recompute and compare the
+    same way in every loop, :mod:`memsafe.split.recompute`)."""
+    if not region.windowed:  # extended chunks run as plain staged loops (memsafe.split.halo)
+        try:
+            return online.plan(graph, region)
+        except online.NotOnline:
+            pass
+    if not recompute.decides_on_recomputed(graph, region):
+        return StagedSplit(region)
+    return StagedSplit(region, same=True, pinned=recompute.pinned(graph, region))
+
+
+def _option(
+    graph: Graph,
+    var: Var,
+    axis: int,
+    budget: int,
+    mesh: Any = None,
+    floor: int = 0,
+    ctx: RuleContext = PLAIN,
+) -> tuple[Split, ChunkPlan]:
+    """The split of ``var`` along ``axis`` (sharded over ``mesh``'s devices where given) and
+    its chunk (``floor``: see :func:`smallest_chunk`); raises SplitFailure. Where the program
+    has windowed operations, the region on extended chunks comes first (:func:`_region`)."""
+    region = _region(graph, var, axis, budget, ctx, windowed=mesh is None)
+    split = strategy(graph, region)
+    if mesh is not None:
+        split = mesh.shard(graph, split)
+    chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split, floor)
+    if chunk.loops * chunk.devices < 2:
+        chunk = two_chunks(graph, split, chunk)
+        if chunk is None:
+            raise SplitFailure("the axis is too short to split", inherent=True)
+    return split, chunk
+
+
+def _region(
+    graph: Graph, var: Var, axis: int, budget: int, ctx: RuleContext, windowed: bool
+) -> Region:
+    """The region splitting ``var`` along ``axis``. Where ``windowed`` and the program has
+    windowed operations (convolutions), first the region on extended chunks
+    (:mod:`memsafe.split.halo`), which runs several of them in a row in one loop; the plain
+    region where that fails or needs no extension."""
+    small, large = max(1, budget // SMALL), max(1, budget // 2)
+    if windowed and any(e.primitive.name in halo.WINDOWED for e in graph.eqns):
+        try:
+            region = grow(graph, var, axis, small, large, replace(ctx, extended=True))
+        except SplitFailure:
+            region = None
+        if region is not None and region.windowed:
+            return region
+    return grow(graph, var, axis, small, large, ctx)
+
+
+def best_split(
+    graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0
+) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
+    """:func:`cheapest_split`; where no axis splits, the same with loops replayed per chunk of
+    an accumulator (:mod:`memsafe.split.replay`: their work once per chunk), and the first
+    failures where that finds none either."""
+    got = cheapest_split(graph, var, budget, mesh, floor)
+    if not isinstance(got, list) or not any(
+        e.primitive.name in replay.REPLAYABLE for e in graph.eqns
+    ):
+        return got
+    replaying = RuleContext(replaying=True)
+    replayed = cheapest_split(graph, var, budget, mesh, floor, replaying)
+    return got if isinstance(replayed, list) else replayed
+
+
+def cheapest_split(
+    graph: Graph,
+    var: Var,
+    budget: int,
+    mesh: Any = None,
+    floor: int = 0,
+    ctx: RuleContext = PLAIN,
+) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
+    """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
+    before the fallbacks: the smallest chunks of axes where none does, two chunks of axes it
+    expects to fit whole), or why each axis failed. Among smallest chunks, those whose own
+    bytes fit the budget come first: what the model holds beside them may be alive anyway,
+    while a chunk over the budget by itself cannot fit (a transformer block's backward at
+    L=8192: one head's scores, 813 MiB, against a query chunk's 0.4 MiB)."""
+    options: list[tuple[Split, ChunkPlan]] = []
+    failures: list[tuple[int, SplitFailure]] = []
+    for axis, n in enumerate(graph.info(var).shape):
+        if n < 2:
+            continue
+        try:
+            options.append(_option(graph, var, axis, budget, mesh, floor, ctx))
+        except SplitFailure as failure:
+            failures.append((axis, failure))
+    if not options:
+        return failures
+    options = (
+        [o for o in options if not (o[1].floored or o[1].halved)]
+        or [o for o in options if o[1].per_unit * o[1].chunk <= budget]
+        or options
+    )
+    fewest = min(_cost(*o) for o in options)
+    close = [o for o in options if _cost(*o) <= SIMILAR_COST * fewest]
+    return min(
+        close,
+        key=lambda o: (
+            not isinstance(o[0], StagedSplit),
+            -o[1].chunk,
+            _cost(*o),
+            o[0].region.seed_axis,
+        ),
+    )
+
+
+def _cost(split: Split, chunk: ChunkPlan) -> float:
+    """Loop iterations, weighted by the strategy (an online loop rescales its accumulators)."""
+    return chunk.iterations * split.cost_weight
+
+
+def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
+    """Other too-large values the region computes chunk by chunk (work shared with ``var``'s loop:
+    values reading the same sliced inputs join it by forward propagation)."""
+    return [
+        v
+        for v in candidates(graph, budget)
+        if v is not var
+        and v in region.produced
+        and graph.eqns[graph.info(v).producer].primitive.name not in FUSIBLE
+    ]
