@@ -2,7 +2,7 @@
 
 from memsafe.graph.estimate import Estimate, estimate, materialized_values
 from memsafe.graph.graph import Graph, ValueInfo
-from memsafe.graph.interpret import evaluate, inline_calls, retrace
+from memsafe.graph.interpret import evaluate, evaluate_eqns, inline_calls, retrace
 
 __all__ = [
     "Estimate",
@@ -10,6 +10,7 @@ __all__ = [
     "ValueInfo",
     "estimate",
     "evaluate",
+    "evaluate_eqns",
     "inline_calls",
     "materialized_values",
     "retrace",

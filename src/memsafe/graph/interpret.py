@@ -8,7 +8,7 @@ edits jaxpr objects by hand; it says what to compute instead, and JAX builds the
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,32 @@ def evaluate(
         for var, val in zip(eqn.outvars, outs):
             env[var] = val
     return [read(a) for a in jaxpr.outvars]
+
+
+def evaluate_eqns(
+    eqns: Sequence[JaxprEqn], order: Iterable[int], env: dict[Any, Any]
+) -> dict[Any, Any]:
+    """Evaluate the equations ``eqns[i]`` for ``i`` in ``order`` (a cone of a program: what a
+    value needs), reading their operands from ``env`` (literals by value) and writing their
+    results into it.
+
+    Args:
+        eqns: a program's equations.
+        order: the indices to evaluate, each after those it reads.
+        env: values by variable: those the equations read from outside ``order``; updated in
+            place.
+
+    Returns:
+        ``env``.
+    """
+
+    def read(atom: Any) -> Any:
+        return atom.val if isinstance(atom, Literal) else env[atom]
+
+    for i in order:
+        eqn = eqns[i]
+        env.update(zip(eqn.outvars, bind_eqn(eqn, [read(a) for a in eqn.invars])))
+    return env
 
 
 def _order(eqns: Sequence[JaxprEqn], groups: Sequence[Group]) -> list[int | Group]:

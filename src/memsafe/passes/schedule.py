@@ -35,7 +35,7 @@ from memsafe._jax import (
     source_line,
 )
 from memsafe.context import PassContext
-from memsafe.graph import Graph, evaluate
+from memsafe.graph import Graph, evaluate, evaluate_eqns
 from memsafe.graph.branches import (
     Chain,
     branch_bytes,
@@ -128,16 +128,8 @@ def _branch_fn(eqns: Sequence[JaxprEqn], slot: _Slot, reads: Sequence[Var], aval
     order = sorted(slot.cone)
 
     def branch(acc: Any, operands: Sequence[Any]) -> Any:
-        env: dict[Any, Any] = dict(zip(reads, operands))
-
-        def read(a: Any) -> Any:
-            return a.val if isinstance(a, Literal) else env[a]
-
-        for i in order:
-            eqn = eqns[i]
-            for var, val in zip(eqn.outvars, bind_eqn(eqn, [read(a) for a in eqn.invars])):
-                env[var] = val
-        term = read(slot.term)
+        env = evaluate_eqns(eqns, order, dict(zip(reads, operands)))
+        term = slot.term.val if isinstance(slot.term, Literal) else env[slot.term]
         if slot.step is None:
             out = term
         else:

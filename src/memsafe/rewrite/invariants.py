@@ -24,12 +24,11 @@ from memsafe._jax import (
     JaxprEqn,
     Literal,
     Var,
-    bind_eqn,
     make_closed_jaxpr,
     scan_counts,
     source_line,
 )
-from memsafe.graph import Graph, evaluate, inline_calls
+from memsafe.graph import Graph, evaluate, evaluate_eqns, inline_calls
 from memsafe.plan import PassRecord
 from memsafe.primitives import FUSIBLE, REDUCTIONS
 
@@ -152,16 +151,7 @@ def generator(graph: Graph, var: Any, ops: frozenset[str] = IN_LOOP) -> Generato
 
 
 def _regenerate(eqns: Sequence[JaxprEqn], gen: Generator, leaf_vals: Sequence[Any]) -> Any:
-    env: dict[Any, Any] = dict(zip(gen.leaves, leaf_vals))
-
-    def read(a: Any) -> Any:
-        return a.val if isinstance(a, Literal) else env[a]
-
-    for i in gen.eqns:
-        eqn = eqns[i]
-        for var, val in zip(eqn.outvars, bind_eqn(eqn, [read(a) for a in eqn.invars])):
-            env[var] = val
-    return env[gen.var]
+    return evaluate_eqns(eqns, gen.eqns, dict(zip(gen.leaves, leaf_vals)))[gen.var]
 
 
 def _body_jaxprs(eqn: JaxprEqn) -> dict[str, ClosedJaxpr]:
