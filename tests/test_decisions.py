@@ -35,6 +35,12 @@ def _chain(kind: str, h: jax.Array, u: jax.Array) -> jax.Array:
     if kind == "bfloat16":  # ``u`` arrives in bfloat16 (exactly widened), then inexact scaling
         m = h * u
         return (m + h) / 0.3 * jax.nn.sigmoid(jnp.sum(h, -1, keepdims=True) * 0.7)
+    if kind == "scan":  # a loop over layers, run again on each chunk in each stage
+        layer = lambda m, s: (jnp.tanh(m * s) / 0.9 * 1.1, None)
+        return lax.scan(layer, h * u, jnp.linspace(0.5, 1.5, 3))[0]
+    if kind == "checkpoint":  # a rematerialized chain: the backward recomputes it
+        chain = lambda h, u: h * (u >= 0.1).astype(h.dtype) / 0.9 * jnp.exp(u) * 1.1
+        return jax.checkpoint(chain)(h, u)
     raise ValueError(kind)
 
 
@@ -104,6 +110,10 @@ CASES = [
     ("dropout", "argmax"),
     ("products", "clamp"),
     ("dropout", "where"),
+    ("scan", "segment_max"),
+    ("scan", "argmax"),
+    ("checkpoint", "segment_max"),
+    ("checkpoint", "top_k"),
 ]
 
 
