@@ -356,8 +356,18 @@ LAPACK = Names(lambda f: f.lapack)
 #: Discrete decisions on their operands' values (comparisons, argmax, sort orders).
 DECIDES = Names(lambda f: f.decides)
 
-_DERIVED = (ELEMENTWISE, FUSIBLE, CHEAP, COMMUTATIVE, FOLDS, REDUCTIONS, CUMULATIVE, LAPACK)
-_DERIVED += (DECIDES,)
+#: Every set derived from the table (:func:`declare` keeps each true).
+DERIVED = {
+    "ELEMENTWISE": ELEMENTWISE,
+    "FUSIBLE": FUSIBLE,
+    "CHEAP": CHEAP,
+    "COMMUTATIVE": COMMUTATIVE,
+    "FOLDS": FOLDS,
+    "REDUCTIONS": REDUCTIONS,
+    "CUMULATIVE": CUMULATIVE,
+    "LAPACK": LAPACK,
+    "DECIDES": DECIDES,
+}
 
 
 def declare(name: str, row: Facts | None) -> Facts | None:
@@ -380,7 +390,7 @@ def declare(name: str, row: Facts | None) -> Facts | None:
     before = TABLE.pop(name, None)
     if row is not None:
         TABLE[name] = row
-    for names in _DERIVED:
+    for names in DERIVED.values():
         names._follow(name, row)
     return before
 
