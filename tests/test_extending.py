@@ -3,12 +3,15 @@ used as a library outside memsafe would use them: toy primitives defined with JA
 (``jax.extend.core.Primitive``), described and registered through those points only, each planned
 under a limit that forces a split through it, with jax.jit's answers.
 
-Each fixture removes what it registered, so no other test sees the toys.
+Each fixture removes what it registered, so no other test sees the toys. Every line of code the
+guide shows is one of this module's (the last test).
 """
 
 from __future__ import annotations
 
+import re
 import types
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -155,7 +158,7 @@ class ArgMaxAbs(Reducer):
     """``toy_argmaxabs`` over chunks: each chunk's best |x| and its global index; a later chunk
     wins only with a strictly larger value (ties keep the earlier), or with the first NaN."""
 
-    name = "argmaxabs"
+    name = "argmaxabs"  # shown in plans
 
     def partial(self, eqn, invals, axis, start, size):
         idx = eqn.primitive.bind(*invals, **eqn.params)
@@ -243,10 +246,23 @@ DROP_TIMES_ONE = types.SimpleNamespace(__name__="drop_times_one", run=_drop_time
 
 @pytest.fixture
 def drop_times_one(monkeypatch):
-    monkeypatch.setattr(passes, "PIPELINE", passes.inserted(DROP_TIMES_ONE, before="split"))
+    monkeypatch.setattr(passes, "PIPELINE", passes.PIPELINE)  # restored after the test
+    passes.PIPELINE = passes.inserted(DROP_TIMES_ONE, before="split")
 
 
 def test_a_pass_joins_the_pipeline(drop_times_one):
     plan = _planned(lambda x, y: jnp.exp(_scores(x, y) * 1.0).sum(1), *_data())
     assert [r.pass_name for r in plan.passes].count("drop_times_one") == 1, plan
     assert "mul" not in _ops(plan), plan
+
+
+# -- the guide ------------------------------------------------------------------------------
+
+
+def test_the_contributing_guide_shows_what_this_module_does():
+    guide = (Path(__file__).resolve().parent.parent / "docs" / "contributing.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, flags=re.S)
+    assert len(blocks) >= 5
+    own = {line.strip() for line in Path(__file__).read_text().splitlines()}
+    shown = [line.strip() for block in blocks for line in block.splitlines()]
+    assert [line for line in shown if line and "..." not in line and line not in own] == []
