@@ -1,15 +1,19 @@
 """Facts about JAX primitives, in one table.
 
 Every pass that asks "is this primitive elementwise / fused by XLA / cheap to recompute / a
-reduction?" reads the sets derived here, so adding a primitive is one line in :data:`TABLE`.
-Per-primitive *behaviour* (how a split axis maps through it, how it is re-bound at chunk shape)
-lives in registries next to the code that uses it (``memsafe.split.rules``); this module holds
-only what is true of the primitive itself.
+reduction?" reads the sets derived here, so adding a primitive is one line in :data:`TABLE`; a
+primitive defined outside memsafe (a library's own ``jax.extend.core.Primitive``) is declared at
+run time with :func:`declare`, and every derived set follows. Per-primitive *behaviour* (how a
+split axis maps through it, how it is re-bound at chunk shape) lives in the split registry
+(``memsafe.split.registry``, rules in ``memsafe.split.prims``), which finds the rule of an
+elementwise primitive or a reduction by its row here; this module holds only what is true of the
+primitive itself.
 """
 
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Iterable, Iterator, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -268,28 +272,127 @@ def facts(name: str) -> Facts:
     return TABLE.get(name, _UNKNOWN)
 
 
-def _names(pred) -> frozenset[str]:  # type: ignore[no-untyped-def]
-    return frozenset(n for n, f in TABLE.items() if pred(f))
+class Names(Set[str]):
+    """The names of the primitives whose facts satisfy a predicate: a read-only set that follows
+    :data:`TABLE` as :func:`declare` changes it.
+
+    A union with another set (``ELEMENTWISE | {"dot_general"}``) follows too. Compared and hashed
+    by identity, as a view that changes is.
+    """
+
+    def __init__(self, pred: Callable[[Facts], bool]) -> None:
+        self._pred = pred
+        self._names = {n for n, f in TABLE.items() if pred(f)}
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(self._names))
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+    def __or__(self, other: Iterable[Any]) -> Names:  # type: ignore[override]
+        return _Union(self, other)
+
+    __ror__ = __or__
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    @classmethod
+    def _from_iterable(cls, it: Iterable[Any]) -> frozenset[Any]:  # ``&`` and ``-``: a snapshot
+        return frozenset(it)
+
+    def _follow(self, name: str, row: Facts | None) -> None:
+        if row is not None and self._pred(row):
+            self._names.add(name)
+        else:
+            self._names.discard(name)
+
+    def __repr__(self) -> str:
+        return f"Names({sorted(self._names)})"
+
+
+class _Union(Names):
+    """The union of live sets (:class:`Names`) and fixed ones: follows the live ones."""
+
+    def __init__(self, *parts: Iterable[Any]) -> None:
+        flat = [q for p in parts for q in (p._parts if isinstance(p, _Union) else (p,))]
+        self._parts = tuple(p if isinstance(p, Names) else frozenset(p) for p in flat)
+
+    def __contains__(self, name: object) -> bool:
+        return any(name in p for p in self._parts)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(frozenset().union(*self._parts))
+
+    def __len__(self) -> int:
+        return len(frozenset().union(*self._parts))
+
+    def _follow(self, name: str, row: Facts | None) -> None:
+        pass  # its live parts follow
+
+    def __repr__(self) -> str:
+        return f"Names({sorted(self)})"
 
 
 #: Elementwise primitives: operands have the result's shape (scalars broadcast).
-ELEMENTWISE = _names(lambda f: f.kind is Kind.ELEMENTWISE)
+ELEMENTWISE = Names(lambda f: f.kind is Kind.ELEMENTWISE)
 #: Primitives XLA fuses into their consumers (elementwise, layout, generators).
-FUSIBLE = _names(lambda f: f.fusible)
+FUSIBLE = Names(lambda f: f.fusible)
 #: Primitives a split region recomputes per chunk even when their result is small.
-CHEAP = _names(lambda f: f.cheap)
+CHEAP = Names(lambda f: f.cheap)
 #: Binary elementwise primitives whose operands may be swapped.
-COMMUTATIVE = _names(lambda f: f.commutative)
+COMMUTATIVE = Names(lambda f: f.commutative)
 #: Binary arithmetic a chain of accumulations is built of.
-FOLDS = _names(lambda f: f.fold)
+FOLDS = Names(lambda f: f.fold)
 #: Reductions over ``axes`` (their monoid in :attr:`Facts.monoid`).
-REDUCTIONS = _names(lambda f: f.kind is Kind.REDUCTION)
+REDUCTIONS = Names(lambda f: f.kind is Kind.REDUCTION)
 #: Scans along one ``axis``.
-CUMULATIVE = _names(lambda f: f.kind is Kind.CUMULATIVE)
+CUMULATIVE = Names(lambda f: f.kind is Kind.CUMULATIVE)
 #: LAPACK calls on the CPU.
-LAPACK = _names(lambda f: f.lapack)
+LAPACK = Names(lambda f: f.lapack)
 #: Discrete decisions on their operands' values (comparisons, argmax, sort orders).
-DECIDES = _names(lambda f: f.decides)
+DECIDES = Names(lambda f: f.decides)
+
+#: Every set derived from the table (:func:`declare` keeps each true).
+DERIVED = {
+    "ELEMENTWISE": ELEMENTWISE,
+    "FUSIBLE": FUSIBLE,
+    "CHEAP": CHEAP,
+    "COMMUTATIVE": COMMUTATIVE,
+    "FOLDS": FOLDS,
+    "REDUCTIONS": REDUCTIONS,
+    "CUMULATIVE": CUMULATIVE,
+    "LAPACK": LAPACK,
+    "DECIDES": DECIDES,
+}
+
+
+def declare(name: str, row: Facts | None) -> Facts | None:
+    """Add, replace (or, with None, remove) the row of primitive ``name`` in :data:`TABLE` at run
+    time, keeping every derived set (:data:`ELEMENTWISE`, :data:`FUSIBLE`, ...) true.
+
+    This is how a primitive defined outside memsafe (a library's ``jax.extend.core.Primitive``)
+    is described: an elementwise one (``Facts(Kind.ELEMENTWISE, fusible=True)``) or a reduction
+    over ``axes`` (``Facts(Kind.REDUCTION, monoid="sum")``) then splits with no further step, the
+    split registry finding its rule by its kind. Write to :data:`TABLE` through this function
+    only.
+
+    Args:
+        name: the primitive's name (``Primitive.name``).
+        row: its facts; None removes its row (it is then an unknown primitive, stored by XLA).
+
+    Returns:
+        The row it had (None: none), to restore with another call.
+    """
+    before = TABLE.pop(name, None)
+    if row is not None:
+        TABLE[name] = row
+    for names in DERIVED.values():
+        names._follow(name, row)
+    return before
 
 
 def compares_floats(eqn: Any) -> bool:

@@ -71,12 +71,38 @@ def named_passes(pipeline: Sequence[Pass] | None = None) -> tuple[tuple[str, Rew
     return tuple((pass_name(module), module.run) for module in chosen)
 
 
+def inserted(new: Pass, *, before: str, pipeline: Sequence[Pass] | None = None) -> tuple[Pass, ...]:
+    """A pipeline with one more pass: how a pass from outside memsafe joins the driver's.
+
+    The driver reads :data:`PIPELINE` each time it plans a program, so a library adds its pass
+    with ``memsafe.passes.PIPELINE = memsafe.passes.inserted(my_pass, before="split")``.
+
+    Args:
+        new: the pass (a module, or any object with ``__name__`` and ``run``: :class:`Pass`).
+        before: the name (:func:`pass_name`) of the pass it runs just before.
+        pipeline: the pipeline it joins; :data:`PIPELINE` (as it is when called) by default.
+
+    Returns:
+        ``pipeline`` with ``new`` before the pass named ``before``.
+
+    Raises:
+        ValueError: no pass of ``pipeline`` is named ``before``.
+    """
+    chosen = tuple(PIPELINE if pipeline is None else pipeline)
+    names = [pass_name(p) for p in chosen]
+    if before not in names:
+        raise ValueError(f"no pass named {before!r} in the pipeline: {names}")
+    at = names.index(before)
+    return (*chosen[:at], new, *chosen[at:])
+
+
 __all__ = [
     "ALGEBRAIC",
     "PIPELINE",
     "RETRIED_WITHOUT",
     "Pass",
     "Rewrite",
+    "inserted",
     "named_passes",
     "pass_name",
 ]

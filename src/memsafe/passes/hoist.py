@@ -50,7 +50,8 @@ WINDOWS = frozenset({"slice", "rev", "dynamic_slice"})
 #: Primitives whose result at a position along a mapped axis reads only that position of the
 #: operands that carry the axis (their split rules' mappings say where). Windows, pads and
 #: concatenations are among them along their other axes; along their own, their rules create the
-#: axis (no operand carries it) and the window stays.
+#: axis (no operand carries it) and the window stays. A union of the table's live sets: it follows
+#: ``memsafe.primitives.declare``.
 POINTWISE = (
     ELEMENTWISE
     | REDUCTIONS

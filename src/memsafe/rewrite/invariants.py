@@ -10,7 +10,7 @@ too large to hold beside a split body.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,7 +50,8 @@ Takes = Callable[[JaxprEqn, int], bool]
 #: Primitives a value that cannot be held at all may be recomputed with per iteration, besides
 #: :data:`IN_LOOP`: reductions and matrix products (a distance matrix ``sum((x[:, None] - y) ** 2,
 #: -1)`` or ``x @ y.T`` read by every iteration of a Sinkhorn loop). KeOps and geomloss recompute
-#: such a matrix in every iteration; holding it is what does not fit.
+#: such a matrix in every iteration; holding it is what does not fit. A union of the table's live
+#: sets: it follows ``memsafe.primitives.declare``.
 UNHELD = IN_LOOP | REDUCTIONS | {"dot_general"}
 
 
@@ -75,7 +76,7 @@ class Moving:
     """
 
     min_bytes: int = MIN_BYTES
-    ops: frozenset[str] = IN_LOOP
+    ops: Set[str] = IN_LOOP
     skip: Skip = _never
     takes: Takes = _any
     whiles: bool = False
@@ -112,7 +113,7 @@ def loop_const_positions(eqn: JaxprEqn, whiles: bool = False) -> list[int]:
     return []
 
 
-def generator(graph: Graph, var: Any, ops: frozenset[str] = IN_LOOP) -> Generator | None:
+def generator(graph: Graph, var: Any, ops: Set[str] = IN_LOOP) -> Generator | None:
     """The computation of ``var`` by primitives in ``ops`` back to small, literal or always-live
     leaves, or None."""
     if not isinstance(var, Var) or graph.info(var).producer is None:

@@ -10,7 +10,10 @@ evaluates the equation on chunk-shaped operands: most primitives have no shape i
 and are bound unchanged; those that do (broadcast_in_dim, reshape, iota, slice, ...) get the
 chunk's size written in, and iota along the axis is offset by the chunk's start.
 
-The rules themselves live in ``memsafe.split.prims``, one module per family of primitives.
+The rules themselves live in ``memsafe.split.prims``, one module per family of primitives. A
+primitive with no rule registered by its name takes the rule of its kind in
+``memsafe.primitives.TABLE`` (every elementwise primitive one rule, every reduction another), so a
+primitive declared with ``memsafe.primitives.declare`` splits with no further step.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn
+from memsafe.primitives import Kind, facts
 from memsafe.split import halo
 from memsafe.split.halo import Window
 from memsafe.split.sinks import Sink
@@ -263,44 +267,63 @@ class SplitRule:
 
 #: Split rules by primitive name.
 SPLIT_RULES: dict[str, SplitRule] = {}
+#: Split rules by the kind of primitive (``memsafe.primitives.Kind``), for primitives with no rule
+#: of their own in :data:`SPLIT_RULES`.
+KIND_RULES: dict[Kind, SplitRule] = {}
 
 
 def split_rule(
     *names: str,
+    kind: Kind | None = None,
     rebind: Rebind = bind_unchanged,
     running: Running | tuple[Running, ...] = (),
     piece_rebind: Rebind | None = None,
     positional: bool | Callable[[JaxprEqn, Mapping], bool] | None = None,
 ) -> Callable[[AxisMap], AxisMap]:
     """Register the decorated axis map, with ``rebind`` (``running`` for scans, ``piece_rebind``
-    where pieces bind otherwise than chunks), as the split rule of ``names``. ``positional``
-    (see :class:`SplitRule`) defaults to whether the equation is re-bound unchanged."""
+    where pieces bind otherwise than chunks), as the split rule of ``names``, and with ``kind``
+    as that of every primitive of that kind in ``memsafe.primitives.TABLE`` without a rule
+    registered by name. ``positional`` (see :class:`SplitRule`) defaults to whether the equation
+    is re-bound unchanged. A later registration of a name replaces the earlier one."""
 
     runs = running if isinstance(running, tuple) else (running,)
     plain = rebind is bind_unchanged if positional is None else positional
 
     def deco(axis_map: AxisMap) -> AxisMap:
+        rule = SplitRule(axis_map, rebind, runs, piece_rebind, plain)
         for n in names:
-            SPLIT_RULES[n] = SplitRule(axis_map, rebind, runs, piece_rebind, plain)
+            SPLIT_RULES[n] = rule
+        if kind is not None:
+            KIND_RULES[kind] = rule
         return axis_map
 
     return deco
 
 
+def rule_of(name: str) -> SplitRule | None:
+    """The split rule of primitive ``name``: the one registered by its name, else that of its
+    kind in ``memsafe.primitives.TABLE`` (None: it has none)."""
+    rule = SPLIT_RULES.get(name)
+    return rule if rule is not None else KIND_RULES.get(facts(name).kind)
+
+
+def _rule(eqn: JaxprEqn) -> SplitRule:
+    rule = rule_of(eqn.primitive.name)
+    if rule is None:
+        raise NoRule(f"no splitting rule for primitive '{eqn.primitive.name}'")
+    return rule
+
+
 def axis_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
     """Where the split axis goes through ``eqn``, given it sits at ``axis`` of ``side``, for a
     region growing in context ``ctx``."""
-    rule = SPLIT_RULES.get(eqn.primitive.name)
-    if rule is None:
-        raise NoRule(f"no splitting rule for primitive '{eqn.primitive.name}'")
-    return rule.axis_map(eqn, side, axis, ctx)
+    return _rule(eqn).axis_map(eqn, side, axis, ctx)
 
 
 def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
     """The running carry of ``eqn`` when it scans along the split axis (or sums over it into
     results after the loop), else None."""
-    runs = SPLIT_RULES[eqn.primitive.name].running
-    return next((run for run in runs if run.applies(eqn, mapping)), None)
+    return next((run for run in _rule(eqn).running if run.applies(eqn, mapping)), None)
 
 
 def positional(eqn: JaxprEqn, mapping: Mapping) -> bool:
@@ -309,21 +332,21 @@ def positional(eqn: JaxprEqn, mapping: Mapping) -> bool:
     from chunk to chunk."""
     if isinstance(mapping, Halo):
         return True
-    rule = SPLIT_RULES[eqn.primitive.name]
+    rule = _rule(eqn)
     plain = rule.positional(eqn, mapping) if callable(rule.positional) else rule.positional
     return plain and running_along(eqn, mapping) is None
 
 
 def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:
     """Evaluate ``eqn`` on chunk-shaped ``invals`` (chunk of ``size`` starting at ``start``)."""
-    return SPLIT_RULES[eqn.primitive.name].rebind(eqn, invals, mapping, start, size)
+    return _rule(eqn).rebind(eqn, invals, mapping, start, size)
 
 
 def rebind_piece(
     eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int
 ) -> list[Any]:
     """Evaluate ``eqn`` on one piece of a concatenation (``size`` long, from ``start``)."""
-    rule = SPLIT_RULES[eqn.primitive.name]
+    rule = _rule(eqn)
     return (rule.piece_rebind or rule.rebind)(eqn, invals, mapping, start, size)
 
 
@@ -373,10 +396,10 @@ def _elementwise_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> 
     return Mapping(ins=tuple(carries(a) for a in eqn.invars), outs=tuple(axis for _ in eqn.outvars))
 
 
-def elementwise(*names: str) -> None:
+def elementwise(*names: str, kind: Kind | None = None) -> None:
     """Register elementwise primitives: the axis passes at the same position (size-1 and scalar
-    operands are used whole)."""
-    split_rule(*names)(_elementwise_map)
+    operands are used whole); with ``kind``, as the rule of every primitive of that kind."""
+    split_rule(*names, kind=kind)(_elementwise_map)
 
 
 def identity_unless(

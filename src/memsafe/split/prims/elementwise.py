@@ -1,9 +1,9 @@
-"""Elementwise primitives (from the primitive table) and same-width bitcasts."""
+"""Elementwise primitives (every one in the primitive table, by its kind), same-width bitcasts."""
 
 from __future__ import annotations
 
 from memsafe._jax import JaxprEqn
-from memsafe.primitives import ELEMENTWISE
+from memsafe.primitives import Kind
 from memsafe.split.registry import (
     Mapping,
     NoRule,
@@ -14,7 +14,7 @@ from memsafe.split.registry import (
     split_rule,
 )
 
-elementwise(*ELEMENTWISE)
+elementwise(kind=Kind.ELEMENTWISE)
 
 
 @split_rule("bitcast_convert_type")

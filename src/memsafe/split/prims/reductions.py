@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from memsafe._jax import JaxprEqn
-from memsafe.primitives import REDUCTIONS, facts
+from memsafe.primitives import Kind, facts
 from memsafe.split import sinks, topk
 from memsafe.split.registry import (
     Axis,
@@ -20,8 +20,10 @@ from memsafe.split.registry import (
 from memsafe.split.sinks import Sink
 
 
-@split_rule(*sorted(REDUCTIONS))
+@split_rule(kind=Kind.REDUCTION)
 def _reduce(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
+    """Every reduction over ``axes`` in the primitive table: a sink of its monoid's reducer
+    (``sinks.BY_MONOID``) where the axis is among them."""
     axes = sorted(eqn.params["axes"])
     if side[0] == "in":
         if axis in axes:
