@@ -1,0 +1,78 @@
+"""Iterative solvers (issue 41): the programs of :mod:`tests.iterative`, written as users and
+libraries write them, fit a quarter of jax.jit's temporaries (arguments and outputs besides) with
+jax.jit's answers; loops memsafe cannot split exactly are refused naming the loop and why."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+import memsafe
+from tests import iterative
+from tests.agree import assert_like_jit
+from tests.limits import limit_between
+
+
+def _fits(fun, args, fraction=0.25):
+    limit = limit_between(fun, args, fraction)
+    g = memsafe.jit(fun, memory_limit=limit)
+    plan = g.plan(*args)
+    assert plan.after.total <= limit, plan
+    assert_like_jit(g(*args), fun, *args)
+    return plan
+
+
+def test_vmap_of_a_while_loop_runs_whole_on_each_chunk_of_the_batch():
+    """``jax.vmap`` of a while loop gives it a predicate batched along the trajectories (each
+    stops at its own iteration): the loop runs once per chunk of them."""
+
+    def solve(w, y):
+        cond = lambda s: (s[0] < 50) & (jnp.sum(s[1] ** 2) > 1e-3)
+        return lax.while_loop(cond, lambda s: (s[0] + 1, jnp.tanh(s[1] @ w) * 0.9), (0, y))[1]
+
+    def fun(w, ys):
+        return jnp.sum(jax.vmap(solve, (None, 0))(w, ys), 0)
+
+    w = jax.random.normal(jax.random.key(0), (128, 128)) / 11
+    ys = jax.random.normal(jax.random.key(1), (2048, 8, 128))
+    plan = _fits(fun, (w, ys))
+    assert any("while" in s.ops for s in plan.splits), plan
+
+
+def test_a_predicate_that_couples_the_batch_is_refused_naming_the_loop():
+    """One tolerance on the whole batch's residual: a chunk would stop at its own iteration."""
+
+    def fun(w, ys):
+        cond = lambda s: (s[0] < 50) & (jnp.sum(s[1] ** 2) > 1e-3)
+        out = lax.while_loop(cond, lambda s: (s[0] + 1, jnp.tanh(s[1] @ w) * 0.9), (0, ys))[1]
+        return jnp.sum(out, 0)
+
+    w = jax.random.normal(jax.random.key(0), (128, 128)) / 11
+    ys = jax.random.normal(jax.random.key(1), (2048, 8, 128))
+    limit = limit_between(fun, (w, ys), 0.25)
+    with pytest.raises(memsafe.MemoryLimitError, match="predicate couples the positions"):
+        memsafe.jit(fun, memory_limit=limit).plan(w, ys)
+
+
+def test_a_fixed_count_while_loop_runs_whole_on_each_chunk_and_keeps_its_counter():
+    """A predicate that reads only the counter: every chunk iterates as often as the loop."""
+
+    def fun(w, ys):
+        def body(s):
+            return s[0] + 1, jnp.tanh(s[1] @ w) * 0.9
+
+        i, out = lax.while_loop(lambda s: s[0] < 7, body, (0, ys))
+        return jnp.sum(out, 0) * i
+
+    w = jax.random.normal(jax.random.key(0), (128, 128)) / 11
+    ys = jax.random.normal(jax.random.key(1), (2048, 8, 128))
+    plan = _fits(fun, (w, ys))
+    assert any("while" in s.ops for s in plan.splits), plan
+
+
+@pytest.mark.parametrize("name", ["sinkhorn_value", "hand_cg"])
+def test_a_matrix_every_iteration_reads_is_made_in_chunks_inside_the_loop(name):
+    fun, args = iterative.PROGRAMS[name]()
+    _fits(fun, args)
