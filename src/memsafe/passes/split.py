@@ -246,7 +246,7 @@ def absorbed(graph: Graph, region: Region, var: Var, budget: int) -> list[Var]:
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Split every too-large intermediate that some axis allows, at the top level and inside
     loop bodies; block the rest."""
-    closed = _unheld_inside(closed, ctx, takes=_held_whole)
+    closed = _unheld_inside(closed, ctx, ctx.temp_budget, takes=_held_whole)
     return _split_bodies(*_split_top(closed, ctx), ctx)
 
 
@@ -361,14 +361,19 @@ def _invariants_inside(
     return _unheld_inside(closed, ctx, skip=skip)
 
 
-def _unheld_inside(closed: ClosedJaxpr, ctx: PassContext, **which: Any) -> ClosedJaxpr:
+def _unheld_inside(
+    closed: ClosedJaxpr, ctx: PassContext, room: int | None = None, **which: Any
+) -> ClosedJaxpr:
     """``closed`` with the loop invariants larger than all the room for temporaries (those the
     ``skip``/``takes`` of ``which`` choose, :class:`memsafe.passes.recompute.Moving`) made inside
     the loops that read them, their reductions and products included (a Sinkhorn loop's cost
     matrix); ``while`` loops too, since XLA hoists nothing out of a split body's chunk loops.
     One the room could hold stays outside: made inside, its computation would have to split
-    within the body (fuzz seed 1389 was refused so)."""
-    floor = max(recompute_pass.MIN_BYTES, ctx.room)
+    within the body (fuzz seed 1389 was refused so). ``room``: that room (None: all of it; the
+    invariants a loop holds whole are measured against the scaled budget, so that an attempt
+    after one that failed moves a matrix the room held but not beside the rest: a Sinkhorn
+    loop's cost matrix, read again by the gradient of the transport cost)."""
+    floor = max(recompute_pass.MIN_BYTES, ctx.room if room is None else room)
     moving = recompute_pass.Moving(floor, recompute_pass.UNHELD, whiles=True, **which)
     return recompute_pass.run(closed, ctx, moving)
 
