@@ -391,3 +391,65 @@ PROGRAMS: dict[str, Callable[[], Program]] = {
     "kernel_cg": kernel_cg,
     "hand_cg": hand_cg,
 }
+
+
+# --- the same, through libraries (optional: ``pip install ott-jax diffrax``) ---------------------
+
+
+def ott_sinkhorn(n: int = 2000, m: int = 2500, d: int = 3, grad: bool = False) -> Program:
+    """ott-jax's ``Sinkhorn`` on a ``PointCloud`` (its cost matrix made once, read by every
+    iteration), the regularized transport cost; with ``grad``, its gradient in the points
+    (ott's implicit differentiation)."""
+    from ott.geometry import pointcloud
+    from ott.problems.linear import linear_problem
+    from ott.solvers.linear import sinkhorn
+
+    def cost(x: jax.Array, y: jax.Array) -> jax.Array:
+        geom = pointcloud.PointCloud(x, y, epsilon=0.5)
+        out = sinkhorn.Sinkhorn(threshold=1e-3, max_iterations=200)(
+            linear_problem.LinearProblem(geom)
+        )
+        return out.reg_ot_cost
+
+    return (jax.value_and_grad(cost, (0, 1)) if grad else cost), _clouds(n, m, d)
+
+
+def diffrax_ode(adaptive: bool = False, batch: int = 1024, d: int = 64, h: int = 64) -> Program:
+    """The gradient of a neural ODE's loss over a batch of trajectories through diffrax's
+    ``diffeqsolve`` (Heun's method; fixed steps or a PID controller), differentiated by its
+    ``RecursiveCheckpointAdjoint``, ``vmap`` over the trajectories."""
+    import diffrax
+
+    def loss(params: Any, y0: jax.Array) -> jax.Array:
+        term = diffrax.ODETerm(lambda t, y, args: _field(args, y))
+
+        def solve(y: jax.Array) -> jax.Array:
+            if adaptive:
+                control = diffrax.PIDController(rtol=1e-3, atol=1e-3)
+                extra = dict(dt0=0.1, stepsize_controller=control, max_steps=64)
+            else:
+                extra = dict(dt0=1.0 / 16, max_steps=16)
+            sol = diffrax.diffeqsolve(
+                term,
+                diffrax.Heun(),
+                0.0,
+                1.0,
+                y0=y,
+                args=params,
+                adjoint=diffrax.RecursiveCheckpointAdjoint(),
+                **extra,
+            )
+            return sol.ys[-1]
+
+        return jnp.mean(jnp.sum(jax.vmap(solve)(y0) ** 2, -1))
+
+    y0 = jax.random.normal(jax.random.key(9), (batch, d))
+    return jax.value_and_grad(loss), (_params(d, h), y0)
+
+
+LIBRARY: dict[str, Callable[[], Program]] = {
+    "ott_value": ott_sinkhorn,
+    "ott_grad": lambda: ott_sinkhorn(grad=True),
+    "diffrax_fixed": diffrax_ode,
+    "diffrax_adaptive": lambda: diffrax_ode(adaptive=True),
+}
