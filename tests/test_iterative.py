@@ -72,6 +72,45 @@ def test_a_fixed_count_while_loop_runs_whole_on_each_chunk_and_keeps_its_counter
     assert any("while" in s.ops for s in plan.splits), plan
 
 
+def _accumulating(stop_on_sum: bool):
+    """A fixed-count while loop over a batch that also sums a statistic over the batch into a
+    carry (a gradient accumulated over examples); or, with ``stop_on_sum``, stops when that
+    sum is large enough."""
+
+    def fun(w, ys):
+        def body(s):
+            i, y, acc = s
+            y = jnp.tanh(y @ w)
+            return i + 1, y, acc + y.T @ y
+
+        if stop_on_sum:
+            cond = lambda s: (s[0] < 5) & (jnp.trace(s[2]) < 1e9)
+        else:
+            cond = lambda s: s[0] < 5
+        start = (0, ys, jnp.eye(ys.shape[1]))
+        _, y, acc = lax.while_loop(cond, body, start)
+        return jnp.sum(y, 0), acc
+
+    w = jax.random.normal(jax.random.key(0), (64, 64)) / 8
+    ys = jax.random.normal(jax.random.key(1), (32768, 64))
+    return fun, (w, ys)
+
+
+def test_a_sum_over_the_batch_a_fixed_count_loop_accumulates_adds_up_over_chunks():
+    fun, args = _accumulating(False)
+    plan = _fits(fun, args)
+    assert any("while" in s.ops for s in plan.splits), plan
+
+
+def test_a_predicate_that_reads_an_accumulated_sum_is_refused_naming_the_carry():
+    fun, args = _accumulating(True)
+    limit = limit_between(fun, args, 0.25)
+    with pytest.raises(
+        memsafe.MemoryLimitError, match=r"predicate reads carry 2 \(float32\[64,64\]\)"
+    ):
+        memsafe.jit(fun, memory_limit=limit).plan(*args)
+
+
 #: What main (8013071) did with each program at this limit: all but two were refused.
 BEFORE = {
     "sinkhorn_value": "fit",

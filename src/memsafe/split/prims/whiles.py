@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 
 from memsafe._jax import ClosedJaxpr, JaxprEqn, bind_eqn_with, is_var
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import Mapping, NoRule, RuleContext, Running, Side, Through, split_rule
+from memsafe.split.sinks import additive_identity
 
 
 @functools.lru_cache(maxsize=64)
@@ -101,11 +103,11 @@ def _reach(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> _Split:
             f"while: the body does not map the split axis position by position: {err}"
         ) from None
     shares = got.result_shares(body.jaxpr)
-    if shares:
+    if shares and rank and a < rank:
         raise NoRule(
-            f"while: the body sums over the split axis into {_describe(eqn, shares[0])}: each "
-            "chunk's loop may run a different number of iterations, so the chunks' sums are "
-            "not the loop's"
+            f"while: the body sums over the split axis into {_describe(eqn, shares[0])} under a "
+            "batched predicate: each chunk's loop runs its own number of iterations, so the "
+            "chunks' sums are not the loop's"
         )
     carried = {j: got.axes[v] for j, v in enumerate(body.jaxpr.invars[b:]) if v in got.axes}
     for j, v in enumerate(body.jaxpr.outvars):
@@ -117,7 +119,38 @@ def _reach(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> _Split:
     cond_seeds = {c + j: ax for j, ax in carried.items()}
     cond_seeds.update({j: ax for j, ax in _const_axes(eqn, got, body).items()})
     cond_got = _reach_cond(eqn, cond, cond_seeds, ctx, rank, a)
+    (pred,) = cond.jaxpr.outvars
+    if shares and is_var(pred) and pred in cond_got.axes:
+        raise NoRule(
+            f"while: the body sums over the split axis into {_describe(eqn, shares[0])} and the "
+            "predicate is per position: each chunk's loop runs its own number of iterations, "
+            "so the chunks' sums are not the loop's"
+        )
+    read = _inputs_under(cond.jaxpr, pred)
+    for j in shares:
+        if j < n and c + j in read:
+            raise NoRule(
+                f"while: the predicate reads {_describe(eqn, j)}, a sum over the split axis the "
+                "loop accumulates: each chunk would stop at its own share, not at the sum"
+            )
     return _Split(body, got, cond, cond_got)
+
+
+def _inputs_under(jaxpr: Any, var: Any) -> set[int]:
+    """Positions of the inputs of ``jaxpr`` that ``var`` is computed from."""
+    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+    position = {v: k for k, v in enumerate(jaxpr.invars)}
+    found, stack, seen = set(), [var], set()
+    while stack:
+        v = stack.pop()
+        if not is_var(v) or v in seen:
+            continue
+        seen.add(v)
+        if v in position:
+            found.add(position[v])
+        elif (e := producer.get(v)) is not None:
+            stack.extend(e.invars)
+    return found
 
 
 def _const_axes(eqn: JaxprEqn, got: loop_body.Reached, body: ClosedJaxpr) -> dict[int, int]:
@@ -186,26 +219,61 @@ def _while(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
 
 @dataclass(frozen=True)
 class Same(Running):
-    """A while loop split through its state, some of whose carries lack the split axis (a
-    counter under a predicate that reads nothing of the axis): every chunk computes them the
-    same, the last chunk's are the results after the loop (of those at ``kept``; None: all)."""
+    """A while loop split through its state, some of whose carries lack the split axis, under a
+    predicate that reads nothing of the axis (every chunk runs as many iterations as the loop).
+
+    - A carry the body sums over the axis into (an accumulated gradient, summed over the batch)
+      is the sum of each chunk's share: chunks after the first start it from zero (the body is
+      linear in it, :mod:`memsafe.split.linear`).
+    - A carry that reads nothing of the axis (the counter) is the same on every chunk: the last
+      chunk's is the result.
+
+    The carried value is (the shares summed so far, the last chunk's same results), each keyed
+    by result position, of those in ``kept`` (None: all); ``zeroed``: the summed carries."""
 
     kept: frozenset[int] | None = None
+    zeroed: frozenset[int] = frozenset()
 
     def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return None in mapping.outs
 
     def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Same | None:
-        return Same(live) if live else None
+        shares = _shares(eqn, mapping)
+        return Same(live, shares) if live or shares else None
+
+    def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
+        c, b, _ = _counts(eqn)
+        fed = list(invals)
+        for k in self.zeroed or _shares_of(carried):
+            aval = eqn.invars[c + b + k].aval
+            fed[c + b + k] = jnp.full(aval.shape, additive_identity(aval.dtype))
+        return fed
 
     def record(
         self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
     ) -> tuple[list[Any], Any]:
-        kept = range(len(outs)) if self.kept is None else self.kept
-        return outs, {k: outs[k] for k in kept if mapping.outs[k] is None}
+        kept = frozenset(range(len(outs))) if self.kept is None else self.kept
+        sums = _shares(eqn, mapping) & kept
+        same = {k: outs[k] for k in kept if mapping.outs[k] is None and k not in sums}
+        if carried is None:
+            return outs, ({k: outs[k] for k in sums}, same)
+        return outs, ({k: lax.add(carried[0][k], outs[k]) for k in sums}, same)
 
     def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
-        return dict(carried)
+        return {**carried[0], **carried[1]}
+
+
+def _shares_of(carried: Any) -> frozenset[int]:
+    return frozenset(carried[0]) if carried is not None else frozenset()
+
+
+def _shares(eqn: JaxprEqn, m: Mapping) -> frozenset[int]:
+    """Positions of the carries the body of a loop mapped as ``m`` sums over the axis into."""
+    assert isinstance(m, Through)
+    side = _side_of(m)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    split = _reach(eqn, side, axis, m.ctx)
+    return frozenset(split.body_got.result_shares(split.body.jaxpr))
 
 
 def _side_of(m: Mapping) -> Side:
