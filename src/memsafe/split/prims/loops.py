@@ -117,6 +117,10 @@ class Summed(Running):
     def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
         return {**carried[0], **carried[1]}
 
+    def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        """A nested scan whose results without the axis are no sums (its counter)."""
+        return not _summed(eqn, mapping)
+
     shardable = True  # each device's shares add up like a chunk's
 
     def device_start(

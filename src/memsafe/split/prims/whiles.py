@@ -262,6 +262,9 @@ class Same(Running):
     def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
         return {**carried[0], **carried[1]}
 
+    def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return not _shares(eqn, mapping)
+
 
 def _shares_of(carried: Any) -> frozenset[int]:
     return frozenset(carried[0]) if carried is not None else frozenset()
