@@ -240,6 +240,10 @@ TABLE: dict[str, Facts] = {
             "remat2",
             "cond",
             "scan",
+            "while",
+            # equinox's own: a primitive under vmap, a select on a scalar predicate
+            "vprim",
+            "select_if_vmap",
         ],
         Facts(Kind.OTHER),
     ),

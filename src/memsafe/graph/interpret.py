@@ -193,12 +193,26 @@ def _inliner(keep_custom_derivatives: bool) -> Override:
         resolved = _resolve_platform(eqn, invals, override)
         if resolved is not None:
             return resolved
+        if eqn.primitive.name == "custom_linear_solve" and not keep_custom_derivatives:
+            return _linear_solve(eqn, invals, override)
         sub = inner_jaxpr(eqn)
         if sub is None:
             return None
         return evaluate(sub, invals, override)
 
     return override
+
+
+def _linear_solve(eqn: JaxprEqn, invals: list[Any], override: Override) -> Sequence[Any]:
+    """A ``custom_linear_solve`` (``jax.scipy.sparse.linalg.cg``, ``lax.custom_linear_solve``)
+    as its primal: its ``solve`` jaxpr on its constants and right-hand side. Like a custom_vjp,
+    it only tells differentiation how to transpose; inlined, the loop it runs (CG's while loop)
+    is a loop of the program, whose invariants (the kernel matrix) can move into it."""
+    lengths, jaxprs = eqn.params["const_lengths"], eqn.params["jaxprs"]
+    start = lengths.matvec + lengths.vecmat
+    consts = invals[start : start + lengths.solve]
+    b = invals[sum(lengths) :]
+    return evaluate(jaxprs.solve, [*consts, *b], override)
 
 
 def inline_calls(closed: ClosedJaxpr, *, keep_custom_derivatives: bool = False) -> ClosedJaxpr:

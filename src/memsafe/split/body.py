@@ -250,7 +250,10 @@ class _Walk:
         if isinstance(m, Sink):
             self.shares.update(eqn.outvars)
             return
+        same = None in m.outs and _same_inside(eqn, m)
         for o, ax in zip(eqn.outvars, m.outs):
+            if ax is None and same:
+                continue
             if ax is None:
                 raise NoRule(f"{eqn.primitive.name} inside the loop body consumes the split axis")
             self.axes[o] = ax
@@ -263,9 +266,17 @@ def _axis_map(
     no running carry to thread from chunk to chunk: each chunk of the loop runs the whole body,
     so a chunk's scan would miss the rows of the chunks before it."""
     m = registry.axis_map(eqn, side, axis, ctx)
-    if isinstance(m, Mapping) and registry.running_along(eqn, m) is not None:
+    run = registry.running_along(eqn, m) if isinstance(m, Mapping) else None
+    if run is not None and not run.same_inside(eqn, m):
         raise NoRule(f"{eqn.primitive.name} inside the loop body scans along the split axis")
     return m
+
+
+def _same_inside(eqn: JaxprEqn, m: Mapping) -> bool:
+    """Whether ``eqn``'s results without the split axis are the same on every chunk (a nested
+    loop's counter): read whole, as values that read nothing of the axis are."""
+    run = registry.running_along(eqn, m)
+    return run is not None and run.same_inside(eqn, m)
 
 
 def _check_operands(
@@ -378,6 +389,9 @@ def _check_outputs(jaxpr: Jaxpr, got: Reached) -> None:
 #: body's: each chunk computes them again (a counter costs nothing; a gradient summed over
 #: another axis would repeat the whole loop's work once per chunk).
 SAME_WORK_SHARE = 0.01
+#: Work the same results may always add (a loop whose body is its counter and a value passed
+#: through: a share of nothing is nothing).
+SAME_WORK_FLOOR = 4096
 
 
 def _check_same(jaxpr: Jaxpr, got: Reached) -> None:
@@ -390,7 +404,7 @@ def _check_same(jaxpr: Jaxpr, got: Reached) -> None:
         return
     extra = _cone(jaxpr, same) - _cone(jaxpr, split)
     work = jaxpr_flops(jaxpr.eqns[i] for i in extra)
-    if work > SAME_WORK_SHARE * jaxpr_flops(jaxpr.eqns):
+    if work > max(SAME_WORK_FLOOR, SAME_WORK_SHARE * jaxpr_flops(jaxpr.eqns)):
         k = jaxpr.outvars.index(same[0])
         raise NoRule(
             f"the loop's result {k} does not carry the split axis, and each chunk would compute "

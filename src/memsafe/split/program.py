@@ -92,7 +92,7 @@ def split_program(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     Returns:
         The program with its splits emitted as chunk loops.
     """
-    closed = _unheld_inside(closed, ctx, takes=_held_whole)
+    closed = _unheld_inside(closed, ctx, ctx.temp_budget, takes=_held_whole)
     return _split_bodies(*_split_top(closed, ctx), ctx)
 
 
@@ -195,14 +195,19 @@ def _invariants_inside(
     return _unheld_inside(closed, ctx, skip=skip)
 
 
-def _unheld_inside(closed: ClosedJaxpr, ctx: PassContext, **which: Any) -> ClosedJaxpr:
+def _unheld_inside(
+    closed: ClosedJaxpr, ctx: PassContext, room: int | None = None, **which: Any
+) -> ClosedJaxpr:
     """``closed`` with the loop invariants larger than all the room for temporaries (those the
     ``skip``/``takes`` of ``which`` choose, :class:`memsafe.rewrite.invariants.Moving`) made inside
     the loops that read them, their reductions and products included (a Sinkhorn loop's cost
     matrix); ``while`` loops too, since XLA hoists nothing out of a split body's chunk loops.
     One the room could hold stays outside: made inside, its computation would have to split
-    within the body (fuzz seed 1389 was refused so)."""
-    floor = max(invariants.MIN_BYTES, ctx.room)
+    within the body (fuzz seed 1389 was refused so). ``room``: that room (None: all of it; the
+    invariants a loop holds whole are measured against the scaled budget, so that an attempt
+    after one that failed moves a matrix the room held but not beside the rest: a Sinkhorn
+    loop's cost matrix, read again by the gradient of the transport cost)."""
+    floor = max(invariants.MIN_BYTES, ctx.room if room is None else room)
     moving = invariants.Moving(floor, invariants.UNHELD, whiles=True, **which)
     return _moved(closed, ctx, moving)
 

@@ -193,6 +193,12 @@ class Running:
         others are dead); None where the chunks then need nothing carried between them."""
         return self
 
+    def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        """Whether, inside a loop body that runs whole on each chunk, the equation needs no
+        carry between chunks: its results without the split axis read nothing of it (a nested
+        loop's counter), so every chunk computes them alike and they are read whole."""
+        return False
+
     #: Whether a loop with this equation can run over devices, each over its share of the axis
     #: (memsafe.mesh): a device's chunks then depend on its own earlier chunks only.
     shardable: ClassVar[bool] = False

@@ -11,6 +11,7 @@ split emitted: every chunk loop checkpoints its chunk body, and a later split al
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
@@ -19,7 +20,15 @@ from jax import lax
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, checkpointed_like, jaxpr_as_fun
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
-from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, Through, split_rule
+from memsafe.split.registry import (
+    Mapping,
+    NoRule,
+    RuleContext,
+    Running,
+    Side,
+    Through,
+    split_rule,
+)
 
 #: Call primitives whose body is the parameter ``jaxpr``.
 CALLS = ("remat2", "checkpoint", "pjit", "jit", "closed_call")
@@ -42,11 +51,14 @@ def _body(eqn: JaxprEqn) -> ClosedJaxpr:
 BodySplit = tuple[ClosedJaxpr, loop_body.Reached]  # a body and its split
 
 
-def _axes(body: ClosedJaxpr, side: Side, axis: int, ctx: RuleContext) -> BodySplit:
-    """``body`` reached from the axis at ``side``, in ``ctx`` (a body's context)."""
+def _axes(
+    body: ClosedJaxpr, side: Side, axis: int, ctx: RuleContext, same: bool = False
+) -> BodySplit:
+    """``body`` reached from the axis at ``side``, in ``ctx`` (a body's context); with
+    ``same``, results that read nothing of the axis are allowed (a cond's counters)."""
     seeds = {side[1]: axis}
     ins, outs = (seeds, {}) if side[0] == "in" else ({}, seeds)
-    return body, loop_body.reach(body.jaxpr, ins, outs, ctx)
+    return body, loop_body.reach(body.jaxpr, ins, outs, ctx, sums=same)
 
 
 def _mapping(name: str, reached: BodySplit, side: Side, axis: int, ctx: RuleContext) -> Through:
@@ -105,7 +117,9 @@ def _in_branch(side: Side) -> Side:
 def _branches(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> list[BodySplit]:
     """Each branch reached from the split axis at ``side`` of the cond, in ``ctx`` (a body's
     context)."""
-    return [_axes(_inlined(b), _in_branch(side), axis, ctx) for b in eqn.params["branches"]]
+    return [
+        _axes(_inlined(b), _in_branch(side), axis, ctx, same=True) for b in eqn.params["branches"]
+    ]
 
 
 def _cond(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
@@ -128,4 +142,31 @@ def _rebind_cond(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     return list(lax.switch(invals[0], funs, jnp.asarray(start, jnp.int32), *invals[1:]))
 
 
-split_rule("cond", rebind=_rebind_cond)(_cond)
+@dataclass(frozen=True)
+class Same(Running):
+    """A cond some of whose results read nothing of the split axis (a solver's step counter
+    beside its state): every chunk computes them alike; the last chunk's are the results
+    after the loop (of those at ``kept``; None: all). Inside a loop body they are read whole."""
+
+    kept: frozenset[int] | None = None
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return None in mapping.outs
+
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Same | None:
+        return Same(live) if live else None
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        kept = range(len(outs)) if self.kept is None else self.kept
+        return outs, {k: outs[k] for k in kept if mapping.outs[k] is None}
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return dict(carried)
+
+    def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return True
+
+
+split_rule("cond", rebind=_rebind_cond, running=(Same(),))(_cond)

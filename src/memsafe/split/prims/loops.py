@@ -117,6 +117,10 @@ class Summed(Running):
     def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
         return {**carried[0], **carried[1]}
 
+    def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        """A nested scan whose results without the axis are no sums (its counter)."""
+        return not _summed(eqn, mapping)
+
     shardable = True  # each device's shares add up like a chunk's
 
     def device_start(
@@ -207,10 +211,21 @@ def _body_axes(
 
 
 def _split_body(eqn: JaxprEqn, m: Mapping) -> tuple[Any, loop_body.Reached]:
-    """The inlined body and its split, for a scan mapped through its body as ``m``."""
+    """The inlined body and its split, for a scan mapped through its body as ``m``: reached
+    from every operand ``m`` chunks, the fixed point region growth settled on. Reached from one
+    of them alone, the walk may meet a carry before the seed that gives it the axis back (the
+    backward scan of ``jax.vmap(jax.grad(f))`` through checkpointed steps: "a loop carry takes
+    the split axis in but not out", raised while emitting a plan already made)."""
     assert isinstance(m, Through)
     side, axis = next((("in", k), a) for k, a in enumerate(m.ins) if a is not None)
-    return _body_axes(eqn, side, axis, m.ctx)
+    body = _inlined(eqn.params["jaxpr"])
+    consts, carry = scan_counts(eqn.params)
+    ins = {k: a - int(k >= consts + carry) for k, a in enumerate(m.ins) if a is not None}
+    tied = [(consts + j, j) for j in range(carry)]
+    try:
+        return body, loop_body.reach(body.jaxpr, ins, {}, m.ctx, tied, sums=True)
+    except NoRule:
+        return _body_axes(eqn, side, axis, m.ctx)
 
 
 def _body_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:

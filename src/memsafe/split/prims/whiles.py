@@ -1,0 +1,309 @@
+"""While loops split through their carries: a loop whose body maps an axis of its carries
+position by position (a batch of trajectories, a batch of systems) runs whole on each chunk of
+that axis, each chunk's loop iterating until its own positions are done.
+
+That is exact when the positions cannot tell how many iterations ran for the others:
+
+- the predicate reads nothing of the axis (``i < steps``): every chunk runs as many iterations as
+  the whole loop; carries without the axis (the counter) are the same on every chunk;
+- the predicate is *batched* along the axis (what ``jax.vmap`` of a while loop with a per-position
+  predicate makes: the predicate has the carries' leading batch axes, the loop runs while any
+  position's is true, and a position whose predicate is false keeps its carry: XLA selects the
+  carry per position). A position then stops at its own iteration in any chunk.
+
+A predicate that reduces over the axis (a norm over the whole batch, one step size shared by all
+trajectories) couples the positions: a chunk would stop when its own positions agree, not when all
+do. Such a loop is refused, naming the predicate's reduction; so is a body that mixes positions
+(a sum over the axis into a carry, a carry that takes the axis in but gives back something else).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import jax.numpy as jnp
+from jax import lax
+
+from memsafe._jax import ClosedJaxpr, JaxprEqn, bind_eqn_with, is_var
+from memsafe.graph.interpret import inline_calls
+from memsafe.split import body as loop_body
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Running, Side, Through, split_rule
+from memsafe.split.sinks import additive_identity
+
+
+@functools.lru_cache(maxsize=64)
+def _inlined(closed: Any) -> ClosedJaxpr:
+    """A loop's cond or body with its nested calls inlined."""
+    return inline_calls(closed)
+
+
+def _counts(eqn: JaxprEqn) -> tuple[int, int, int]:
+    """(cond constants, body constants, carries) among the loop's operands."""
+    c, b = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+    return c, b, len(eqn.invars) - c - b
+
+
+def _predicate_rank(eqn: JaxprEqn) -> int:
+    """How many leading carry axes the predicate is batched over (0: a scalar predicate)."""
+    return len(eqn.params["cond_jaxpr"].out_avals[0].shape)
+
+
+def _carry_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[int, int]:
+    """(carry position, axis) the split axis at ``side`` enters the loop state by; a constant of
+    the cond or body is no carry (-1)."""
+    c, b, _ = _counts(eqn)
+    if side[0] == "out":
+        return side[1], axis
+    k = side[1] - c - b
+    return (k, axis) if k >= 0 else (-1, axis)
+
+
+@dataclass(frozen=True)
+class _Split:
+    """A while loop split through its state: the body's and the cond's splits."""
+
+    body: ClosedJaxpr
+    body_got: loop_body.Reached
+    cond: ClosedJaxpr
+    cond_got: loop_body.Reached
+
+
+def _describe(eqn: JaxprEqn, k: int) -> str:
+    aval = eqn.outvars[k].aval
+    return f"carry {k} ({aval.str_short()})"
+
+
+def _reach(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> _Split:
+    """The loop's body and cond reached from the split axis at ``side`` (``ctx``: a body's)."""
+    c, b, n = _counts(eqn)
+    body, cond = _inlined(eqn.params["body_jaxpr"]), _inlined(eqn.params["cond_jaxpr"])
+    k, a = _carry_seed(eqn, side, axis)
+    seeds: dict[int, int] = {}
+    if k < 0:  # a constant: of the body, or of the cond only
+        j = side[1]
+        if j < c:
+            raise NoRule(
+                "while: the split axis enters the loop's predicate only (a constant it compares "
+                "the carries with), not its state"
+            )
+        seeds[j - c] = a
+    else:
+        seeds[b + k] = a
+    rank = _predicate_rank(eqn)
+    if rank and a < rank:
+        # a batched predicate selects every carry per position: all take the axis
+        seeds.update({b + j: a for j in range(n)})
+    tied = [(b + j, j) for j in range(n)]
+    try:
+        got = loop_body.reach(body.jaxpr, seeds, {}, ctx, tied, sums=True)
+    except NoRule as err:
+        raise NoRule(
+            f"while: the body does not map the split axis position by position: {err}"
+        ) from None
+    shares = got.result_shares(body.jaxpr)
+    if shares and rank and a < rank:
+        raise NoRule(
+            f"while: the body sums over the split axis into {_describe(eqn, shares[0])} under a "
+            "batched predicate: each chunk's loop runs its own number of iterations, so the "
+            "chunks' sums are not the loop's"
+        )
+    carried = {j: got.axes[v] for j, v in enumerate(body.jaxpr.invars[b:]) if v in got.axes}
+    for j, v in enumerate(body.jaxpr.outvars):
+        if is_var(v) and got.axes.get(v) != carried.get(j):
+            raise NoRule(f"while: {_describe(eqn, j)} does not keep the split axis in place")
+    if rank and a < rank and len(carried) < n:
+        j = next(j for j in range(n) if j not in carried)
+        raise NoRule(f"while: the batched predicate selects {_describe(eqn, j)} per position")
+    cond_seeds = {c + j: ax for j, ax in carried.items()}
+    cond_seeds.update({j: ax for j, ax in _const_axes(eqn, got, body).items()})
+    cond_got = _reach_cond(eqn, cond, cond_seeds, ctx, rank, a)
+    (pred,) = cond.jaxpr.outvars
+    if shares and is_var(pred) and pred in cond_got.axes:
+        raise NoRule(
+            f"while: the body sums over the split axis into {_describe(eqn, shares[0])} and the "
+            "predicate is per position: each chunk's loop runs its own number of iterations, "
+            "so the chunks' sums are not the loop's"
+        )
+    read = _inputs_under(cond.jaxpr, pred)
+    for j in shares:
+        if j < n and c + j in read:
+            raise NoRule(
+                f"while: the predicate reads {_describe(eqn, j)}, a sum over the split axis the "
+                "loop accumulates: each chunk would stop at its own share, not at the sum"
+            )
+    return _Split(body, got, cond, cond_got)
+
+
+def _inputs_under(jaxpr: Any, var: Any) -> set[int]:
+    """Positions of the inputs of ``jaxpr`` that ``var`` is computed from."""
+    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+    position = {v: k for k, v in enumerate(jaxpr.invars)}
+    found, stack, seen = set(), [var], set()
+    while stack:
+        v = stack.pop()
+        if not is_var(v) or v in seen:
+            continue
+        seen.add(v)
+        if v in position:
+            found.add(position[v])
+        elif (e := producer.get(v)) is not None:
+            stack.extend(e.invars)
+    return found
+
+
+def _const_axes(eqn: JaxprEqn, got: loop_body.Reached, body: ClosedJaxpr) -> dict[int, int]:
+    """Cond constants that are body constants (the same outer value) carrying the axis: the
+    predicate reads their chunk too."""
+    c, b, _ = _counts(eqn)
+    outer = {
+        eqn.invars[c + j]: got.axes[v] for j, v in enumerate(body.jaxpr.invars[:b]) if v in got.axes
+    }
+    return {j: outer[v] for j, v in enumerate(eqn.invars[:c]) if is_var(v) and v in outer}
+
+
+def _reach_cond(
+    eqn: JaxprEqn,
+    cond: ClosedJaxpr,
+    seeds: dict[int, int],
+    ctx: RuleContext,
+    rank: int,
+    axis: int,
+) -> loop_body.Reached:
+    """The cond reached from the carries' axes: the predicate must be per position (batched
+    along the axis) or read nothing of it."""
+    if not seeds:
+        return loop_body.Reached({}, {}, frozenset())
+    pulled = dict(seeds)
+    try:
+        got = loop_body._Walk(cond.jaxpr, pulled, frozenset(), False, ctx).run()
+    except NoRule as err:
+        raise NoRule(
+            f"while: the loop's predicate couples the positions along the split axis ({err}): "
+            "a chunk would stop when its own positions are done, not when all are"
+        ) from None
+    if pulled != seeds:
+        raise NoRule("while: the loop's predicate reads a constant along the split axis")
+    (pred,) = cond.jaxpr.outvars
+    have = got.axes.get(pred) if is_var(pred) else None
+    if have is not None and (have != axis or axis >= rank):
+        raise NoRule("while: the predicate carries the split axis elsewhere than the carries")
+    return got
+
+
+def _while(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
+    """Operands and results at the axes the body gives the carries; constants at the axes the
+    body and cond read them at (a cond constant carrying the axis is refused)."""
+    inner = ctx.in_body()
+    split = _reach(eqn, side, axis, inner)
+    c, b, _ = _counts(eqn)
+    body_axes, cond_axes = split.body_got.axes, split.cond_got.axes
+    cj, bj = split.cond.jaxpr, split.body.jaxpr
+    ins = (
+        *(cond_axes.get(v) for v in cj.invars[:c]),
+        *(body_axes.get(v) for v in bj.invars[:b]),
+        *(body_axes.get(v) for v in bj.invars[b:]),
+    )
+    outs = tuple(body_axes.get(v) for v in bj.invars[b:])
+    for k in range(c):  # a cond constant must agree with the body's use of the same value
+        v = eqn.invars[k]
+        same = [ins[c + j] for j in range(b) if eqn.invars[c + j] is v]
+        if any(s != ins[k] for s in same):
+            raise NoRule("while: the cond and the body read a constant along different axes")
+    given = ins[side[1]] if side[0] == "in" else outs[side[1]]
+    if given != axis:
+        raise NoRule("while: the split axis does not pass through the loop")
+    return Through(ins=ins, outs=outs, ctx=inner)
+
+
+@dataclass(frozen=True)
+class Same(Running):
+    """A while loop split through its state, some of whose carries lack the split axis, under a
+    predicate that reads nothing of the axis (every chunk runs as many iterations as the loop).
+
+    - A carry the body sums over the axis into (an accumulated gradient, summed over the batch)
+      is the sum of each chunk's share: chunks after the first start it from zero (the body is
+      linear in it, :mod:`memsafe.split.linear`).
+    - A carry that reads nothing of the axis (the counter) is the same on every chunk: the last
+      chunk's is the result.
+
+    The carried value is (the shares summed so far, the last chunk's same results), each keyed
+    by result position, of those in ``kept`` (None: all); ``zeroed``: the summed carries."""
+
+    kept: frozenset[int] | None = None
+    zeroed: frozenset[int] = frozenset()
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return None in mapping.outs
+
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Same | None:
+        shares = _shares(eqn, mapping)
+        return Same(live, shares) if live or shares else None
+
+    def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
+        c, b, _ = _counts(eqn)
+        fed = list(invals)
+        for k in self.zeroed or _shares_of(carried):
+            aval = eqn.invars[c + b + k].aval
+            fed[c + b + k] = jnp.full(aval.shape, additive_identity(aval.dtype))
+        return fed
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        kept = frozenset(range(len(outs))) if self.kept is None else self.kept
+        sums = _shares(eqn, mapping) & kept
+        same = {k: outs[k] for k in kept if mapping.outs[k] is None and k not in sums}
+        if carried is None:
+            return outs, ({k: outs[k] for k in sums}, same)
+        return outs, ({k: lax.add(carried[0][k], outs[k]) for k in sums}, same)
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return {**carried[0], **carried[1]}
+
+    def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return not _shares(eqn, mapping)
+
+
+def _shares_of(carried: Any) -> frozenset[int]:
+    return frozenset(carried[0]) if carried is not None else frozenset()
+
+
+def _shares(eqn: JaxprEqn, m: Mapping) -> frozenset[int]:
+    """Positions of the carries the body of a loop mapped as ``m`` sums over the axis into."""
+    assert isinstance(m, Through)
+    side = _side_of(m)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    split = _reach(eqn, side, axis, m.ctx)
+    return frozenset(split.body_got.result_shares(split.body.jaxpr))
+
+
+def _side_of(m: Mapping) -> Side:
+    for kind, axes in (("in", m.ins), ("out", m.outs)):
+        for k, a in enumerate(axes):
+            if a is not None:
+                return kind, k
+    raise NoRule("the split axis passes through no operand or result")
+
+
+def _rebind_while(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
+    """The loop on the chunk: its body and cond re-traced at chunk shape (the chunk's start
+    enters each as one more constant)."""
+    assert isinstance(m, Through)
+    side = _side_of(m)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    split = _reach(eqn, side, axis, m.ctx)
+    c, b, _ = _counts(eqn)
+    body_avals = [v.aval for v in split.body.jaxpr.invars]
+    cond_avals = [v.aval for v in split.cond.jaxpr.invars]
+    body = loop_body.chunk_body(split.body, split.body_got, n, body_avals)
+    cond = loop_body.chunk_body(split.cond, split.cond_got, n, cond_avals)
+    s = jnp.asarray(start, jnp.int32)
+    operands = [s, *invals[:c], s, *invals[c : c + b], *invals[c + b :]]
+    return bind_eqn_with(
+        eqn, operands, cond_jaxpr=cond, body_jaxpr=body, cond_nconsts=c + 1, body_nconsts=b + 1
+    )
+
+
+split_rule("while", rebind=_rebind_while, running=(Same(),))(_while)
