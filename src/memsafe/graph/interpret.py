@@ -163,12 +163,23 @@ def _hashable(atom: Any) -> bool:
 
 
 def retrace(
-    closed: ClosedJaxpr, override: Override | None = None, groups: Sequence[Group] = ()
+    closed: ClosedJaxpr,
+    override: Override | None = None,
+    groups: Sequence[Group] = (),
+    env: dict[Any, Any] | None = None,
 ) -> ClosedJaxpr:
     """A new ClosedJaxpr computing ``closed`` with ``override`` applied and ``groups`` in place
-    of their equations (see :func:`evaluate`), at the same input avals."""
+    of their equations (see :func:`evaluate`), at the same input avals. ``env``, where given,
+    is emptied and then filled with the traced value of every variable (an override reads the
+    values an equation does not take as operands from it)."""
+
+    def run(*xs: Any) -> list[Any]:
+        if env is not None:
+            env.clear()
+        return evaluate(closed, xs, override, env, groups)
+
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    new, _ = make_closed_jaxpr(lambda *xs: evaluate(closed, xs, override, groups=groups), avals)
+    new, _ = make_closed_jaxpr(run, avals)
     return new
 
 

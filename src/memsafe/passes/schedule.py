@@ -21,7 +21,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -31,11 +30,10 @@ from memsafe._jax import (
     Literal,
     Var,
     bind_eqn,
-    make_closed_jaxpr,
     source_line,
 )
 from memsafe.context import PassContext
-from memsafe.graph import Graph, evaluate, evaluate_eqns
+from memsafe.graph import Graph, evaluate_eqns, retrace
 from memsafe.graph.branches import (
     Chain,
     branch_bytes,
@@ -146,13 +144,12 @@ def _rewrite(
     eqns = graph.eqns
     moved_all: set[int] = set(dead).union(*(p.moved for p in plans))
     by_last = {p.last: p for p in plans}
-    state: dict[str, dict[Any, Any]] = {"env": {}}
+    env: dict[Any, Any] = {}  # the traced values (retrace fills it)
 
     def override(index: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any] | None:
         plan = by_last.get(index)
         if plan is None:
             return [_SKIPPED] * len(eqn.outvars) if index in moved_all else None
-        env = state["env"]
         aval = eqn.outvars[0].aval
         first = plan.chain.first_term
         if plan.init == "zeros":
@@ -168,13 +165,7 @@ def _rewrite(
 
         return [lax.fori_loop(0, len(fns), body, init)]
 
-    def fun(*xs: Any) -> list[Any]:
-        state["env"] = {}
-        return evaluate(closed, xs, override, state["env"])
-
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    new, _ = make_closed_jaxpr(fun, avals)
-    return new
+    return retrace(closed, override, env=env)
 
 
 def _self_contained(graph: Graph, plan: _Plan, dead: frozenset[int]) -> bool:

@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
-import jax
 from jax import lax
 
 from memsafe._jax import (
@@ -24,11 +23,10 @@ from memsafe._jax import (
     JaxprEqn,
     Literal,
     Var,
-    make_closed_jaxpr,
     scan_counts,
     source_line,
 )
-from memsafe.graph import Graph, evaluate, evaluate_eqns, inline_calls
+from memsafe.graph import Graph, evaluate, evaluate_eqns, inline_calls, retrace
 from memsafe.plan import PassRecord
 from memsafe.primitives import FUSIBLE, REDUCTIONS
 
@@ -313,7 +311,7 @@ def transform(
         return closed
     leaves = {v for _, gens in plans.values() for g in gens.values() for v in g.leaves}
     dead = _dead_after(graph, removed, leaves)
-    state: dict[str, dict[Any, Any]] = {"env": {}}
+    env: dict[Any, Any] = {}  # the traced values (retrace fills it)
 
     def override(index: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any] | None:
         if index in dead:
@@ -321,17 +319,10 @@ def transform(
         if index not in plans:
             return None
         bodies, gens = plans[index]
-        env = state["env"]
         moved = {
             pos: (lambda g=gen: _regenerate(eqns, g, [env[v] for v in g.leaves]))
             for pos, gen in gens.items()
         }
         return _rebind_loop(eqn, invals, bodies, moved)
 
-    def fun(*xs: Any) -> list[Any]:
-        state["env"] = {}
-        return evaluate(closed, xs, override, state["env"])
-
-    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
-    new, _ = make_closed_jaxpr(fun, avals)
-    return new
+    return retrace(closed, override, env=env)
