@@ -216,6 +216,27 @@ class Running:
 
 
 @dataclass(frozen=True)
+class LastChunk(Running):
+    """An equation whose results without the split axis are the same on every chunk (they read
+    nothing of it): the last chunk's are the results after the loop, of those at positions
+    ``kept`` (None: all). Subclasses say when it applies."""
+
+    kept: frozenset[int] | None = None
+
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Running | None:
+        return type(self)(live) if live else None
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        kept = range(len(outs)) if self.kept is None else self.kept
+        return outs, {k: outs[k] for k in kept if mapping.outs[k] is None}
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return dict(carried)
+
+
+@dataclass(frozen=True)
 class Accumulate(Running):
     """A cumulative op (cumsum): each chunk's result is combined with the last value of the
     chunks before it.

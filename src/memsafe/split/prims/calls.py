@@ -21,10 +21,10 @@ from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, checkpointed_like, jaxpr_
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import (
+    LastChunk,
     Mapping,
     NoRule,
     RuleContext,
-    Running,
     Side,
     Through,
     split_rule,
@@ -143,27 +143,13 @@ def _rebind_cond(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
 
 
 @dataclass(frozen=True)
-class Same(Running):
+class Same(LastChunk):
     """A cond some of whose results read nothing of the split axis (a solver's step counter
     beside its state): every chunk computes them alike; the last chunk's are the results
-    after the loop (of those at ``kept``; None: all). Inside a loop body they are read whole."""
-
-    kept: frozenset[int] | None = None
+    after the loop. Inside a loop body they are read whole."""
 
     def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return None in mapping.outs
-
-    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Same | None:
-        return Same(live) if live else None
-
-    def record(
-        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
-    ) -> tuple[list[Any], Any]:
-        kept = range(len(outs)) if self.kept is None else self.kept
-        return outs, {k: outs[k] for k in kept if mapping.outs[k] is None}
-
-    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
-        return dict(carried)
 
     def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return True

@@ -17,7 +17,16 @@ from memsafe._jax import JaxprEqn, bind_eqn_with, scan_counts, scan_layout
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split import replay
-from memsafe.split.registry import Mapping, NoRule, RuleContext, Running, Side, Through, split_rule
+from memsafe.split.registry import (
+    LastChunk,
+    Mapping,
+    NoRule,
+    RuleContext,
+    Running,
+    Side,
+    Through,
+    split_rule,
+)
 from memsafe.split.sinks import additive_identity
 
 
@@ -137,27 +146,12 @@ class Summed(Running):
 
 
 @dataclass(frozen=True)
-class Replayed(Running):
+class Replayed(LastChunk):
     """A scan replayed per chunk of an accumulator (:mod:`memsafe.split.replay`): its other
-    results are the same on every chunk; the last chunk's are the results after the loop (of
-    those at positions ``kept``; None: all)."""
-
-    kept: frozenset[int] | None = None
+    results are the same on every chunk; the last chunk's are the results after the loop."""
 
     def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return isinstance(mapping, replay.Replay)
-
-    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Replayed | None:
-        return Replayed(live) if live else None
-
-    def record(
-        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
-    ) -> tuple[list[Any], Any]:
-        kept = range(len(outs)) if self.kept is None else self.kept
-        return outs, {k: outs[k] for k in kept if mapping.outs[k] is None}
-
-    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
-        return dict(carried)
 
 
 def _zero_sums(eqn: JaxprEqn, invals: list[Any], sums: Any) -> list[Any]:
