@@ -5,15 +5,15 @@ one device, but the region's loop runs inside ``jax.shard_map``: the values it s
 axis are sharded over the mesh (each device holds ``size // devices`` positions), the values it
 reads whole are replicated, each device runs the ordinary chunk loop over its share (chunks
 chosen from the per-device budget), and the sinks' running results are combined across devices
-by their reducers' ``across`` (sums and contractions with ``psum``; max, min, argmax, argmin,
-top-k and picks gathered and folded in device order, so ties and NaN keep the one-device answer;
-online-softmax accumulators rescaled to the merged maxima; a loop body's sums over the axis, such
-as a scan over layers accumulating parameter gradients over the batch, with ``psum``, the first
-device starting them from the loop's initial carry and the others from zero). Values the region
-writes along the axis come back sharded. An axis that does not divide evenly runs its last
-``size % devices`` positions as one more chunk after the devices' results are combined
-(replicated; no padding reaches a max or a top-k). Program inputs the sharded loops slice are
-placed sharded along the axis; others are replicated.
+by :func:`combine` (sums and contractions with their reducer's collective, ``psum``; max, min,
+argmax, argmin, top-k and picks gathered and folded in device order, so ties and NaN keep the
+one-device answer; online-softmax accumulators rescaled to the merged maxima; a loop body's
+sums over the axis, such as a scan over layers accumulating parameter gradients over the batch,
+with ``psum``, the first device starting them from the loop's initial carry and the others from
+zero). Values the region writes along the axis come back sharded. An axis that does not divide
+evenly runs its last ``size % devices`` positions as one more chunk after the devices' results
+are combined (replicated; no padding reaches a max or a top-k). Program inputs the sharded
+loops slice are placed sharded along the axis; others are replicated.
 
 On a mesh with several axes the loop may run over some of them only (memsafe.mesh_layout): the
 others split an input the loop reads whole (a kNN's queries while its database runs over the
@@ -26,9 +26,10 @@ device), verified against the limit like a one-device program.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax
 import jax.numpy as jnp
@@ -38,16 +39,102 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from memsafe import mesh_layout
-from memsafe._jax import context_mesh, nbytes_of_aval
+from memsafe._jax import JaxprEqn, context_mesh, nbytes_of_aval
 from memsafe.errors import MemoryLimitError
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
 from memsafe.limits import format_bytes
 from memsafe.split import loop as chunk_loop
 from memsafe.split.emit import Split
-from memsafe.split.loop import Body, Carry, Written
+from memsafe.split.loop import Body, Carry, Fold, Written
 from memsafe.split.region import SplitFailure
+from memsafe.split.registry import Mapping, Running
+from memsafe.split.sinks import Monoid, Partial, Reducer
 from memsafe.xla import Footprint
+
+# -- what the split core's types do across devices ---------------------------------------------
+
+
+@runtime_checkable
+class Shardable(Protocol):
+    """A running rule (``memsafe.split.registry.Running``) whose loop can run over devices, each
+    over its share of the axis: a device's chunks then depend on its own earlier chunks only."""
+
+    def device_start(
+        self, eqn: JaxprEqn, invals: list[Any], mapping: Mapping, first: Any
+    ) -> list[Any]:
+        """The operands of a device's first chunk (``first``: a traced bool, whether this device
+        holds the axis's first positions)."""
+        ...
+
+    def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
+        """The values every device carried out of its share, combined (inside ``shard_map``)."""
+        ...
+
+
+@runtime_checkable
+class Combined(Protocol):
+    """A loop carry of a strategy of its own (the online softmax's) that combines the states of
+    several devices itself."""
+
+    def across(self, state: Any, axis_name: Any, operands: list[Any]) -> Any:
+        """The states of every device along mesh axis ``axis_name`` combined in device order
+        (each device ran the loop over its share of the axis, so device order is chunk order).
+        ``operands`` are the loop's operands on this device."""
+        ...
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["first"], meta_fields=[])
+@dataclass(frozen=True)
+class DeviceStart:
+    """What a running equation reads on a device's first chunk (``memsafe.split.loop.Opening``):
+    its :class:`Shardable` rule's ``device_start``; a pytree (chunk bodies are traced under
+    ``jax.checkpoint``)."""
+
+    first: Any  # traced bool: the device holds the axis's first positions
+
+    def operands(
+        self, run: Running, eqn: JaxprEqn, invals: list[Any], mapping: Mapping
+    ) -> list[Any]:
+        assert isinstance(run, Shardable)
+        return run.device_start(eqn, invals, mapping, self.first)
+
+
+def first_feed(carry: Carry, first: Any) -> dict[int, Any] | None:
+    """What a device's first chunk reads of ``carry`` (``first``: a traced bool, whether the
+    device holds the axis's first positions): a :class:`DeviceStart` for each running equation
+    of a plain loop; None where the loop carries nothing between chunks."""
+    if isinstance(carry, Fold) and carry.running:
+        return {i: DeviceStart(first) for i in carry.running}
+    return None
+
+
+def combine_partials(reducer: Reducer, eqn: JaxprEqn, part: Partial, axis_name: Any) -> Partial:
+    """A sink's partials of every device along mesh axis ``axis_name`` combined in device order:
+    a monoid's collective where it has one, else gathered and folded as consecutive chunks, so
+    ties and NaN keep the one-device answer."""
+    if isinstance(reducer, Monoid) and reducer.collective is not None:
+        return tuple(reducer.collective(p, axis_name) for p in part)
+    gathered = [lax.all_gather(p, axis_name) for p in part]
+    acc = tuple(g[0] for g in gathered)
+    for d in range(1, gathered[0].shape[0]):
+        acc = reducer.fold(eqn, acc, tuple(g[d] for g in gathered))
+    return acc
+
+
+def combine(carry: Carry, state: Any, axis_name: Any, operands: list[Any]) -> Any:
+    """The states of ``carry`` of every device along mesh axis ``axis_name`` combined in device
+    order (inside ``shard_map``; device order is chunk order). ``operands``: the loop's operands
+    on this device."""
+    if isinstance(carry, Combined):
+        return carry.across(state, axis_name, operands)
+    if not isinstance(carry, Fold):
+        raise TypeError(f"{type(carry).__name__} cannot run over devices")
+    parts = [
+        combine_partials(s.reducer, e, p, axis_name) for (e, s), p in zip(carry.sinks, state[0])
+    ]
+    carried = [run.across(e, c, axis_name) for (e, run), c in zip(carry.rules, state[1])]
+    return parts, carried
 
 
 def resolve(mesh: Any, flat: Sequence[Any]) -> Mesh | None:
@@ -194,7 +281,7 @@ class Sharding:
             raise SplitFailure(f"the axis ({region.size}) is shorter than the mesh")
         for i in region.maps:
             run = region.running(graph, i)
-            if run is not None and not run.shardable:
+            if run is not None and not isinstance(run, Shardable):
                 raise SplitFailure(
                     "a scan along the axis cannot be sharded over devices", graph.eqns[i]
                 )
@@ -311,9 +398,9 @@ class ShardedRun:
         ]
 
         def per_device(ops: list[Any], origin: Any) -> tuple[Any, list[Any]]:
-            fed = carry.first_feed(origin == 0)  # the first device starts from the loop's start
+            fed = first_feed(carry, origin == 0)  # the first device starts from the loop's start
             state, bufs = chunk_loop.chunked(body, share, chunk, ops, carry, written, origin, fed)
-            return carry.across(state, self.layout.manual, ops), bufs
+            return combine(carry, state, self.layout.manual, ops), bufs
 
         state, bufs = self._on_shares(per_device, share, operands, axes, (P(), out_bufs))
         rest = size % self.devices
@@ -330,7 +417,7 @@ class ShardedRun:
         carry: Carry,
     ) -> Any:
         def per_device(ops: list[Any], origin: Any) -> Any:
-            return carry.across(local(ops, origin), self.layout.manual, ops)
+            return combine(carry, local(ops, origin), self.layout.manual, ops)
 
         return self._on_shares(per_device, size // self.devices, operands, axes, P())
 

@@ -26,7 +26,7 @@ eighth of the temporary budget are distributed: smaller ones fit as they are.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from jax import lax
@@ -37,7 +37,30 @@ from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord
 from memsafe.split import registry
 from memsafe.split.registry import Mapping, NoRule
-from memsafe.split.sinks import Sink
+from memsafe.split.sinks import Partial, Reducer, Sink
+
+
+@runtime_checkable
+class Pieced(Protocol):
+    """A reducer whose result on a piece of a concatenation differs from its result on a chunk
+    of a split loop (a ``top_k``'s chunk takes block maxima, meant for loops; a piece may be
+    split later): :func:`piece_partial` asks it."""
+
+    def piece_partial(
+        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+    ) -> Partial:
+        """The sink's result on one piece of ``size`` starting at ``start`` along ``axis``."""
+        ...
+
+
+def piece_partial(
+    reducer: Reducer, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
+) -> Partial:
+    """The sink's result on one piece of a concatenation: a :class:`Pieced` reducer's own,
+    else its chunk's ``partial``."""
+    if isinstance(reducer, Pieced):
+        return reducer.piece_partial(eqn, invals, axis, start, size)
+    return reducer.partial(eqn, invals, axis, start, size)
 
 
 @dataclass(frozen=True)
@@ -256,7 +279,7 @@ class _Distribute:
         reducer, acc = sink.reducer, None
         operands = self._operands(eqn, invals, held, sink.ins, pieces)
         for ops, start, size in zip(operands, pieces.starts, pieces.sizes):
-            part = reducer.piece_partial(eqn, ops, sink.axis, jnp.int32(start), size)
+            part = piece_partial(reducer, eqn, ops, sink.axis, jnp.int32(start), size)
             acc = part if acc is None else reducer.fold(eqn, acc, part)
         self.changes.append(
             f"{eqn.primitive.name} reduces {len(pieces.sizes)} pieces ({reducer.name})"

@@ -32,12 +32,16 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, Var
+from memsafe.split import registry
+from memsafe.split.sinks import Partial, Reducer
+
+Axis = int | None
 
 #: Primitives whose split rules map a windowed axis through as a Halo while extending.
 WINDOWED = ("conv_general_dilated", "reduce_window_max", "reduce_window_sum", "reduce_window")
@@ -131,7 +135,7 @@ def extension(
     how many positions at each end of an extended chunk of every value may be wrong, in the
     value's own positions (``Mapping.wrong_after``: a :class:`~memsafe.split.registry.Halo` adds
     its reach and divides by its stride, other mappings keep the most of their operands'). Sinks
-    (plus the reach of a sink that reads a window of an operand, ``Reducer.halo_reach``) and
+    (plus the reach of a sink that reads a window of an operand, :func:`sink_reach`) and
     written values need their operands exact at the centre, ``scale`` of a value's positions to
     one of the region's axis."""
     wrong: dict[Var, int] = {}
@@ -144,7 +148,7 @@ def extension(
         eqn, m = eqns[i], maps[i]
         ins = [wrong.get(a, 0) if ax is not None else None for a, ax in zip(eqn.invars, m.ins)]
         if not hasattr(m, "outs"):  # a sink
-            reach = m.reducer.halo_reach(eqn, m.ins)
+            reach = sink_reach(m.reducer, eqn, m.ins)
             for k, (a, w) in enumerate(zip(eqn.invars, ins)):
                 if w is not None:
                     need = max(need, units(w + reach.get(k, 0), a))
@@ -196,3 +200,105 @@ def fill_outside(x: Any, axis: int, start: Any, size: int, fill: Any) -> Any:
 def centre(x: Any, axis: int, extend: int, n: int) -> Any:
     """The chunk's own ``n`` positions of an extended chunk (``extend`` on each side)."""
     return lax.slice_in_dim(x, extend, extend + n, axis=axis)
+
+
+@dataclass(frozen=True)
+class Halo(registry.Mapping):
+    """A windowed equation run on an extended chunk : output position
+    ``o`` reads positions ``o * stride - lo`` to ``o * stride + hi`` of its operand dilated by
+    ``dilation`` (operand position ``i`` at ``i * dilation``) along the split axis; the operand
+    is ``stride / dilation`` times as long as the result (one of them is 1)."""
+
+    lo: int = 0
+    hi: int = 0
+    stride: int = 1
+    dilation: int = 1
+
+    @classmethod
+    def over(cls, window: Window, ins: tuple[Axis, ...], outs: tuple[Axis, ...]) -> Halo:
+        """The halo of ``window`` (its padding, stride and base dilation)."""
+        lo, hi = window.pad_lo, window.after
+        return cls(ins, outs, lo=lo, hi=hi, stride=window.stride, dilation=window.base_dilation)
+
+    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
+        """Operands ``stride / dilation`` times as long as the results."""
+        dilated = {self.dilation * n for n in ins if n is not None}
+        return len(dilated | {self.stride * n for n in outs if n is not None}) <= 1
+
+    def wrong_after(self, ins: Sequence[int | None]) -> int:
+        """A result position is wrong where its window reads a wrong operand position."""
+        wrong = self.dilation * super().wrong_after(ins)
+        return -(-(wrong + self.reach) // self.stride)
+
+    def operand_start(self, start: Any) -> Any:
+        """Where the operand's chunk starts along its axis, given where the result's does (both
+        whole multiples of the region's chunk positions)."""
+        return start if self.stride == self.dilation else start * self.stride // self.dilation
+
+    @property
+    def reach(self) -> int:
+        """Operand positions beyond a chunk's own (``[o * stride, (o + 1) * stride)`` for each
+        output ``o``) that a window reads, on the farther side."""
+        return reach(self.lo, self.hi, self.stride)
+
+
+@runtime_checkable
+class Windowed(Protocol):
+    """A reducer whose sink reads a window of an operand's extended chunk, beyond the chunk's
+    centre (a kernel gradient's taps): :func:`sink_reach` and :func:`extended_partial` ask it.
+    Other reducers read the centres of their operands."""
+
+    def halo_reach(self, eqn: JaxprEqn, ins: tuple[Axis, ...]) -> dict[int, int]:
+        """Positions beyond the centre of an extended chunk that :meth:`extended_partial`
+        reads, by operand position."""
+        ...
+
+    def extended_partial(
+        self,
+        eqn: JaxprEqn,
+        invals: list[Any],
+        ins: tuple[Axis, ...],
+        scales: tuple[int, ...],
+        start: Any,
+        size: int,
+        extend: int,
+    ) -> Partial:
+        """The result on chunk ``[start, start + size)`` from operands that hold an extended
+        chunk (see :func:`extended_partial`)."""
+        ...
+
+
+def sink_reach(reducer: Reducer, eqn: JaxprEqn, ins: tuple[Axis, ...]) -> dict[int, int]:
+    """Positions beyond the centre of an extended chunk that the sink ``eqn`` reads, by operand
+    position: a :class:`Windowed` reducer's own, else none (it reads the centres)."""
+    return reducer.halo_reach(eqn, ins) if isinstance(reducer, Windowed) else {}
+
+
+def extended_partial(
+    reducer: Reducer,
+    eqn: JaxprEqn,
+    invals: list[Any],
+    ins: tuple[Axis, ...],
+    scales: tuple[int, ...],
+    start: Any,
+    size: int,
+    extend: int,
+) -> Partial:
+    """The sink's result on chunk ``[start, start + size)`` of the region's axis from operands
+    split along ``ins`` that hold an extended chunk (``extend`` more positions on each side; each
+    operand ``scales`` positions per position of the axis): a :class:`Windowed` reducer's own,
+    else ``reducer.partial`` of the operands' centres."""
+    if isinstance(reducer, Windowed):
+        return reducer.extended_partial(eqn, invals, ins, scales, start, size, extend)
+    invals = [
+        v if ax is None else centre(v, ax, k * extend, k * size)
+        for v, ax, k in zip(invals, ins, scales)
+    ]
+    k, axis = next((k, a) for k, a in zip(scales, ins) if a is not None)
+    return reducer.partial(eqn, invals, axis, scaled(start, k), size * k)
+
+
+def runs_extended(eqn: JaxprEqn, mapping: registry.Mapping) -> bool:
+    """Whether ``eqn``, mapped as ``mapping``, runs unchanged on an extended chunk: a windowed
+    equation's :class:`Halo`, or a positional rule's that carries nothing from chunk to chunk."""
+    return isinstance(mapping, Halo) or registry.positional(eqn, mapping)

@@ -53,11 +53,6 @@ class Carry:
         """What the chunk body reads of the running state (None: nothing)."""
         return None
 
-    def first_feed(self, first: Any) -> Any:
-        """What a device's first chunk reads, where the loop runs over devices (``first``: a
-        traced bool, whether the device holds the axis's first positions); None: nothing."""
-        return None
-
     def feed_in_loop(self, first: Any, state: Any) -> Any:
         """What a chunk reads of the state in a loop that runs the first chunk too (``first``:
         a traced bool, whether this is the first chunk, whose state is not yet made). Only for
@@ -81,12 +76,6 @@ class Carry:
 
     def results(self, state: Any) -> list[Any]:
         """The loop's sink results from the final state."""
-        raise NotImplementedError
-
-    def across(self, state: Any, axis_name: Any, operands: list[Any]) -> Any:
-        """The states of every device along mesh axis ``axis_name`` combined in device order
-        (inside ``shard_map``; each device ran the loop over its share of the axis, so device
-        order is chunk order). ``operands`` are the loop's operands on this device."""
         raise NotImplementedError
 
 
@@ -129,24 +118,19 @@ class Fold(Carry):
         ]  # fmt: skip
         return sunk + after
 
-    def first_feed(self, first: Any) -> dict[int, Any] | None:
-        """Each running equation's :class:`DeviceStart` (shardable rules only, memsafe.mesh)."""
-        return {i: DeviceStart(first) for i in self.running} if self.running else None
 
-    def across(self, state: tuple, axis_name: Any, operands: list[Any]) -> tuple:
-        parts = [s.reducer.across(e, p, axis_name) for (e, s), p in zip(self.sinks, state[0])]
-        carried = [run.across(e, c, axis_name) for (e, run), c in zip(self.rules, state[1])]
-        return parts, carried
+@runtime_checkable
+class Opening(Protocol):
+    """What a runner hands a running equation in place of a carried value on a chunk that opens
+    a run of chunks of its own (a device's first chunk, where the loop runs over devices:
+    ``memsafe.mesh``): the operands that chunk reads, and nothing carried into it."""
 
-
-@functools.partial(jax.tree_util.register_dataclass, data_fields=["first"], meta_fields=[])
-@dataclass(frozen=True)
-class DeviceStart:
-    """What a running equation reads on a device's first chunk, where the loop runs over
-    devices (:meth:`memsafe.split.registry.Running.device_start`); a pytree (chunk bodies are
-    traced under ``jax.checkpoint``)."""
-
-    first: Any  # traced bool: the device holds the axis's first positions
+    def operands(
+        self, run: Running, eqn: JaxprEqn, invals: list[Any], mapping: Mapping
+    ) -> list[Any]:
+        """The operands of the opening chunk of ``eqn`` (a scan along the axis, ``run`` its
+        rule) from its operands on the chunk ``invals``."""
+        ...
 
 
 @functools.partial(jax.tree_util.register_dataclass, data_fields=["first", "old"], meta_fields=[])
@@ -233,7 +217,7 @@ class DevicesRunner(Protocol):
     ) -> Any:
         """``local(operands on this device, origin)``, a state of ``carry``, on every device
         over its share of positions ``[0, size)`` (``size`` a multiple of :attr:`devices`),
-        combined across devices by ``carry.across``."""
+        combined across devices (``memsafe.mesh.combine``)."""
         ...
 
 
@@ -256,7 +240,8 @@ def chunked(
     first_fed: Any = None,
 ) -> tuple[Any, list[Any]]:
     """Run ``body`` over positions ``[origin, origin + size)`` of the axis in chunks of
-    ``chunk``, the first chunk reading ``first_fed`` (:meth:`Carry.first_feed`); (the carry's
+    ``chunk``, the first chunk reading ``first_fed`` (an :class:`Opening` per running equation,
+    or None); (the carry's
     final state, written buffers of length ``size``)."""
 
     def at(n: int) -> Callable[..., tuple[Any, list[Any]]]:
@@ -290,7 +275,7 @@ class _Chunks:
     carry: Carry
     written: Written
     size: int
-    first_fed: Any = None  # what the first chunk reads (a device's first: Carry.first_feed)
+    first_fed: Any = None  # what the first chunk reads (a device's first: Opening)
 
     def _empty(self, vals: Sequence[Any]) -> list[Any]:
         written = self.written
@@ -474,7 +459,7 @@ class ChunkEnv:
             start, n = (self.start + e, self.n - 2 * e) if e else (self.start, self.n)
             scales = tuple(self.region.scale_of(a) if is_var(a) else 1 for a in eqn.invars)
             invals = self.invals(i)
-            return sink.reducer.extended_partial(eqn, invals, sink.ins, scales, start, n, e)
+            return halo.extended_partial(sink.reducer, eqn, invals, sink.ins, scales, start, n, e)
         return sink.reducer.partial(eqn, self.invals(i), sink.axis, self.start, self.n)
 
     def pin(self, i: int) -> None:
@@ -500,8 +485,8 @@ class ChunkEnv:
         run = self.region.running(self.graph, i)
         prev = None if run is None or self.carried is None else self.carried.get(i)
         invals = self.invals(i)
-        if isinstance(prev, DeviceStart):  # a device's first chunk (memsafe.mesh)
-            invals, prev = run.device_start(eqn, invals, m, prev.first), None
+        if isinstance(prev, Opening):  # a chunk that opens a run of its own (memsafe.mesh)
+            invals, prev = prev.operands(run, eqn, invals, m), None
         if prev is not None:
             invals = run.feed(eqn, invals, prev)
         k = self._scale(i) if self.scaled else 1

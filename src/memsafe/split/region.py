@@ -30,7 +30,6 @@ from memsafe.split.registry import (
     RuleContext,
     Running,
     axis_map,
-    positional,
     running_along,
 )
 from memsafe.split.sinks import Sink
@@ -220,7 +219,7 @@ class _Growth:
                 raise SplitFailure("the axis reaches this operation in two ways", eqn)
             return
         if self.ctx.extended and isinstance(m, Mapping):
-            if not positional(eqn, m):
+            if not halo.runs_extended(eqn, m):
                 raise NoRule(f"{eqn.primitive.name} does not run on extended chunks (halos)")
             if not halo.lengths_agree(eqn, m):
                 raise SplitFailure("axis sizes do not match", eqn)

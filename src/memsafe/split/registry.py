@@ -20,15 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any
 
 import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn
 from memsafe.primitives import Kind, facts
-from memsafe.split import halo
-from memsafe.split.halo import Window
 from memsafe.split.sinks import Sink
 
 Axis = int | None
@@ -51,46 +49,6 @@ class Mapping:
         that may be wrong, given those of the split operands (None: not split). Each result
         position reads its own position of each operand."""
         return max((w for w in ins if w is not None), default=0)
-
-
-@dataclass(frozen=True)
-class Halo(Mapping):
-    """A windowed equation run on an extended chunk (:mod:`memsafe.split.halo`): output position
-    ``o`` reads positions ``o * stride - lo`` to ``o * stride + hi`` of its operand dilated by
-    ``dilation`` (operand position ``i`` at ``i * dilation``) along the split axis; the operand
-    is ``stride / dilation`` times as long as the result (one of them is 1)."""
-
-    lo: int = 0
-    hi: int = 0
-    stride: int = 1
-    dilation: int = 1
-
-    @classmethod
-    def over(cls, window: Window, ins: tuple[Axis, ...], outs: tuple[Axis, ...]) -> Halo:
-        """The halo of ``window`` (its padding, stride and base dilation)."""
-        lo, hi = window.pad_lo, window.after
-        return cls(ins, outs, lo=lo, hi=hi, stride=window.stride, dilation=window.base_dilation)
-
-    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
-        """Operands ``stride / dilation`` times as long as the results."""
-        dilated = {self.dilation * n for n in ins if n is not None}
-        return len(dilated | {self.stride * n for n in outs if n is not None}) <= 1
-
-    def wrong_after(self, ins: Sequence[int | None]) -> int:
-        """A result position is wrong where its window reads a wrong operand position."""
-        wrong = self.dilation * super().wrong_after(ins)
-        return -(-(wrong + self.reach) // self.stride)
-
-    def operand_start(self, start: Any) -> Any:
-        """Where the operand's chunk starts along its axis, given where the result's does (both
-        whole multiples of the region's chunk positions)."""
-        return start if self.stride == self.dilation else start * self.stride // self.dilation
-
-    @property
-    def reach(self) -> int:
-        """Operand positions beyond a chunk's own (``[o * stride, (o + 1) * stride)`` for each
-        output ``o``) that a window reads, on the farther side."""
-        return halo.reach(self.lo, self.hi, self.stride)
 
 
 class NoRule(Exception):
@@ -117,8 +75,8 @@ class RuleContext:
 
     Attributes:
         extended: the region grows on extended chunks (:mod:`memsafe.split.halo`): windowed
-            operations map the axis through as a :class:`Halo`, values of several lengths
-            along it may join, and only positional equations may.
+            operations map the axis through as a ``memsafe.split.halo.Halo``, values of several
+            lengths along it may join, and only positional equations may.
         replaying: a loop whose carry only accumulates may replay per chunk of that carry
             (:mod:`memsafe.split.replay`).
     """
@@ -198,21 +156,6 @@ class Running:
         carry between chunks: its results without the split axis read nothing of it (a nested
         loop's counter), so every chunk computes them alike and they are read whole."""
         return False
-
-    #: Whether a loop with this equation can run over devices, each over its share of the axis
-    #: (memsafe.mesh): a device's chunks then depend on its own earlier chunks only.
-    shardable: ClassVar[bool] = False
-
-    def device_start(
-        self, eqn: JaxprEqn, invals: list[Any], mapping: Mapping, first: Any
-    ) -> list[Any]:
-        """The operands of a device's first chunk, where the loop runs over devices (``first``:
-        a traced bool, whether this device holds the axis's first positions)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot run over devices")
-
-    def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
-        """The values every device carried out of its share, combined (inside ``shard_map``)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot run over devices")
 
 
 @dataclass(frozen=True)
@@ -354,11 +297,8 @@ def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
 
 
 def positional(eqn: JaxprEqn, mapping: Mapping) -> bool:
-    """Whether ``eqn``, mapped as ``mapping``, runs unchanged on an extended chunk: a windowed
-    equation's :class:`Halo`, or a positional rule's (:class:`SplitRule`) that carries nothing
-    from chunk to chunk."""
-    if isinstance(mapping, Halo):
-        return True
+    """Whether ``eqn``, mapped as ``mapping``, is positional (:class:`SplitRule`) and carries
+    nothing from chunk to chunk."""
     rule = _rule(eqn)
     plain = rule.positional(eqn, mapping) if callable(rule.positional) else rule.positional
     return plain and running_along(eqn, mapping) is None

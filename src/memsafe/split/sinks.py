@@ -1,10 +1,13 @@
 """Sinks: equations that consume the split axis, and how their results combine across chunks.
 
-A :class:`Sink` names the equation's :class:`Reducer`, a small object owning everything about
-that kind of result: the partial result of one chunk, the fold of a later chunk's partial into
-the running one (the monoid), the finished value, the smallest chunk it can work with, the bytes
-it holds per chunk beyond its operands, whether its accumulator can be rescaled by a factor
-(online softmax), and the combine of the partials of several devices (sharding).
+A :class:`Sink` names the equation's :class:`Reducer`, a small object owning the core of that
+kind of result: the partial result of one chunk, the fold of a later chunk's partial into the
+running one (the monoid), the finished value, its sizing (the smallest chunk it can work with, the
+bytes it holds beyond its operands) and whether its accumulator can be rescaled by a factor
+(online softmax). What a strategy needs beyond that is a small protocol the reducer may implement,
+kept with the strategy: reading a window of an extended chunk (``memsafe.split.halo.Windowed``),
+a collective of its own across devices (``memsafe.mesh.Collective``), a partial of a piece of a
+concatenation (``memsafe.passes.distribute.Pieced``).
 
 Partials are folded left to right, so ties keep the earlier (lower) index as
 ``argmax``/``argmin``/``top_k`` do on the whole axis. No identity elements are needed: the first
@@ -23,7 +26,7 @@ import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
-from memsafe.split import halo, topk
+from memsafe.split import topk
 from memsafe.split.indices import chunk_local_indices
 
 #: The running result of a sink: a tuple of arrays.
@@ -54,39 +57,6 @@ class Reducer:
         """The sink's result on one chunk of ``size`` starting at ``start`` along ``axis``."""
         return tuple(bind_eqn(eqn, invals))
 
-    def extended_partial(
-        self,
-        eqn: JaxprEqn,
-        invals: list[Any],
-        ins: tuple[Axis, ...],
-        scales: tuple[int, ...],
-        start: Any,
-        size: int,
-        extend: int,
-    ) -> Partial:
-        """The result on chunk ``[start, start + size)`` of the region's axis from operands split
-        along ``ins`` that hold an extended chunk (``extend`` more positions on each side,
-        :mod:`memsafe.split.halo`; each operand ``scales`` positions per position of the axis):
-        :meth:`partial` of their centres."""
-        invals = [
-            v if ax is None else halo.centre(v, ax, k * extend, k * size)
-            for v, ax, k in zip(invals, ins, scales)
-        ]
-        k, axis = next((k, a) for k, a in zip(scales, ins) if a is not None)
-        return self.partial(eqn, invals, axis, halo.scaled(start, k), size * k)
-
-    def halo_reach(self, eqn: JaxprEqn, ins: tuple[Axis, ...]) -> dict[int, int]:
-        """Positions beyond the centre of an extended chunk that :meth:`extended_partial` reads,
-        by operand position (none: it reads the centres)."""
-        return {}
-
-    def piece_partial(
-        self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
-    ) -> Partial:
-        """The result on one piece of a concatenation (``memsafe.passes.distribute``): a value
-        the split pass may chunk in turn, so no chunk-loop device belongs in it."""
-        return self.partial(eqn, invals, axis, start, size)
-
     def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
         """A later chunk's partial ``new`` folded into the running ``acc``."""
         raise NotImplementedError
@@ -103,23 +73,15 @@ class Reducer:
         """Bytes the sink allocates per chunk that do not scale with the axis (candidates)."""
         return 0
 
-    def across(self, eqn: JaxprEqn, part: Partial, axis_name: str) -> Partial:
-        """The partials of every device along mesh axis ``axis_name`` combined, device order
-        (inside ``shard_map``): gathered and folded as consecutive chunks, so ties and NaN keep
-        the single-device answer. Monoids with a collective of their own override this."""
-        gathered = [lax.all_gather(p, axis_name) for p in part]
-        acc = tuple(g[0] for g in gathered)
-        for d in range(1, gathered[0].shape[0]):
-            acc = self.fold(eqn, acc, tuple(g[d] for g in gathered))
-        return acc
-
     def __repr__(self) -> str:
         return self.name
 
 
 class Monoid(Reducer):
     """A sink whose chunk result is the equation's own result, folded elementwise by ``op``
-    (sums, contractions, max, min, products, logical and bitwise reductions)."""
+    (sums, contractions, max, min, products, logical and bitwise reductions). ``collective``:
+    the cross-device collective that folds the partials of several devices at once (``lax.psum``
+    for sums; None: gathered and folded in device order, ``memsafe.mesh``)."""
 
     def __init__(
         self, name: str, op: Any, *, rescalable: bool = False, collective: Any = None
@@ -128,11 +90,6 @@ class Monoid(Reducer):
 
     def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
         return tuple(self.op(a, b) for a, b in zip(acc, new))
-
-    def across(self, eqn: JaxprEqn, part: Partial, axis_name: str) -> Partial:
-        if self.collective is None:
-            return super().across(eqn, part, axis_name)
-        return tuple(self.collective(p, axis_name) for p in part)
 
 
 class ArgBest(Reducer):
@@ -198,7 +155,8 @@ class TopK(Reducer):
     def piece_partial(
         self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int
     ) -> Partial:
-        """A piece's own top_k (block maxima are for chunks; the piece may be split later)."""
+        """A piece's own top_k (block maxima are for chunks; the piece may be split later):
+        ``memsafe.passes.distribute.Pieced``."""
         return _top_k_from(lax.top_k, eqn, invals, start, size)
 
     def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:

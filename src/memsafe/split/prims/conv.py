@@ -23,7 +23,7 @@ makes the kernel gradient a sum sink (gradient accumulation).
 While regions grow on extended chunks (``RuleContext.extended``, :mod:`memsafe.split.halo`), a
 spatial axis whose input is ``stride / lhs_dilation`` times as long as its result (one of them
 1: a "SAME" convolution, a strided one, the input gradient of a strided one) maps through as a
-:class:`~memsafe.split.registry.Halo`: the chunk's input, extended, is filled with zeros outside
+:class:`~memsafe.split.halo.Halo`: the chunk's input, extended, is filled with zeros outside
 the axis and convolved unchanged, so several convolutions in a row run in one loop. The kernel
 gradient of such a convolution (input and cotangent both split along the axis) is a sum sink
 over the cotangent's chunks, each against the window of the extended input it reads
@@ -41,8 +41,8 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn_with
 from memsafe.split import halo, sinks
-from memsafe.split.halo import Window
-from memsafe.split.registry import Halo, Mapping, NoRule, RuleContext, Side, shape, split_rule
+from memsafe.split.halo import Halo, Window
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, shape, split_rule
 from memsafe.split.sinks import Sink
 
 _NAME = "conv_general_dilated"

@@ -130,13 +130,13 @@ class Summed(Running):
         """A nested scan whose results without the axis are no sums (its counter)."""
         return not _summed(eqn, mapping)
 
-    shardable = True  # each device's shares add up like a chunk's
-
     def device_start(
         self, eqn: JaxprEqn, invals: list[Any], mapping: Mapping, first: Any
     ) -> list[Any]:
         """A device's first chunk starts its summed carries from the initial carry on the first
-        device and from zero on the others (the initial value is then counted once)."""
+        device and from zero on the others (the initial value is then counted once); with
+        :meth:`across`, ``memsafe.mesh.Shardable``: each device's shares add up like a
+        chunk's."""
         zeroed = _zero_sums(eqn, invals, _summed(eqn, mapping))
         return [jnp.where(first, v, z) if v is not z else v for v, z in zip(invals, zeroed)]
 

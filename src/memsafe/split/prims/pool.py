@@ -9,7 +9,7 @@ the reduction pads with, so the operand is used whole there, as the layout ops o
 ``reduce_window_sum``, both covered.
 
 On extended chunks (:mod:`memsafe.split.halo`), a pooled axis whose operand is ``stride``
-times as long as its result maps through as a :class:`~memsafe.split.registry.Halo` (the
+times as long as its result maps through as a :class:`~memsafe.split.halo.Halo` (the
 operand filled with the padding value outside the axis), and so does the gradient of a max
 pooling whose windows tile the axis (:class:`Tiled`): a stack of convolutions and poolings runs
 in one region.
@@ -32,8 +32,8 @@ from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import halo
-from memsafe.split.halo import Window, take
-from memsafe.split.registry import Halo, Mapping, NoRule, RuleContext, Side, shape, split_rule
+from memsafe.split.halo import Halo, Window, take
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, shape, split_rule
 from memsafe.split.sinks import extreme_identity
 
 
