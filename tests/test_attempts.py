@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import memsafe
-from memsafe import search
-from memsafe.split import planner, size
+from memsafe import policy, search
+from memsafe.split import planner
 from memsafe.xla import Footprint, memsafe_jit
 from tests.agree import assert_like_jit
 
@@ -78,7 +78,8 @@ def test_smallest_chunks_that_fit_with_room_to_spare_are_grown(monkeypatch):
     sinks' smallest chunk, the compile uses under half the room: a larger chunk scale is tried,
     and the program that fits with the larger chunks is kept (measured: 4096 chunks of 1 row in
     1.8 MiB of 5 MiB room; then chunks of 94 in 4.4 MiB, 7.7x faster)."""
-    monkeypatch.setattr(size, "FLOOR_PART", 2**60)  # floored chunks: the sinks' smallest
+    floored = dataclasses.replace(policy.SPLIT, floor_part=2**60)  # chunks: the sinks' smallest
+    monkeypatch.setattr(policy, "SPLIT", floored)
     grad, args = _fori_gradient()
     memsafe.cache.clear()
     f = memsafe.jit(grad, memory_limit="16MiB")
@@ -92,7 +93,8 @@ def test_smallest_chunks_that_fit_with_room_to_spare_are_grown(monkeypatch):
 
 def test_floored_chunks_take_a_part_of_the_budget():
     """The same program as planned by default: its floored chunk takes up to a
-    ``FLOOR_PART``-th of the budget by itself (not one row), and the first attempt fits."""
+    ``policy.SPLIT.floor_part``-th of the budget by itself (not one row), and the first attempt
+    fits."""
     grad, args = _fori_gradient()
     memsafe.cache.clear()
     f = memsafe.jit(grad, memory_limit="16MiB")

@@ -434,7 +434,7 @@ def _resnet_inputs(batch=32, size=32, channels=16):
 @pytest.mark.slow
 def test_resnet_gradient_fits_a_third():
     """No single activation of the CNN's gradient is over a quarter of the budget: the engine
-    splits values down to a sixteenth (passes.split.MANY_SHARE). One region splits the whole
+    splits values down to a sixteenth (policy.SPLIT.many_share). One region splits the whole
     training step along the batch in 13 stages: batch statistics are exact sum sinks, each
     normalization a later stage, the parameter gradients sum sinks; jax.jit's answers."""
     fun, args = jax.grad(_resnet_loss), _resnet_inputs()

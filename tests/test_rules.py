@@ -3,12 +3,15 @@ blocking, registration, clear errors, and what plan() reports."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import memsafe
+from memsafe import policy
 from memsafe.graph import inline_calls
 from memsafe.rewrite.algebraic import rewritten
 from memsafe.rewrite.match import apply_rules
@@ -18,9 +21,8 @@ from memsafe.rules import Rule, register_rule, registered_rules, unregister_rule
 @pytest.fixture(autouse=True)
 def _any_depth(monkeypatch):
     """These tests are about matching; the depth at which the GEMM pays off is tested apart."""
-    from memsafe.rules import distance
 
-    monkeypatch.setattr(distance, "MIN_GEMM_DEPTH", 1)
+    monkeypatch.setattr(policy, "REWRITE", dataclasses.replace(policy.REWRITE, min_gemm_depth=1))
 
 
 def _rand(shape, seed=0):

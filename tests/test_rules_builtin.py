@@ -3,6 +3,8 @@ and never fire where their precondition fails."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from memsafe import policy
 from memsafe.graph import inline_calls
 from memsafe.rewrite.algebraic import rewritten
 from memsafe.rewrite.match import apply_rules
@@ -23,9 +26,8 @@ sizes = st.integers(2, 9)
 @pytest.fixture(autouse=True)
 def _any_depth(monkeypatch):
     """These tests are about matching; the depth at which the GEMM pays off is tested apart."""
-    from memsafe.rules import distance
 
-    monkeypatch.setattr(distance, "MIN_GEMM_DEPTH", 1)
+    monkeypatch.setattr(policy, "REWRITE", dataclasses.replace(policy.REWRITE, min_gemm_depth=1))
 
 
 def _rand(shape, seed, dtype=jnp.float32):
@@ -219,10 +221,10 @@ def test_memsafe_jit_rewrites_the_naive_distance_before_anything_else():
 
 @pytest.mark.parametrize(("d", "fires"), [(3, False), (5, False), (6, True), (64, True)])
 def test_distance_rules_fire_only_where_the_gemm_pays_off(monkeypatch, d, fires):
-    """Below MIN_GEMM_DEPTH features the fused broadcast form is faster (measured): no rewrite."""
-    from memsafe.rules import distance
+    """Below ``policy.REWRITE.min_gemm_depth`` features the fused broadcast form is faster
+    (measured): no rewrite."""
 
-    monkeypatch.setattr(distance, "MIN_GEMM_DEPTH", 6)
+    monkeypatch.setattr(policy, "REWRITE", dataclasses.replace(policy.REWRITE, min_gemm_depth=6))
     x, y = _rand((40, d), 0), _rand((50, d), 1)
     assert (fired(SQDIST_FORMS["pow"], x, y) == ["pairwise_sqdist"]) is fires
 

@@ -4,6 +4,7 @@ limit, with jax.jit's answers."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import jax
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 import memsafe
-from memsafe import tuning
+from memsafe import policy, tuning
 from memsafe.plan import Plan
 from memsafe.xla import Footprint, memsafe_jit
 from tests.agree import assert_like_jit
@@ -107,7 +108,7 @@ def _chain(a, b):
 
 
 def test_a_tuned_program_settles_within_the_limit_with_jax_jits_answers(monkeypatch):
-    monkeypatch.setattr(tuning, "TUNE_ABOVE_FLOPS", 0)
+    monkeypatch.setattr(policy, "TUNING", dataclasses.replace(policy.TUNING, above_flops=0))
     k1, k2 = jax.random.split(jax.random.PRNGKey(0))
     a, b = jax.random.normal(k1, (256, 128)), jax.random.normal(k2, (128, 512))
     f = memsafe.jit(_chain, memory_limit="4MiB")
@@ -122,8 +123,8 @@ def test_small_programs_programs_without_products_and_user_options_are_not_tuned
     f = memsafe.jit(_chain, memory_limit="64MiB")
     for _ in range(len(tuning.SCHEDULE)):
         f(a, a)
-    assert f.plan(a, a).tuning == ""  # 1 MFLOP: below TUNE_ABOVE_FLOPS
-    monkeypatch.setattr(tuning, "TUNE_ABOVE_FLOPS", 0)
+    assert f.plan(a, a).tuning == ""  # 1 MFLOP: below policy.TUNING.above_flops
+    monkeypatch.setattr(policy, "TUNING", dataclasses.replace(policy.TUNING, above_flops=0))
     h = memsafe.jit(lambda a: jnp.sum(jnp.exp(a), 0), memory_limit="64MiB")
     for _ in range(len(tuning.SCHEDULE)):
         h(a)
@@ -143,7 +144,7 @@ def _sgd_step(w, x):
 def test_a_donated_step_runs_through_the_trial(monkeypatch):
     """Each call donates the parameters the last call returned; the trial's executables (the
     candidate compiled on call 3) take them in turn."""
-    monkeypatch.setattr(tuning, "TUNE_ABOVE_FLOPS", 0)
+    monkeypatch.setattr(policy, "TUNING", dataclasses.replace(policy.TUNING, above_flops=0))
     k1, k2 = jax.random.split(jax.random.PRNGKey(1))
     w0, x = jax.random.normal(k1, (64, 32)), jax.random.normal(k2, (512, 64))
     step = memsafe.jit(_sgd_step, memory_limit="8MiB", donate_argnums=0)

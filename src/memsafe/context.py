@@ -10,10 +10,6 @@ from typing import Any
 from memsafe.errors import Blocker
 from memsafe.plan import Plan, Record
 
-#: Residuals are worth recomputing (the remat pass), and repeated blocks worth rolling into scans
-#: (the roll pass), when they take more than this share of the temporaries' budget.
-SHARE_OF_BUDGET = 0.5
-
 
 @dataclass
 class PassContext:

@@ -8,13 +8,13 @@ XLA's own product's (``tests/test_tuning.py``). Whether it is faster depends on 
 measured on 2 cores, a GPT training step ran 10% faster with it and attention's forward 16%,
 while a 10k x 1M kNN ran 6-8% slower and attention's backward 5% (``ynn-individual-dot.md``).
 So it is timed, not guessed, over the first calls of a program whose work is worth it
-(:data:`TUNE_ABOVE_FLOPS`), each of which returns its result as usual (:data:`SCHEDULE`):
+(``policy.TUNING.above_flops``), each of which returns its result as usual (:data:`SCHEDULE`):
 
 1. the verified executable, untimed (first touches of its buffers);
 2. the same, timed;
 3. the candidate, compiled and checked against the limit (else the trial ends), untimed;
 4. to 6. the candidate, the verified executable and the candidate again, timed; from then on
-   the faster by their fastest calls, the candidate only when faster by :data:`MARGIN`.
+   the faster by their fastest calls, the candidate only when faster by ``policy.TUNING.margin``.
 
 A timed call waits for its results. The two executables differ only in how XLA runs each
 product: their results agree to the accuracy rule, not bit for bit.
@@ -30,7 +30,7 @@ from typing import Any
 
 import jax
 
-from memsafe import log
+from memsafe import log, policy
 from memsafe._jax import ClosedJaxpr, Jaxpr, jaxprs_in_params
 from memsafe.flops import jaxpr_flops
 from memsafe.plan import Plan
@@ -39,14 +39,6 @@ from memsafe.xla import Footprint
 #: The option value that turns on the one YNNPACK fusion type memsafe trusts.
 YNN_OPTION = "xla_cpu_experimental_ynn_fusion_type"
 CANDIDATE: dict[str, str] = {YNN_OPTION: "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
-
-#: Programs with less floating-point work than this (about 10 ms on 2 cores) are not tuned: the
-#: second compile would cost more than the calls could gain.
-TUNE_ABOVE_FLOPS = 2e9
-
-#: The candidate replaces the verified executable only when its fastest timed call is this much
-#: faster than the verified executable's fastest.
-MARGIN = 0.03
 
 #: Which executable each of a program's first calls runs, and whether the call is timed. The
 #: first call of each is not (first touches of its buffers; the candidate is compiled on its
@@ -68,10 +60,13 @@ Compile = Callable[[dict[str, Any]], "tuple[Any, Footprint] | None"]
 def worth_tuning(program: ClosedJaxpr, options: Mapping[str, Any], user: Mapping[str, Any]) -> bool:
     """Whether to time :data:`CANDIDATE` against ``options`` (as compiled): on the CPU, where
     memsafe turned YNNPACK off and the user did not set it, for a program with a matrix product
-    and at least :data:`TUNE_ABOVE_FLOPS` of work."""
+    and at least ``policy.TUNING.above_flops`` of work."""
     if jax.default_backend() != "cpu" or YNN_OPTION in user or options.get(YNN_OPTION) != "":
         return False
-    return _has_products(program.jaxpr) and jaxpr_flops(program.jaxpr.eqns) >= TUNE_ABOVE_FLOPS
+    return (
+        _has_products(program.jaxpr)
+        and jaxpr_flops(program.jaxpr.eqns) >= policy.TUNING.above_flops
+    )
 
 
 def _has_products(jaxpr: Jaxpr) -> bool:
@@ -143,7 +138,7 @@ class Trial:
         return got
 
     def _settle(self, verified: float, candidate: float) -> None:
-        faster = candidate < (1 - MARGIN) * verified
+        faster = candidate < (1 - policy.TUNING.margin) * verified
         self.chosen = self._candidate[0] if faster else self._verified
         if faster:
             self._plan.after = self._candidate[1]

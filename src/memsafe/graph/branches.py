@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memsafe import policy
 from memsafe._jax import Var, is_var
 from memsafe.graph import Graph
 from memsafe.graph.estimate import materialized_values
@@ -22,9 +23,6 @@ from memsafe.primitives import FOLDS, FUSIBLE, REDUCTIONS
 
 #: Binary elementwise primitives a chain may be built of (the accumulator on either side).
 CHAIN_OPS = FOLDS
-
-#: Reductions are heavy (materialize and break fusion) only above this many input bytes.
-HEAVY_REDUCTION_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -50,7 +48,7 @@ def is_heavy(graph: Graph, index: int) -> bool:
     name = eqn.primitive.name
     if name in REDUCTIONS:
         big = sum(graph.info(v).bytes for v in eqn.invars if isinstance(v, Var))
-        return big >= HEAVY_REDUCTION_BYTES
+        return big >= policy.REWRITE.heavy_reduction_bytes
     return name not in FUSIBLE
 
 

@@ -17,11 +17,9 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
+from memsafe import policy
 from memsafe._jax import JaxprEqn, Literal, Var, is_var, jaxprs_in_params, nbytes_of_aval
 from memsafe.graph.graph import Graph
-
-#: Blocks shorter than this many equations are not looked for.
-PERIOD_MIN = 8
 
 
 @dataclass(frozen=True)
@@ -186,7 +184,7 @@ def _periods(ids: np.ndarray) -> list[int]:
     last: dict[int, int] = {}
     gaps: set[int] = set()
     for i, s in enumerate(ids.tolist()):
-        if s in last and PERIOD_MIN <= i - last[s] <= len(ids) // 2:
+        if s in last and policy.REWRITE.period_min <= i - last[s] <= len(ids) // 2:
             gaps.add(i - last[s])
         last[s] = i
     return sorted(gaps)

@@ -11,23 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable
 
+from memsafe import policy
 from memsafe.inspect.model import Array, Finding, Kernel
 from memsafe.inspect.view import ReportView
 from memsafe.limits import format_bytes
 
 #: A finding check: what one rule of thumb finds in a report.
 FindingCheck = Callable[[ReportView], Iterable[Finding]]
-
-#: Patterns costing fewer bytes than this are not reported.
-MIN_BYTES = 64 * 1024
-#: A reduction over at most this many elements is short enough to write out explicitly.
-SMALL_AXIS = 16
-#: A kernel writing this many times more than it reads is materializing a broadcast.
-EXPANSION = 8
-#: Materialized broadcasts smaller than this are not reported (RNG key tables and the like).
-BROADCAST_MIN_BYTES = 1 << 20
-#: Independent heavy branches live at once before the overlap is reported.
-MIN_BRANCHES = 3
 
 #: Kernels whose work is heavy (not worth recomputing, and what parallel branches are made of).
 HEAVY_OPS = frozenset({"dot", "fft", "convolution", "custom-call", "sort", "triangular-solve"})
@@ -193,12 +183,15 @@ def reduction_barrier(report: ReportView) -> Iterable[Finding]:
     graph = report.graph
     for kernel in report.kernels:
         extent = _reduced_extent(report, kernel)
-        if extent is None or extent > SMALL_AXIS:
+        if extent is None or extent > policy.INSPECT.small_axis:
             continue
         reads = set(kernel.inputs)
         for out in kernel.outputs:
             array = graph.arrays[out]
-            if array.bytes < MIN_BYTES or array.role not in ("temporary", "loop state"):
+            if array.bytes < policy.INSPECT.min_bytes or array.role not in (
+                "temporary",
+                "loop state",
+            ):
                 continue
             for consumer in array.consumers:
                 shared = (reads & set(graph.kernels[consumer].inputs)) - {out}
@@ -230,7 +223,7 @@ def reduction_barrier(report: ReportView) -> Iterable[Finding]:
 def large_constant(report: ReportView) -> Iterable[Finding]:
     """Constants folded into the executable or passed as hidden arguments (seed 002's f_numpy)."""
     for c in report.constants:
-        if c.bytes < MIN_BYTES:
+        if c.bytes < policy.INSPECT.min_bytes:
             continue
         origin = "a closed-over array" if c.closed_over else "a constant"
         if c.kind == "folded":
@@ -267,7 +260,7 @@ def loop_invariant_temp(report: ReportView) -> Iterable[Finding]:
     graph = report.graph
     for loop in report.loops:
         for state in loop.state:
-            if not state.invariant or state.bytes < MIN_BYTES:
+            if not state.invariant or state.bytes < policy.INSPECT.min_bytes:
                 continue
             inits = [graph.arrays[a] for a in state.init]
             if not inits or not all(_generated(report, a) for a in inits):
@@ -333,7 +326,7 @@ def fft_transpose(report: ReportView) -> Iterable[Finding]:
         if graph.arrays[o].role not in ("output",)
     ]
     cost = sum(a.bytes for a in extra)
-    if cost < MIN_BYTES:
+    if cost < policy.INSPECT.min_bytes:
         return
     first = next(iter(transposes.values()))
     yield Finding(
@@ -369,7 +362,7 @@ def parallel_branches(report: ReportView) -> Iterable[Finding]:
         by_comp.setdefault(k.computation, []).append(k)
     for kernels in by_comp.values():
         heavy = {k.name for k in kernels if _is_heavy(report, k)}
-        if len(heavy) < MIN_BRANCHES:
+        if len(heavy) < policy.INSPECT.min_branches:
             continue
         position = {k.name: k.order for k in kernels}
         anc = {k.name: graph.ancestors(k.name) for k in kernels}
@@ -377,7 +370,7 @@ def parallel_branches(report: ReportView) -> Iterable[Finding]:
         for k in kernels:
             for out in k.outputs:
                 array = graph.arrays[out]
-                if array.role != "temporary" or array.bytes < MIN_BYTES:
+                if array.role != "temporary" or array.bytes < policy.INSPECT.min_bytes:
                     continue
                 ends = [
                     position.get(graph.top_level_in(c, k.computation), -1) for c in array.consumers
@@ -392,13 +385,13 @@ def parallel_branches(report: ReportView) -> Iterable[Finding]:
             for cand in now:
                 if all(_independent(cand, p, anc) for p in picked):
                     picked.append(cand)
-            if len(picked) >= MIN_BRANCHES:
+            if len(picked) >= policy.INSPECT.min_branches:
                 sizes = [p[0].bytes for p in picked]
                 cost = sum(sizes) - max(sizes)
                 if cost > best[0]:
                     best = (cost, [p[0] for p in picked])
         cost, arrays = best
-        if cost < MIN_BYTES:
+        if cost < policy.INSPECT.min_bytes:
             continue
         yield Finding(
             rule="parallel_branches",
@@ -440,7 +433,11 @@ def stored_across_barrier(report: ReportView) -> Iterable[Finding]:
         read = sum(a.bytes for a in _array_inputs(report, kernel))
         for out in kernel.outputs:
             array = graph.arrays[out]
-            if array.role != "temporary" or array.bytes < MIN_BYTES or read * 4 > array.bytes:
+            if (
+                array.role != "temporary"
+                or array.bytes < policy.INSPECT.min_bytes
+                or read * 4 > array.bytes
+            ):
                 continue
             reducers = [
                 c for c in array.consumers if _reduced_extent(report, graph.kernels[c]) is not None
@@ -490,9 +487,12 @@ def broadcast_materialized(report: ReportView) -> Iterable[Finding]:
             continue  # generated from iota: the loop and barrier rules cover those
         for out in kernel.outputs:
             array = graph.arrays[out]
-            if array.role not in ("temporary", "loop state") or array.bytes < BROADCAST_MIN_BYTES:
+            if (
+                array.role not in ("temporary", "loop state")
+                or array.bytes < policy.INSPECT.broadcast_min_bytes
+            ):
                 continue
-            if array.bytes < EXPANSION * read or _initializes_loop(report, array):
+            if array.bytes < policy.INSPECT.expansion * read or _initializes_loop(report, array):
                 continue
             source = (
                 " from " + ", ".join(a.describe() for a in inputs) if inputs else " from a scalar"

@@ -11,16 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from memsafe import policy
 from memsafe.inspect.findings import register_finding
 from memsafe.inspect.model import Array, Finding
 from memsafe.inspect.view import ReportView
 from memsafe.limits import format_bytes
 from memsafe.sources import shorten_paths
-
-#: Temporaries smaller than this are not worth a split.
-SPLIT_MIN_BYTES = 16 << 20
-#: ... nor those under this fraction of the footprint.
-SPLIT_MIN_FRACTION = 1 / 8
 
 
 def split_axis(report: ReportView, array: Array) -> tuple[int, Array] | None:
@@ -55,7 +51,10 @@ def _candidates(report: ReportView) -> dict[tuple[int, str], list[Array]]:
     total = max(report.footprint.total, 1)
     groups: dict[tuple[int, str], list[Array]] = {}
     for array in report.temporaries:
-        if array.bytes < SPLIT_MIN_BYTES or array.bytes < SPLIT_MIN_FRACTION * total:
+        if (
+            array.bytes < policy.INSPECT.split_min_bytes
+            or array.bytes < policy.INSPECT.split_min_fraction * total
+        ):
             continue
         if array.role != "temporary" or array.parent is not None:
             continue  # a loop's state or a value inside a loop body is already per iteration

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from memsafe import _jax
+from memsafe import _jax, policy
 from memsafe.batching import planning
 from memsafe.inspect import render
 from memsafe.inspect.findings import find_all
@@ -27,9 +27,6 @@ from memsafe.limits import format_bytes
 from memsafe.plan import Plan
 from memsafe.xla import Footprint
 from memsafe.xla import compiler_options as memsafe_compiler_options
-
-#: Closed-over arrays at most this large are ignored (scalars and tiny tables).
-CONSTANT_THRESHOLD = 64
 
 _NUMPY_TO_HLO = {
     "bool": "pred",
@@ -204,7 +201,7 @@ def _closed_over(jaxpr: Any) -> list[Constant]:
     constvars = list(jaxpr.jaxpr.constvars)
     for var, value in zip(constvars, consts):
         nbytes = int(getattr(value, "nbytes", 0) or 0)
-        if nbytes <= CONSTANT_THRESHOLD or not hasattr(value, "shape"):
+        if nbytes <= policy.INSPECT.constant_threshold or not hasattr(value, "shape"):
             continue
         where = ""
         for eqn in jaxpr.jaxpr.eqns:
@@ -231,7 +228,7 @@ def _constants(graph: ProgramGraph, hidden: list[Constant], generated_code: int)
     folded: list[Constant] = []
     for comp in graph.module.computations.values():
         for inst in comp.instructions:
-            if inst.opcode != "constant" or inst.shape.bytes <= CONSTANT_THRESHOLD:
+            if inst.opcode != "constant" or inst.shape.bytes <= policy.INSPECT.constant_threshold:
                 continue
             folded.append(
                 Constant(

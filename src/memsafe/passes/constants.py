@@ -19,6 +19,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from memsafe import policy
 from memsafe._jax import ClosedJaxpr, make_closed_jaxpr
 from memsafe.context import PassContext
 from memsafe.graph import evaluate
@@ -26,16 +27,13 @@ from memsafe.plan import PassRecord
 from memsafe.rewrite.generators import Candidate, fit
 from memsafe.rewrite.invariants import transform
 
-#: Constants smaller than this are left as they are (not worth a fit).
-MIN_BYTES = 4096
-
 
 def regenerable(consts: list[Any]) -> dict[int, Candidate]:
     """Positions of constants that a verified iota-based generator reproduces."""
     found: dict[int, Candidate] = {}
     for k, c in enumerate(consts):
         nbytes = int(getattr(c, "nbytes", 0) or 0)
-        if nbytes < MIN_BYTES or not hasattr(c, "shape"):
+        if nbytes < policy.REWRITE.constant_min_bytes or not hasattr(c, "shape"):
             continue
         try:
             arr = np.asarray(c)

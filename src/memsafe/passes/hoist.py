@@ -25,6 +25,7 @@ from typing import Any
 import jax
 from jax import lax
 
+from memsafe import policy
 from memsafe._jax import (
     LOOP_BODIES,
     ClosedJaxpr,
@@ -60,9 +61,6 @@ POINTWISE = (
     | {"broadcast_in_dim", "transpose", "reshape", "squeeze", "expand_dims", "dot_general"}
     | {"pad", "concatenate", "sort", "stack"}
 )
-
-#: Values up to this fraction of the temporary budget are left where they are.
-SMALL = 1 / 8
 
 
 class Window:
@@ -265,7 +263,7 @@ def hoist(closed: ClosedJaxpr, large: int, changes: list[str]) -> ClosedJaxpr:
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Move slices and reversals of large computed values above the operations computing them."""
     changes: list[str] = []
-    new = hoist(closed, int(ctx.temp_budget * SMALL), changes)
+    new = hoist(closed, int(ctx.temp_budget * policy.REWRITE.hoist_small), changes)
     for change in dict.fromkeys(changes):
         ctx.record(PassRecord("hoist", change))
     return new

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 from jax import lax
 
+from memsafe import policy
 from memsafe._jax import (
     ClosedJaxpr,
     JaxprEqn,
@@ -44,7 +45,7 @@ from memsafe._jax import (
     with_outputs,
     with_results,
 )
-from memsafe.context import SHARE_OF_BUDGET, PassContext
+from memsafe.context import PassContext
 from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
 from memsafe.graph.bodies import any_eqn
@@ -147,7 +148,7 @@ def _worth_it(graph: Graph, pair: Pair, budget: int) -> bool:
     stacked carries and decisions)."""
     fwd, held = graph.eqns[pair.forward], _held(graph, pair)
     stacked = sum(nbytes_of_aval(v.aval) for v in _stacked(fwd, pair)) * fwd.params["length"]
-    return held > SHARE_OF_BUDGET * budget and held > 2 * stacked
+    return held > policy.REWRITE.share_of_budget * budget and held > 2 * stacked
 
 
 def _stacked(fwd: JaxprEqn, pair: Pair) -> list[Var]:

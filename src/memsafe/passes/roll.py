@@ -24,8 +24,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from memsafe import policy
 from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
-from memsafe.context import SHARE_OF_BUDGET, PassContext
+from memsafe.context import PassContext
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, retrace
 from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops, signature
@@ -281,7 +282,7 @@ def chosen(graph: Graph, budget: int) -> list[Pair]:
     much of a forward loop's values (rolled alone: XLA would merge each recomputation with the
     forward and keep them all alive). A loop is rolled once at most."""
     found, used, pairs = loops(graph), set(), []
-    share = SHARE_OF_BUDGET * budget
+    share = policy.REWRITE.share_of_budget * budget
     for k, later in enumerate(found):
         for e, earlier in enumerate(found[:k]):
             if e in used or k in used:

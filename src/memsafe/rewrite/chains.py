@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from memsafe import policy
 from memsafe._jax import (
     ClosedJaxpr,
     Literal,
@@ -283,19 +284,10 @@ def _as_written(eqns: Any, chain: Chain, env: dict[Any, Any]) -> Any:
     return local[chain.root]
 
 
-#: A reordered chain must lower the chain's peak by at least this share of it. The new order
-#: runs behind a ``lax.cond`` on its factors being finite, which the split pass chunks less
-#: well than the plain chain: self-attention's ``(x @ wq) @ (x @ wk).T`` reordered as
-#: ``x @ ((wq @ wk.T) @ x.T)`` saved 496 KiB beside its 16 MiB result at L=2048 and left the scores
-#: unsplittable inside the branch (refused under 30% of jax.jit's footprint; split once left
-#: as written).
-MIN_PEAK_GAIN = 0.25
-
-
 def _pays(written: Cost, best: Cost, root_bytes: int) -> bool:
     """Whether the ``best`` order lowers the ``written`` order's peak, the chain's result of
     ``root_bytes`` counted in, enough to run instead."""
-    return written.peak - best.peak >= MIN_PEAK_GAIN * (written.peak + root_bytes)
+    return written.peak - best.peak >= policy.REWRITE.min_peak_gain * (written.peak + root_bytes)
 
 
 def find_chains(closed: ClosedJaxpr) -> list[tuple[Chain, Tree, Cost]]:

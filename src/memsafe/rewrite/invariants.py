@@ -16,6 +16,7 @@ from typing import Any
 
 from jax import lax
 
+from memsafe import policy
 from memsafe._jax import (
     CALL_PRIMITIVES,
     CUSTOM_DIFF_PRIMITIVES,
@@ -33,12 +34,6 @@ from memsafe.primitives import FUSIBLE, REDUCTIONS
 #: Primitives recomputed inside every loop iteration: those XLA fuses into their consumer (not
 #: :data:`memsafe.primitives.CHEAP`, which says what a split region recomputes per chunk).
 IN_LOOP = FUSIBLE
-
-#: Loop constants smaller than this are left alone (holding them costs nothing worth a rewrite).
-MIN_BYTES = 64 * 1024
-
-#: A generator may read values up to this size from outside (scalars, small vectors).
-SMALL_LEAF_BYTES = 64 * 1024
 
 #: Which loops a transform leaves alone.
 Skip = Callable[[JaxprEqn], bool]
@@ -66,22 +61,25 @@ class Moving:
     """Which loop constants a transform recomputes inside the loops that read them.
 
     Attributes:
-        min_bytes: constants smaller than this stay where they are.
+        min_bytes: constants smaller than this stay where they are (None:
+            ``policy.REWRITE.invariant_min_bytes``).
         ops: the primitives a constant's computation may use (:data:`IN_LOOP` by default).
         skip: loops to leave as they are.
         takes: which constants of the other loops may move, by operand position.
         whiles: whether the constants of ``while`` loops move too (:func:`loop_const_positions`).
     """
 
-    min_bytes: int = MIN_BYTES
+    min_bytes: int | None = None
     ops: Set[str] = IN_LOOP
     skip: Skip = _never
     takes: Takes = _any
     whiles: bool = False
 
+    @property
+    def floor(self) -> int:
+        """Bytes from which a constant moves."""
+        return policy.REWRITE.invariant_min_bytes if self.min_bytes is None else self.min_bytes
 
-#: Longest generator chain recomputed per iteration.
-MAX_CONE = 256
 
 _DEAD = object()  # placeholder for values no longer computed at this level
 
@@ -134,13 +132,13 @@ def generator(graph: Graph, var: Any, ops: Set[str] = IN_LOOP) -> Generator | No
         name = eqn.primitive.name
         # A small value a reduction or product made is read, not recomputed: the row sums of a
         # matrix the loop reads, made per iteration, would need the whole matrix each time.
-        recomputed = name in IN_LOOP or vi.bytes > SMALL_LEAF_BYTES
+        recomputed = name in IN_LOOP or vi.bytes > policy.REWRITE.small_leaf_bytes
         if name in ops and recomputed and not eqn.effects:
             cone.add(vi.producer)
-            if len(cone) > MAX_CONE:
+            if len(cone) > policy.REWRITE.max_cone:
                 return None
             stack.extend(a for a in eqn.invars if isinstance(a, Var))
-        elif vi.bytes <= SMALL_LEAF_BYTES:
+        elif vi.bytes <= policy.REWRITE.small_leaf_bytes:
             leaves.append(v)
         else:
             return None  # would keep a large intermediate alive instead
@@ -249,7 +247,7 @@ def _plan_loop(
     gens: dict[int, Generator] = {}
     for pos in positions:
         var = eqn.invars[pos]
-        if not isinstance(var, Var) or graph.info(var).bytes < moving.min_bytes:
+        if not isinstance(var, Var) or graph.info(var).bytes < moving.floor:
             continue
         if not moving.takes(eqn, pos):
             continue

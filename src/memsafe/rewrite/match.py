@@ -16,15 +16,13 @@ from typing import Any
 
 import jax
 
+from memsafe import policy
 from memsafe._jax import ClosedJaxpr, Var, dce, eqn_context, make_closed_jaxpr, source_line
 from memsafe.graph import Graph, evaluate
 from memsafe.plan import RuleRecord
 from memsafe.rules.cost import savings
 from memsafe.rules.ir import IR
 from memsafe.rules.pattern import Match, Rule, Variant
-
-#: Rounds of matching (a rewrite can expose another: tile -> broadcast -> distance).
-MAX_ROUNDS = 4
 
 
 def _variants_by_op(rules: Sequence[Rule], ops: set[str]) -> dict[str, list[Variant]]:
@@ -137,7 +135,7 @@ def apply_rules(
     """Apply ``rules`` (and procedural ``rewrites``) until none fires; returns the program and
     a record per rewrite."""
     records: list[RuleRecord] = []
-    for _ in range(MAX_ROUNDS):
+    for _ in range(policy.REWRITE.max_match_rounds):
         found = find_matches(closed, rules, measure)
         claimed: set[int] = set()
         for m, _ in found:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from memsafe import policy
 from memsafe.rules.pattern import Rule
 from memsafe.rules.sqdist import gram as _gram
 from memsafe.rules.sqdist import sqdist
@@ -36,15 +37,8 @@ def cosine_gemm(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:
     return _gram(x, y) / (nx[:, None] * ny[None, :])
 
 
-#: Smallest feature dimension at which the GEMM expansion beats the fused broadcast-and-reduce.
-#: Measured on the CPU (kernel matvec, 20k x 20k, split under 64 MiB): d=3 GEMM 1.44 s vs fused
-#: 0.67 s; d=8 GEMM 0.82 s vs fused 1.60 s; d=32 GEMM 1.14 s vs fused 4.51 s. Below it, the
-#: elementwise form is left to XLA's fusion (and to splitting, for memory).
-MIN_GEMM_DEPTH = 6
-
-
 def _deep_enough(match) -> bool:
-    return match.sizes.get("d", MIN_GEMM_DEPTH) >= MIN_GEMM_DEPTH
+    return match.sizes.get("d", policy.REWRITE.min_gemm_depth) >= policy.REWRITE.min_gemm_depth
 
 
 def _diff(x: jnp.ndarray, y: jnp.ndarray) -> jnp.ndarray:

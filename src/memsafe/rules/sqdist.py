@@ -40,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from memsafe import policy
+
 _HIGHEST = lax.Precision.HIGHEST
 
 
@@ -75,18 +77,15 @@ def _scale(x: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
     return jnp.ldexp(one, -shift), jnp.ldexp(one, shift)
 
 
-#: Rows of each input the centre is estimated from (an evenly strided sample).
-CENTRE_SAMPLE = 64
-
-
 def _centre(xs: jnp.ndarray, ordinary: jnp.ndarray) -> jnp.ndarray:
     """The coordinate-wise median of a strided sample of rows of ``xs``: of its ``ordinary``
     values (finite, with squares that cannot overflow unscaled), or of its finite values in a
     column with none. In the bulk of the data, which far outliers (huge values) cannot drag away
     as they drag a mean, nor, being skipped, as they drag the median of a few rows (2 rows, one
     of them at 1e20: the midpoint left the other row 5e19 from the centre, and its distances lost
-    every digit). Costs O(d) memory and O(CENTRE_SAMPLE log CENTRE_SAMPLE) per feature."""
-    step = max(1, -(-xs.shape[0] // CENTRE_SAMPLE))
+    every digit). Costs O(d) memory and O(s log s) per feature, s the
+    sample (``policy.REWRITE.centre_sample``)."""
+    step = max(1, -(-xs.shape[0] // policy.REWRITE.centre_sample))
     rows, ordinary = xs[::step], ordinary[::step]
     if rows.shape[0] == 0:
         return jnp.zeros(xs.shape[1:], xs.dtype)

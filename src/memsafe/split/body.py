@@ -23,6 +23,7 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
+from memsafe import policy
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, is_var
 from memsafe.flops import jaxpr_flops
 from memsafe.primitives import Scaling, facts
@@ -385,15 +386,6 @@ def _check_outputs(jaxpr: Jaxpr, got: Reached) -> None:
             raise NoRule(f"the body's result {k} does not carry the split axis")
 
 
-#: Most work a loop's results that are the same on every chunk may add, as a share of the
-#: body's: each chunk computes them again (a counter costs nothing; a gradient summed over
-#: another axis would repeat the whole loop's work once per chunk).
-SAME_WORK_SHARE = 0.01
-#: Work the same results may always add (a loop whose body is its counter and a value passed
-#: through: a share of nothing is nothing).
-SAME_WORK_FLOOR = 4096
-
-
 def _check_same(jaxpr: Jaxpr, got: Reached) -> None:
     """A loop's results without the axis that are no shares read nothing of it: every chunk
     computes them again. Refuse them where the work only they need is more than a sliver of
@@ -404,7 +396,9 @@ def _check_same(jaxpr: Jaxpr, got: Reached) -> None:
         return
     extra = _cone(jaxpr, same) - _cone(jaxpr, split)
     work = jaxpr_flops(jaxpr.eqns[i] for i in extra)
-    if work > max(SAME_WORK_FLOOR, SAME_WORK_SHARE * jaxpr_flops(jaxpr.eqns)):
+    if work > max(
+        policy.SPLIT.same_work_floor, policy.SPLIT.same_work_share * jaxpr_flops(jaxpr.eqns)
+    ):
         k = jaxpr.outvars.index(same[0])
         raise NoRule(
             f"the loop's result {k} does not carry the split axis, and each chunk would compute "

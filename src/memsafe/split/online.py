@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from memsafe import policy
 from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn, is_var
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
@@ -43,11 +44,6 @@ from memsafe.split.emit import OneDevice
 from memsafe.split.loop import Carry, ChunkEnv, Written
 from memsafe.split.region import Region, region_depends
 from memsafe.split.sinks import Sink
-
-#: Weight of an online loop's iterations when choosing between axes: it rescales and rewrites
-#: its accumulators every chunk; on CPU it measured as fast as the split along the other axis,
-#: so a plain split wins unless the online one needs clearly fewer iterations.
-ONLINE_WEIGHT = 1.25
 
 
 class NotOnline(Exception):
@@ -527,7 +523,13 @@ class OnlineSplit(OneDevice):
 
     region: Region
     plan: OnlinePlan
-    cost_weight: ClassVar[float] = ONLINE_WEIGHT
+
+    @property
+    def cost_weight(self) -> float:
+        """Weight of the loop's iterations when choosing between axes (it rescales its
+        accumulators every chunk)."""
+        return policy.SPLIT.online_weight
+
     label: ClassVar[str | None] = "online_softmax"
 
     def fixed_bytes(self, graph: Graph) -> int:

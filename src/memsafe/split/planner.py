@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from memsafe import policy
 from memsafe._jax import Var
 from memsafe.graph import Graph, estimate
 from memsafe.primitives import FUSIBLE
@@ -23,31 +24,19 @@ from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import PLAIN, RuleContext
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, two_chunks
 
-#: A value is split when it exceeds this share of the temporary budget.
-SHARE = 4
-#: Where no value exceeds budget / SHARE, values over budget / MANY_SHARE are split.
-MANY_SHARE = 16
-#: Values up to budget / SMALL may stay whole outside a region.
-SMALL = 8
-#: Axes whose loop counts are within this factor of the fewest count as equally cheap; among
-#: them a plain split beats an online-softmax one, then the thickest slab wins. A 67-row slab of
-#: a 10k x 1M kNN ran 1.7x slower than a 6,850-column one with nearly the same loop count (150
-#: vs 146): a thin side starves the GEMM and multiplies per-row calls.
-SIMILAR_COST = 1.25
-
 
 def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]:
-    """Intermediates over ``budget / SHARE`` bytes, largest first. Where none is, but the
-    program is still estimated over ``limit`` (many moderate values alive at once, as in a deep
-    network's backward pass), those over ``budget / MANY_SHARE``."""
+    """Intermediates over ``budget / share`` bytes, largest first. Where none is, but the program
+    is still estimated over ``limit`` (many moderate values alive at once, as in a deep
+    network's backward pass), those over ``budget / many_share`` (``policy.SPLIT``)."""
     values = [
         vi
         for vi in graph.values()
         if vi.producer is not None and not vi.is_output and vi.consumers  # dead: XLA drops it
     ]
-    out = [vi for vi in values if vi.bytes > budget // SHARE]
+    out = [vi for vi in values if vi.bytes > budget // policy.SPLIT.share]
     if not out and limit is not None and estimate(graph).peak_bytes > limit:
-        out = [vi for vi in values if vi.bytes > budget // MANY_SHARE]
+        out = [vi for vi in values if vi.bytes > budget // policy.SPLIT.many_share]
     out.sort(key=lambda vi: (-vi.bytes, vi.producer))
     return [vi.var for vi in out]
 
@@ -97,7 +86,7 @@ def _region(
     windowed operations (convolutions), first the region on extended chunks
     (:mod:`memsafe.split.halo`), which runs several of them in a row in one loop; the plain
     region where that fails or needs no extension."""
-    small, large = max(1, budget // SMALL), max(1, budget // 2)
+    small, large = max(1, budget // policy.SPLIT.small), max(1, budget // 2)
     if windowed and any(e.primitive.name in halo.WINDOWED for e in graph.eqns):
         try:
             region = grow(graph, var, axis, small, large, replace(ctx, extended=True))
@@ -155,7 +144,7 @@ def cheapest_split(
         or options
     )
     fewest = min(_cost(*o) for o in options)
-    close = [o for o in options if _cost(*o) <= SIMILAR_COST * fewest]
+    close = [o for o in options if _cost(*o) <= policy.SPLIT.similar_cost * fewest]
     return min(
         close,
         key=lambda o: (

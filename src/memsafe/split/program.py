@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+from memsafe import policy
 from memsafe._jax import (
     LOOP_BODIES,
     ClosedJaxpr,
@@ -31,12 +32,9 @@ from memsafe.plan import PassRecord, SplitRecord
 from memsafe.rewrite import invariants
 from memsafe.split import recompute, replay
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
-from memsafe.split.planner import SHARE, absorbed, best_split, candidates
+from memsafe.split.planner import absorbed, best_split, candidates
 from memsafe.split.registry import PLAIN, NoRule, axis_map
 from memsafe.split.size import ChunkPlan, speed_cap
-
-#: Most regions one run of the pass emits.
-MAX_REGIONS = 16
 
 
 def _describe(graph: Graph, var: Var) -> str:
@@ -149,7 +147,7 @@ def _split_bodies(
     targets = {
         i
         for i, e in enumerate(graph.eqns)
-        if bodies(e) and _largest_inside(e) > budget // SHARE and not _is_kept(e, kept)
+        if bodies(e) and _largest_inside(e) > budget // policy.SPLIT.share and not _is_kept(e, kept)
     }
     if not targets:
         return closed
@@ -189,7 +187,7 @@ def _invariants_inside(
     ``[batch, heads, L, L]``), so that splitting a body chunks them with the rest; held
     outside, they stay whole beside the split body. Done after the top-level split, which may
     slice them per chunk instead; kept loops stay as they are. Then :func:`_unheld_inside`."""
-    floor = max(invariants.MIN_BYTES, ctx.temp_budget // SHARE)
+    floor = max(policy.REWRITE.invariant_min_bytes, ctx.temp_budget // policy.SPLIT.share)
     skip = lambda e: _is_kept(e, kept)
     closed = _moved(closed, ctx, invariants.Moving(floor, skip=skip))
     return _unheld_inside(closed, ctx, skip=skip)
@@ -207,7 +205,7 @@ def _unheld_inside(
     invariants a loop holds whole are measured against the scaled budget, so that an attempt
     after one that failed moves a matrix the room held but not beside the rest: a Sinkhorn
     loop's cost matrix, read again by the gradient of the transport cost)."""
-    floor = max(invariants.MIN_BYTES, ctx.room if room is None else room)
+    floor = max(policy.REWRITE.invariant_min_bytes, ctx.room if room is None else room)
     moving = invariants.Moving(floor, invariants.UNHELD, whiles=True, **which)
     return _moved(closed, ctx, moving)
 
@@ -245,7 +243,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
     another order than the other)."""
     failed: set[tuple] = set()
     kept: dict[int, ClosedJaxpr] = {}
-    for _ in range(MAX_REGIONS):
+    for _ in range(policy.SPLIT.max_regions):
         graph = Graph(closed)
         chosen = _chosen(graph, ctx, failed)
         if chosen is None:

@@ -19,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from memsafe import policy
 from memsafe._jax import JaxprEqn, Var, is_var, source_line
 from memsafe.graph import Graph
 from memsafe.primitives import CHEAP
@@ -33,14 +34,6 @@ from memsafe.split.registry import (
     running_along,
 )
 from memsafe.split.sinks import Sink
-
-#: Most equations :func:`grow` leaves out of a region for reading a large value whole.
-MAX_LEFT_OUT = 4
-
-#: Most loops a region may be staged into (each stage recomputes the region's shared prefix):
-#: a ResNet gradient with three batch-norms needs 13 (statistics, then what reads them, forward
-#: and backward).
-MAX_STAGES = 16
 
 
 @dataclass
@@ -317,14 +310,17 @@ def grow(
 
     An equation the axis passes through may still read another large value whole (a loop over
     layers whose body reads a large constant). Such a region cannot run; it is grown again with
-    those equations left out, where the axis then stops (at most :data:`MAX_LEFT_OUT`).
+    those equations left out, where the axis then stops (at most ``policy.SPLIT.max_left_out``).
     """
     left_out: dict[int, SplitFailure] = {}
     while True:
         try:
             return _grow(graph, seed, axis, small, large, left_out, ctx)
         except _ReadsWhole as err:
-            if err.users <= left_out.keys() or len(left_out.keys() | err.users) > MAX_LEFT_OUT:
+            if (
+                err.users <= left_out.keys()
+                or len(left_out.keys() | err.users) > policy.SPLIT.max_left_out
+            ):
                 raise err.failure from None
             left_out.update(dict.fromkeys(err.users, err.failure))
 
@@ -472,7 +468,9 @@ def _assign_stages(
             else:
                 for d in depends.get(atom, ()):
                     s = max(s, stage[d] + 1)
-        if s >= MAX_STAGES:
-            raise SplitFailure(f"needs more than {MAX_STAGES} passes over the axis", eqns[i])
+        if s >= policy.SPLIT.max_stages:
+            raise SplitFailure(
+                f"needs more than {policy.SPLIT.max_stages} passes over the axis", eqns[i]
+            )
         stage[i] = s
     return stage

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from memsafe import policy
 from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import body as body_split
@@ -71,23 +72,13 @@ class Loop(Protocol):
     surviving: tuple[Var, ...]
 
 
-#: Positions per block (memsafe.split.topk's longest): in the same pass blocks of 32 reduce at
-#: 135-139 GFLOP/s, 64 at 82-88 and 16 at 115.
-BLOCK = topk.MAX_BLOCK
-#: Most rows whose candidates are recomputed at once (64: 0.18 s for 10,000 rows of 320
-#: candidates of 64 floats, against 0.31 s at 256 and 0.37 s at 1,024).
-ROW_BATCH = 64
-#: Fraction of a chunk's operand bytes (what the plan budgets for) that the candidates, and the
-#: block maxima of one chunk of the loop, may use.
-SHARE = 4
-
-
 def block_length(size: int, k: int) -> int | None:
-    """Positions per block: :data:`BLOCK`, or a shorter power of two (at least 8) where the axis
-    holds too few blocks for ``k`` (None where even blocks of 8 are too few to pay)."""
-    g = BLOCK
+    """Positions per block: ``policy.SPLIT.max_block``, or a shorter power of two (at least 8)
+    where the axis holds too few blocks for ``k`` (None where even blocks of 8 are too few to
+    pay)."""
+    g = policy.SPLIT.max_block
     while g >= 8:
-        if size // g >= topk.MIN_BLOCKS_PER_K * k:
+        if size // g >= policy.SPLIT.min_blocks_per_k * k:
             return g
         g //= 2
     return None
@@ -351,13 +342,13 @@ def _plan(graph: Graph, region: Region, loop: Loop, chunk: int, devices: int) ->
     row_axes = tuple(reached.axes.get(v) for v in ins)
     row_body = body_split.chunk_body(cone, reached, 1, [v.aval for v in cone.jaxpr.invars])
     itemsize = operand_var.aval.dtype.itemsize
-    budget = rows * chunk * itemsize // SHARE
+    budget = rows * chunk * itemsize // policy.SPLIT.selection_share
     tile_bytes = speed.current().tile_bytes  # per backend (memsafe.split.speed)
     tile = min(max(g, tile_bytes // (rows * itemsize) // g * g), chunk - chunk % g)
     share = size // devices
     step = min(max(budget // (rows * itemsize) * g // tile * tile, k * g), share - share % g)
     per_row = k * g * (_column_bytes(region, loop.sliced, row_axes, rows) + 4 * itemsize)
-    batch = int(min(rows, ROW_BATCH, max(1, budget // max(per_row, 1))))
+    batch = int(min(rows, policy.SPLIT.row_batch, max(1, budget // max(per_row, 1))))
     return FusedTopK(operand, k, g, tile, step, batch, row_axes, row_body, devices)
 
 

@@ -14,6 +14,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+from memsafe import policy
 from memsafe._jax import Var
 from memsafe.graph import Graph
 from memsafe.primitives import FUSIBLE
@@ -173,24 +174,20 @@ def choose_chunk(graph: Graph, split: Split, budget: int) -> ChunkPlan | None:
     return ChunkPlan(chunk, loops, region.n_stages, per_unit, fixed, share, split.devices)
 
 
-#: A floored chunk (:func:`smallest_chunk`) may take this part of the budget by itself.
-FLOOR_PART = 32
-
-
 def smallest_chunk(graph: Graph, split: Split, floor_budget: int = 0) -> ChunkPlan:
     """The chunk for when the model expects every chunk over the budget: the model is
     conservative (it counts every stored value at its worst point, and values held beside the
     loop anyway), so the compile, not the model, decides whether this fits. The chunk's own
-    modelled bytes take at most ``floor_budget // FLOOR_PART``, and never less than the smallest
-    chunk the region's sinks allow (``floor_budget`` 0: that smallest chunk). Chunks of one row
-    made a transformer block's backward at L=4096 run 3 x 4,096 iterations of under 1 MiB
-    where its temporaries fit 100 MiB."""
+    modelled bytes take at most ``floor_budget // policy.SPLIT.floor_part``, and never less than
+    the smallest chunk the region's sinks allow (``floor_budget`` 0: that smallest chunk).
+    Chunks of one row made a transformer block's backward at L=4096 run 3 x 4,096 iterations of
+    under 1 MiB where its temporaries fit 100 MiB."""
     region = split.region
     per_unit, fixed = bytes_model(graph, region)
     share, lowest = split.share, _lowest(graph, region)
     if share < lowest:
         raise SplitFailure(f"a share of {share} is shorter than the smallest chunk ({lowest})")
-    wide = floor_budget // FLOOR_PART // max(per_unit, 1)
+    wide = floor_budget // policy.SPLIT.floor_part // max(per_unit, 1)
     chunk, loops = _evened(share, min(share, max(lowest, wide)), lowest)
     fixed += split.fixed_bytes(graph)
     return ChunkPlan(
@@ -209,10 +206,6 @@ def two_chunks(graph: Graph, split: Split, plan: ChunkPlan) -> ChunkPlan | None:
     return dataclasses.replace(plan, chunk=chunk, loops=loops, halved=True)
 
 
-#: Free size on each side from which a dot_general counts as a matrix-matrix product.
-GEMM_SIDE = 64
-
-
 def _has_gemm(graph: Graph, region: Region) -> bool:
     """Whether the region runs a matrix-matrix product (compute-bound: long chunks pay)."""
     for i in region.maps:
@@ -226,7 +219,7 @@ def _has_gemm(graph: Graph, region: Region) -> bool:
             math.prod(d for k, d in enumerate(atom.aval.shape) if k not in (*con, *bat))
             for atom, con, bat in ((eqn.invars[0], lc, lb), (eqn.invars[1], rc, rb))
         ]
-        if min(sides) >= GEMM_SIDE:
+        if min(sides) >= policy.SPLIT.gemm_side:
             return True
     return False
 

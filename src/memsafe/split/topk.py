@@ -21,19 +21,15 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-MIN_BLOCKS_PER_K = 4  # below this many blocks per wanted element, plain top_k is cheaper
-#: Longest block: XLA's CPU backend reduces blocks of 32 far faster than longer ones. top_k of 10
-#: over rows of 100,000 (60 rows): blocks of 32 1.7 ms, 64 4.5 ms, 128 4.8 ms, lax.top_k 10.9 ms;
-#: over 10,000 rows of 10,083: 65 ms, 235 ms, 258 ms and 213 ms.
-MAX_BLOCK = 32
+from memsafe import policy
 
 
 def block_size(size: int, k: int) -> int | None:
     """The block length that balances the two top_k calls, or None when blocking cannot pay."""
     if k < 1 or size < 64:
         return None
-    g = min(2 ** round(math.log2(max(math.sqrt(size / k), 8))), MAX_BLOCK)
-    return g if size // g >= MIN_BLOCKS_PER_K * k else None
+    g = min(2 ** round(math.log2(max(math.sqrt(size / k), 8))), policy.SPLIT.max_block)
+    return g if size // g >= policy.SPLIT.min_blocks_per_k * k else None
 
 
 def _flip(raw: Any, bits: int) -> Any:
