@@ -15,6 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from memsafe._jax import Var
+from memsafe.fused import fuse
 from memsafe.graph import Graph, estimate
 from memsafe.primitives import FUSIBLE
 from memsafe.split import halo, online, recompute, replay
@@ -82,6 +83,8 @@ def _option(
     split = strategy(graph, region)
     if mesh is not None:
         split = mesh.shard(graph, split)
+    else:
+        split = fuse(graph, split)  # one kernel where the policy has fusion on (memsafe.fused)
     chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split, floor)
     if chunk.loops * chunk.devices < 2:
         chunk = two_chunks(graph, split, chunk)
