@@ -8,13 +8,15 @@ split axis through an in-kernel loop, folding each tile's partial results with t
 reducers. The kernel is generated from the region's equations (:mod:`memsafe.fused.tile`
 evaluates them on a tile), not written per program.
 
+The knob is :data:`memsafe.fused.policy.FUSED` (replace it to turn fusion on or off).
+
 Modules, one job each: :mod:`.policy` (the knob: where fusion is on), :mod:`.rows` (the axes a
 kernel's grid tiles), :mod:`.tile` (equations at tile shape), :mod:`.reduce` (folding a sink's
 tiles, the overlap of a ragged last tile masked), :mod:`.bodies` (one tile of a staged or online
 region), :mod:`.kernel` (the ``pallas_call``), :mod:`.split` (the strategy the planner takes).
 """
 
-from memsafe.fused.policy import FUSED, FusedPolicy
+from memsafe.fused.policy import FusedPolicy
 from memsafe.fused.split import FusedSplit, fuse
 
-__all__ = ["FUSED", "FusedPolicy", "FusedSplit", "fuse"]
+__all__ = ["FusedPolicy", "FusedSplit", "fuse"]

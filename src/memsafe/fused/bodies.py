@@ -59,14 +59,13 @@ class _Tiles:
 
 @dataclass(frozen=True)
 class StagedBody(_Tiles):
-    """A region of one stage: ``order`` (its equations, program order) on each tile, the
-    partials of its sinks folded; the results are the sinks' finished results."""
+    """One stage's loop of a staged region: ``order`` (its equations, program order) on each
+    tile, the partials of ``sinks`` (the stage's own) folded; the results are the sinks'
+    finished results. Sinks of earlier stages among ``order`` are not evaluated (their
+    results are read from outside)."""
 
     order: tuple[int, ...]
-
-    @property
-    def sinks(self) -> tuple[int, ...]:
-        return tuple(i for i in self.order if isinstance(self.region.maps[i], Sink))
+    sinks: tuple[int, ...]
 
     def __call__(self, fixed: dict[Var, Any], load: Callable[[Any], dict[Var, Any]]) -> list:
         eqns, maps = self.graph.eqns, self.region.maps
@@ -78,7 +77,7 @@ class StagedBody(_Tiles):
             for i in self.order:
                 if isinstance(maps[i], Mapping):
                     self.bind(env, i)
-                else:
+                elif i in self.sinks:
                     parts.append(self.partial(env, i, start, fresh))
             if state is None:
                 return parts
