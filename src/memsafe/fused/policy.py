@@ -38,3 +38,9 @@ class FusedPolicy:
 
 #: The policy every split plan uses (tests replace it: ``interpret=True, enabled=True``).
 FUSED = FusedPolicy()
+
+
+def in_effect() -> FusedPolicy | None:
+    """:data:`FUSED` where fusion is on (part of the keys plans are reused by, in this process
+    and in the plan store: a plan made with other kernels is not reused), else None."""
+    return FUSED if FUSED.active() else None
