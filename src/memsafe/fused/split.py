@@ -1,6 +1,7 @@
 """The fused strategy: a split the planner chose, run as Pallas kernels where it can be.
 
-:func:`fuse` is the one hook the split planner calls (:mod:`memsafe.split.planner`): given the
+:func:`fuse` is the one hook the split planner calls (added to
+:data:`memsafe.split.planner.REPLACING` when this module is imported): given the
 split it planned for a region (a staged split, one kernel per stage, or an online one, one
 kernel), it answers a :class:`FusedSplit` where the policy (:mod:`.policy`) has fusion on and
 the region fits the form a kernel runs, else the split unchanged. The form: no value written out
@@ -28,6 +29,7 @@ from memsafe.fused.tile import NotFused, tileable
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
 from memsafe.split import loop as chunk_loop
+from memsafe.split import planner
 from memsafe.split.emit import OneDevice, StagedSplit, plan_loops
 from memsafe.split.online import OnlinePlan, OnlineSplit, raw_key
 from memsafe.split.region import Region
@@ -243,3 +245,7 @@ def _check(run: Callable[[list[Any]], list[Any]], inputs: tuple[Var, ...], pol: 
         raise
     except Exception as err:  # Pallas refusing a block shape or an operation: the chunk loops
         raise NotFused(f"the kernel cannot be built: {type(err).__name__}: {err}") from err
+
+
+if fuse not in planner.REPLACING:  # the planner's one hook: splits on one device
+    planner.REPLACING.append(fuse)

@@ -11,11 +11,11 @@ loop bodies; the split pass (:mod:`memsafe.passes.split`) runs that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 from memsafe._jax import Var
-from memsafe.fused import fuse
 from memsafe.graph import Graph, estimate
 from memsafe.primitives import FUSIBLE
 from memsafe.split import halo, online, recompute, replay
@@ -35,6 +35,9 @@ SMALL = 8
 #: a 10k x 1M kNN ran 1.7x slower than a 6,850-column one with nearly the same loop count (150
 #: vs 146): a thin side starves the GEMM and multiplies per-row calls.
 SIMILAR_COST = 1.25
+#: Strategies that may take the place of the split planned for a region on one device, in
+#: order, each given the graph and the split so far (memsafe.fused adds its kernels here).
+REPLACING: list[Callable[[Graph, Split], Split]] = []
 
 
 def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]:
@@ -84,7 +87,8 @@ def _option(
     if mesh is not None:
         split = mesh.shard(graph, split)
     else:
-        split = fuse(graph, split)  # one kernel where the policy has fusion on (memsafe.fused)
+        for replacing in REPLACING:
+            split = replacing(graph, split)
     chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split, floor)
     if chunk.loops * chunk.devices < 2:
         chunk = two_chunks(graph, split, chunk)
