@@ -1,6 +1,11 @@
 #!/usr/bin/env bash
 # One device call's GPU work, most needed first, each step under its own time limit so that a
 # slow step leaves the next its share (see benchmarks/results/gpu/SUMMARY.md):
+#   0. issue 43, fused kernels side by side in one process (tools/gpu_fused.py, <= 4 minutes):
+#      memsafe fused and chunked, jax.nn.dot_product_attention (cudnn, xla), Pallas mha,
+#      hand-chunked JAX, jax.jit where it fits, KeOps where its wheels travel in .whl
+#      (pip download --no-deps pykeops keopscore -d .whl; it also needs g++, the Python headers
+#      and CUDA's nvrtc and headers on the device), the exp-throughput bound; -> $OUT/fused.json;
 #   1. the one-GPU kNN check (issue 13; passed on 2026-11-27 once every compile ran without
 #      XLA's fusion autotuner: planned in 9.7 s);
 #   2. Sinkhorn: memsafe against jax.jit (20k) and hand-chunked JAX (20k, 100k); on 2026-11-27
@@ -18,6 +23,8 @@ OUT=${OUT:-/tmp/gpu-out}
 mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import jax; print('jax', jax.__version__, jax.devices())"
+uptime
+timeout 240 python3 -m tools.gpu_fused --budget 225 --out "$OUT/fused.json"
 uptime
 timeout 150 python3 -m tools.gpu_checks --verbose --timeout 140 --out "$OUT/checks_knn.json" knn
 uptime

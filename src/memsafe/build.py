@@ -14,6 +14,7 @@ import jax
 from memsafe import _jax, cache, log, mesh, stored
 from memsafe.batching import planning
 from memsafe.errors import MemoryLimitError
+from memsafe.fused import policy
 from memsafe.lapack_order import ordered
 from memsafe.plan import PlanTime
 from memsafe.program import Program
@@ -134,7 +135,8 @@ def _settings(
     options = tuple(sorted((k, repr(v)) for k, v in merged_options(compiler_options).items()))
     rewrite = None if start is None else cache.program_key(start, (), ())
     rules = tuple(registered_rules())  # user rules, hashed by identity
-    return (memory_limit, donate, options, rules, jax.default_backend(), rewrite)
+    fused = policy.in_effect()  # fused kernels (memsafe.fused), where on
+    return (memory_limit, donate, options, rules, jax.default_backend(), rewrite, fused)
 
 
 def _adopted(

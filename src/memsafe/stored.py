@@ -26,6 +26,7 @@ import jax
 
 from memsafe import _jax, log, plan_store
 from memsafe.compiling import add_trial, compile_measured
+from memsafe.fused import policy
 from memsafe.plan import PlanTime
 from memsafe.program import Program
 from memsafe.rules.registry import registered_rules
@@ -53,6 +54,7 @@ def key_of(
             memory_limit=str(memory_limit),
             donate=repr(tuple(donate)),
             compiler_options=repr(options),
+            **({} if (fused := policy.in_effect()) is None else {"fused": repr(fused)}),
         )
     except TypeError:  # a constant that cannot be read as an array
         return None

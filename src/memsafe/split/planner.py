@@ -11,6 +11,7 @@ loop bodies; the split pass (:mod:`memsafe.passes.split`) runs that.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -23,6 +24,10 @@ from memsafe.split.emit import Split, StagedSplit
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import PLAIN, RuleContext
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, two_chunks
+
+#: Strategies that may take the place of the split planned for a region on one device, in
+#: order, each given the graph and the split so far (memsafe.fused adds its kernels here).
+REPLACING: list[Callable[[Graph, Split], Split]] = []
 
 
 def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]:
@@ -71,6 +76,9 @@ def _option(
     split = strategy(graph, region)
     if mesh is not None:
         split = mesh.shard(graph, split)
+    else:
+        for replacing in REPLACING:
+            split = replacing(graph, split)
     chunk = choose_chunk(graph, split, budget) or smallest_chunk(graph, split, floor)
     if chunk.loops * chunk.devices < 2:
         chunk = two_chunks(graph, split, chunk)
