@@ -12,8 +12,9 @@ from hypothesis import strategies as st
 from jax import lax
 
 import memsafe
+from memsafe import primitives
 from memsafe.graph import Graph, inline_calls
-from memsafe.split import halo
+from memsafe.primitives import Facts, Kind
 from memsafe.split.emit import emit
 from memsafe.split.planner import strategy
 from memsafe.split.region import SplitFailure, grow
@@ -22,6 +23,7 @@ from memsafe.xla import memsafe_jit
 from tests.budget import examples
 from tests.fuzz.accuracy import check
 from tests.test_conv import (
+    _a_quarter_of_temps,
     _a_third,
     _arrays,
     _float64,
@@ -188,12 +190,39 @@ def test_four_conv_layers_on_one_image_fit_a_third():
     assert "conv taps (halo)" in plan.splits[0].sinks
 
 
-def test_without_halos_the_four_layers_are_refused(monkeypatch):
+@pytest.fixture
+def no_windows():
+    """No primitive is windowed (``primitives.WINDOWED`` empty): no region on extended chunks."""
+    windowed = sorted(primitives.WINDOWED)
+    rows = {n: primitives.declare(n, Facts(Kind.OTHER)) for n in windowed}
+    yield
+    for n, row in rows.items():
+        primitives.declare(n, row)
+
+
+def test_without_halos_the_four_layers_are_refused(no_windows):
     """The same limit without extended chunks: each layer reads the one before whole."""
-    monkeypatch.setattr(halo, "WINDOWED", ())
     fun, args = jax.grad(_deep_convs), _deep_inputs()
     with pytest.raises(memsafe.MemoryLimitError):
         memsafe.jit(fun, memory_limit=_a_third(fun, args)).plan(*args)
+
+
+def _min_pools(x):
+    h = x
+    for _ in range(3):
+        h = jnp.sin(lax.reduce_window(h, jnp.inf, lax.min, (1, 3, 3, 1), (1, 1, 1, 1), "SAME"))
+    return jnp.sum(h, axis=(1, 2))
+
+
+def test_min_pooling_layers_run_on_extended_chunks():
+    """Three 3x3 min-poolings in a row over one image (every windowed primitive's rule maps its
+    axis through as a Halo, min-pooling's too): one region on extended rows, jax.jit's
+    answers, a NaN included."""
+    (x,) = _arrays((1, 192, 192, 8), seed=5)
+    x = x.at[0, 90, 3, 2].set(jnp.nan)
+    plan = _under_limit(_min_pools, [x], _a_quarter_of_temps)
+    assert [s.axis for s in plan.splits] in ([1], [2])
+    assert plan.splits[0].extend == 3
 
 
 def test_resnet_on_one_image_fits_a_third():

@@ -17,6 +17,8 @@ import numpy as np
 from jax import core as _public_core
 from jax._src.array import ArrayImpl as _ArrayImpl
 
+from memsafe import primitives
+
 # Jaxpr classes (jax.extend.core is the sanctioned home for these).
 ClosedJaxpr = _jex_core.ClosedJaxpr
 Jaxpr = _jex_core.Jaxpr
@@ -32,16 +34,13 @@ jaxpr_as_fun = _jex_core.jaxpr_as_fun
 ConcreteArray = _ArrayImpl
 
 
-#: Primitives that only wrap a sub-jaxpr and can be inlined for a forward (primal) program.
-#: custom_jvp/custom_vjp carry differentiation rules: memsafe differentiates the *original* function
-#: (see jit.py), so inlining their primal bodies is exact for the forward program.
-#: custom_vmap_call wraps a memsafe function called inside a trace (memsafe.batching).
-CALL_PRIMITIVES = frozenset(
-    {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "custom_vmap_call"}
-)
-CUSTOM_DIFF_PRIMITIVES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
-#: Call primitives that checkpoint their body (``jax.checkpoint``, ``jax.remat``).
-REMAT_PRIMITIVES = frozenset({"remat2", "checkpoint"})
+#: Primitives that only wrap a sub-jaxpr and can be inlined for a forward (primal) program, those
+#: with a differentiation rule of their own (memsafe differentiates the *original* function, so
+#: inlining their primal bodies is exact for the forward program), and the calls that checkpoint
+#: their body: facts of :data:`memsafe.primitives.TABLE`.
+CALL_PRIMITIVES = primitives.CALLS
+CUSTOM_DIFF_PRIMITIVES = primitives.CUSTOM_DIFF
+REMAT_PRIMITIVES = primitives.REMATS
 
 
 def inner_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:

@@ -58,6 +58,14 @@ class Facts:
             argmax, a sort order): recomputed in another compile, where XLA may round its
             floating-point operands otherwise (a contracted multiply-add), it can decide a tie
             the other way.
+        call: it only wraps a sub-jaxpr (``jit``, ``checkpoint``): a call inlined for a
+            forward program.
+        remat: a call that checkpoints its body (``jax.checkpoint``, ``jax.remat``).
+        custom_diff: it wraps a sub-jaxpr with a differentiation rule of its own
+            (``custom_jvp``/``custom_vjp``): memsafe differentiates the original function, so
+            its primal body is exact for a forward program.
+        windowed: it reads overlapping windows of an axis (convolutions, pooling): a split along
+            that axis runs on extended chunks (``memsafe.split.halo``).
     """
 
     kind: Kind
@@ -69,6 +77,10 @@ class Facts:
     scaling: Scaling | None = None
     lapack: bool = False
     decides: bool = False
+    call: bool = False
+    remat: bool = False
+    custom_diff: bool = False
+    windowed: bool = False
 
 
 def _elementwise(**facts: object) -> Facts:
@@ -202,17 +214,23 @@ TABLE: dict[str, Facts] = {
     ),
     # layout ops whose results are pieces of their operand
     **dict.fromkeys(["split", "unstack"], _layout()),
-    # contractions, windows, gathers and scatters: XLA stores their results
+    # windows: XLA stores their results
     **dict.fromkeys(
         [
-            "dot_general",
             "conv_general_dilated",
-            "gather",
-            "dynamic_update_slice",
             "reduce_window",
             "reduce_window_max",
             "reduce_window_min",
             "reduce_window_sum",
+        ],
+        Facts(Kind.OTHER, windowed=True),
+    ),
+    # contractions, gathers and scatters: XLA stores their results
+    **dict.fromkeys(
+        [
+            "dot_general",
+            "gather",
+            "dynamic_update_slice",
             "select_and_scatter_add",
             "scatter",
             "scatter-add",
@@ -233,11 +251,6 @@ TABLE: dict[str, Facts] = {
         [
             "random_bits",
             "optimization_barrier",
-            "pjit",
-            "jit",
-            "closed_call",
-            "checkpoint",
-            "remat2",
             "cond",
             "scan",
             "while",
@@ -246,6 +259,17 @@ TABLE: dict[str, Facts] = {
             "select_if_vmap",
         ],
         Facts(Kind.OTHER),
+    ),
+    # calls: a sub-jaxpr wrapped (custom_vmap_call: a memsafe function called inside a trace,
+    # memsafe.batching)
+    **dict.fromkeys(
+        ["pjit", "jit", "closed_call", "core_call", "custom_vmap_call"],
+        Facts(Kind.OTHER, call=True),
+    ),
+    **dict.fromkeys(["checkpoint", "remat2"], Facts(Kind.OTHER, call=True, remat=True)),
+    **dict.fromkeys(
+        ["custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"],
+        Facts(Kind.OTHER, custom_diff=True),
     ),
     # linear algebra: LAPACK calls on the CPU
     **dict.fromkeys(
@@ -359,6 +383,14 @@ CUMULATIVE = Names(lambda f: f.kind is Kind.CUMULATIVE)
 LAPACK = Names(lambda f: f.lapack)
 #: Discrete decisions on their operands' values (comparisons, argmax, sort orders).
 DECIDES = Names(lambda f: f.decides)
+#: Calls that only wrap a sub-jaxpr.
+CALLS = Names(lambda f: f.call)
+#: Calls that checkpoint their body.
+REMATS = Names(lambda f: f.remat)
+#: Sub-jaxprs wrapped with a differentiation rule of their own.
+CUSTOM_DIFF = Names(lambda f: f.custom_diff)
+#: Operations reading overlapping windows of an axis.
+WINDOWED = Names(lambda f: f.windowed)
 
 #: Every set derived from the table (:func:`declare` keeps each true).
 DERIVED = {
@@ -371,6 +403,10 @@ DERIVED = {
     "CUMULATIVE": CUMULATIVE,
     "LAPACK": LAPACK,
     "DECIDES": DECIDES,
+    "CALLS": CALLS,
+    "REMATS": REMATS,
+    "CUSTOM_DIFF": CUSTOM_DIFF,
+    "WINDOWED": WINDOWED,
 }
 
 

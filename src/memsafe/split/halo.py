@@ -43,9 +43,6 @@ from memsafe.split.sinks import Partial, Reducer
 
 Axis = int | None
 
-#: Primitives whose split rules map a windowed axis through as a Halo while extending.
-WINDOWED = ("conv_general_dilated", "reduce_window_max", "reduce_window_sum", "reduce_window")
-
 
 @dataclass(frozen=True)
 class Window:

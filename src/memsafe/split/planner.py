@@ -18,8 +18,8 @@ from typing import Any
 from memsafe import policy
 from memsafe._jax import Var
 from memsafe.graph import Graph, estimate
-from memsafe.primitives import FUSIBLE
-from memsafe.split import halo, online, recompute, replay
+from memsafe.primitives import FUSIBLE, WINDOWED
+from memsafe.split import online, recompute, replay
 from memsafe.split.emit import Split, StagedSplit
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import PLAIN, RuleContext
@@ -95,7 +95,7 @@ def _region(
     (:mod:`memsafe.split.halo`), which runs several of them in a row in one loop; the plain
     region where that fails or needs no extension."""
     small, large = max(1, budget // policy.SPLIT.small), max(1, budget // 2)
-    if windowed and any(e.primitive.name in halo.WINDOWED for e in graph.eqns):
+    if windowed and any(e.primitive.name in WINDOWED for e in graph.eqns):
         try:
             region = grow(graph, var, axis, small, large, replace(ctx, extended=True))
         except SplitFailure:
