@@ -1,4 +1,5 @@
-"""The extension points of docs/contributing.md ("Add a primitive", "Add a sink", "Add a pass"),
+"""The extension points of docs/contributing.md ("Add a primitive", "Add a sink", "Add a pass",
+"Add a strategy"),
 used as a library outside memsafe would use them: toy primitives defined with JAX's public API
 (``jax.extend.core.Primitive``), described and registered through those points only, each planned
 under a limit that forces a split through it, with jax.jit's answers.
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import re
 import types
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,8 @@ from memsafe import passes
 from memsafe.graph import retrace
 from memsafe.plan import PassRecord
 from memsafe.primitives import Facts, Kind, declare
+from memsafe.split import planner
+from memsafe.split.emit import StagedSplit
 from memsafe.split.registry import SPLIT_RULES, Mapping, NoRule, split_rule
 from memsafe.split.sinks import Reducer, Sink
 from memsafe.xla import Footprint, memsafe_jit
@@ -254,6 +259,29 @@ def test_a_pass_joins_the_pipeline(drop_times_one):
     plan = _planned(lambda x, y: jnp.exp(_scores(x, y) * 1.0).sum(1), *_data())
     assert [r.pass_name for r in plan.passes].count("drop_times_one") == 1, plan
     assert "mul" not in _ops(plan), plan
+
+
+# -- a strategy -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Labelled(StagedSplit):
+    label: ClassVar[str | None] = "toy_strategy"  # shown in the plan's sinks
+
+
+def _toy_strategy(graph, region):
+    return Labelled(region) if region.n_stages == 1 else None
+
+
+@pytest.fixture
+def toy_strategy(monkeypatch):
+    monkeypatch.setattr(planner, "STRATEGIES", list(planner.STRATEGIES))  # restored after
+    planner.add_strategy(_toy_strategy)
+
+
+def test_a_strategy_plans_the_regions_it_applies_to(toy_strategy):
+    plan = _planned(lambda x, y: jnp.exp(_scores(x, y)).sum(1), *_data())
+    assert "toy_strategy" in _ops(plan), plan
 
 
 # -- the guide ------------------------------------------------------------------------------

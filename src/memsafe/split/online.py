@@ -665,6 +665,18 @@ class _OnlineBody:
         env.local[out] = jnp.broadcast_to(val, shape).astype(out.aval.dtype)
 
 
+def strategy(graph: Graph, region: Region) -> OnlineSplit | None:
+    """The online strategy (``memsafe.split.planner.STRATEGIES``): the region as one online loop,
+    or None where that does not apply (regions on extended chunks run as plain staged loops,
+    :mod:`memsafe.split.halo`)."""
+    if region.windowed:
+        return None
+    try:
+        return plan(graph, region)
+    except NotOnline:
+        return None
+
+
 def plan(graph: Graph, region: Region) -> OnlineSplit:
     """The region as one online loop; raises :class:`NotOnline` where it does not apply."""
     if region.n_stages < 2:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from memsafe import policy
 from memsafe._jax import Var
@@ -24,10 +24,6 @@ from memsafe.split.emit import Split, StagedSplit
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import PLAIN, RuleContext
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, two_chunks
-
-#: Strategies that may take the place of the split planned for a region on one device, in
-#: order, each given the graph and the split so far (memsafe.fused adds its kernels here).
-REPLACING: list[Callable[[Graph, Split], Split]] = []
 
 
 def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]:
@@ -46,18 +42,44 @@ def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]
     return [vi.var for vi in out]
 
 
-def strategy(graph: Graph, region: Region) -> Split:
-    """How ``region`` runs: staged max-shifted exp-sums as one online loop where that applies,
-    else one loop per stage (computing the values its later loops recompute and compare the
-    same way in every loop, :mod:`memsafe.split.recompute`)."""
-    if not region.windowed:  # extended chunks run as plain staged loops (memsafe.split.halo)
-        try:
-            return online.plan(graph, region)
-        except online.NotOnline:
-            pass
+class Strategy(Protocol):
+    """One way a grown region may run: its :class:`~memsafe.split.emit.Split`, or None where
+    the strategy does not apply to the region."""
+
+    def __call__(self, graph: Graph, region: Region) -> Split | None: ...
+
+
+def staged(graph: Graph, region: Region) -> Split:
+    """One loop per stage, computing the values its later loops recompute and compare the same
+    way in every loop (:mod:`memsafe.split.recompute`): every region runs so."""
     if not recompute.decides_on_recomputed(graph, region):
         return StagedSplit(region)
     return StagedSplit(region, same=True, pinned=recompute.pinned(graph, region))
+
+
+#: The strategies tried for each region, in order: the first that applies plans it. The last,
+#: :func:`staged`, applies to every region. Add one with :func:`add_strategy`.
+STRATEGIES: list[Strategy] = [online.strategy, staged]
+#: Strategies that may take the place of the split planned for a region on one device, in
+#: order, each given the graph and the split so far (memsafe.fused adds its kernels here).
+REPLACING: list[Callable[[Graph, Split], Split]] = []
+
+
+def add_strategy(strategy: Strategy) -> Strategy:
+    """Try ``strategy`` on every region before the others (it answers None where it does not
+    apply); returns it, so that it can decorate a function."""
+    STRATEGIES.insert(0, strategy)
+    return strategy
+
+
+def strategy(graph: Graph, region: Region) -> Split:
+    """How ``region`` runs: the first of :data:`STRATEGIES` that applies (staged max-shifted
+    exp-sums as one online loop, :mod:`memsafe.split.online`; else one loop per stage)."""
+    for candidate in STRATEGIES:
+        split = candidate(graph, region)
+        if split is not None:
+            return split
+    raise AssertionError("no strategy applies; the staged one applies to every region")
 
 
 def _option(
