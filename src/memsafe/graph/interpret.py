@@ -94,7 +94,10 @@ def evaluate(
 
 
 def evaluate_eqns(
-    eqns: Sequence[JaxprEqn], order: Iterable[int], env: dict[Any, Any]
+    eqns: Sequence[JaxprEqn],
+    order: Iterable[int],
+    env: dict[Any, Any],
+    bind: Callable[[int, JaxprEqn, list[Any]], Sequence[Any]] | None = None,
 ) -> dict[Any, Any]:
     """Evaluate the equations ``eqns[i]`` for ``i`` in ``order`` (a cone of a program: what a
     value needs), reading their operands from ``env`` (literals by value) and writing their
@@ -105,6 +108,9 @@ def evaluate_eqns(
         order: the indices to evaluate, each after those it reads.
         env: values by variable: those the equations read from outside ``order``; updated in
             place.
+        bind: ``bind(index, eqn, operands)``, the results of an equation (a chunk body re-binds
+            the equations its split axis passes through at chunk shape); None: the equation as
+            it is.
 
     Returns:
         ``env``.
@@ -115,7 +121,9 @@ def evaluate_eqns(
 
     for i in order:
         eqn = eqns[i]
-        env.update(zip(eqn.outvars, bind_eqn(eqn, [read(a) for a in eqn.invars])))
+        invals = [read(a) for a in eqn.invars]
+        outs = bind_eqn(eqn, invals) if bind is None else bind(i, eqn, invals)
+        env.update(zip(eqn.outvars, outs))
     return env
 
 

@@ -17,7 +17,7 @@ on chunk-shaped operands.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -26,6 +26,7 @@ import numpy as np
 from memsafe import policy
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, is_var
 from memsafe.flops import jaxpr_flops
+from memsafe.graph.interpret import evaluate_eqns
 from memsafe.primitives import Scaling, facts
 from memsafe.split import registry, sinks
 from memsafe.split.linear import Role, keeps_sums
@@ -427,18 +428,16 @@ def chunk_body(body: ClosedJaxpr, got: Reached, size: int, in_avals: Sequence[An
     jaxpr, axes, maps = body.jaxpr, got.axes, got.maps
 
     def run(start: Any, *args: Any) -> list[Any]:
-        env: dict[Var, Any] = dict(zip(jaxpr.constvars, body.consts))
-        env.update(zip(jaxpr.invars, args))
-        read: Callable[[Any], Any] = lambda a: env[a] if isinstance(a, Var) else a.val
-        for i, eqn in enumerate(jaxpr.eqns):
-            invals = [read(a) for a in eqn.invars]
+        def bind(i: int, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
             m = maps.get(i)
             if isinstance(m, Mapping):
-                outs = registry.rebind(eqn, invals, m, start, size)
-            else:
-                outs = bind_eqn(eqn, invals)
-            env.update(zip(eqn.outvars, outs))
-        return [read(a) for a in jaxpr.outvars]
+                return registry.rebind(eqn, invals, m, start, size)
+            return bind_eqn(eqn, invals)
+
+        env: dict[Var, Any] = dict(zip(jaxpr.constvars, body.consts))
+        env.update(zip(jaxpr.invars, args))
+        evaluate_eqns(jaxpr.eqns, range(len(jaxpr.eqns)), env, bind)
+        return [env[a] if isinstance(a, Var) else a.val for a in jaxpr.outvars]
 
     chunked = [_chunk_aval(aval, axes.get(v), size) for v, aval in zip(jaxpr.invars, in_avals)]
     start = jax.ShapeDtypeStruct((), jax.numpy.int32)

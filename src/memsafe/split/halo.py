@@ -14,7 +14,7 @@ That reads the operand whole: one layer at a time. Several windowed layers in a 
 convolutions over one large image) run in one region on *extended chunks* instead: while the split
 rules are told so (``RuleContext.extended``), a windowed operation whose operand is ``stride`` times
 as long as its result along the axis (stride 1 with "SAME"-like padding, a 2x2 pooling of an even
-axis) maps the axis through (a :class:`~memsafe.split.registry.Halo`), and every region value is
+axis) maps the axis through (a :class:`Halo`), and every region value is
 computed over ``[start - E, start + n + E)`` for the chunk ``[start, start + n)``. Each windowed
 operation fills the positions of its operand outside the axis with its padding value and runs
 unchanged, so its outputs are exact except within its window's reach of the chunk's ends; positional
@@ -130,7 +130,7 @@ def extension(
 
     Walks the region's equations (``maps``: index -> Mapping or Sink) in program order, tracking
     how many positions at each end of an extended chunk of every value may be wrong, in the
-    value's own positions (``Mapping.wrong_after``: a :class:`~memsafe.split.registry.Halo` adds
+    value's own positions (``Mapping.wrong_after``: a :class:`Halo` adds
     its reach and divides by its stride, other mappings keep the most of their operands'). Sinks
     (plus the reach of a sink that reads a window of an operand, :func:`sink_reach`) and
     written values need their operands exact at the centre, ``scale`` of a value's positions to
@@ -201,10 +201,10 @@ def centre(x: Any, axis: int, extend: int, n: int) -> Any:
 
 @dataclass(frozen=True)
 class Halo(registry.Mapping):
-    """A windowed equation run on an extended chunk : output position
-    ``o`` reads positions ``o * stride - lo`` to ``o * stride + hi`` of its operand dilated by
-    ``dilation`` (operand position ``i`` at ``i * dilation``) along the split axis; the operand
-    is ``stride / dilation`` times as long as the result (one of them is 1)."""
+    """A windowed equation run on an extended chunk: output position ``o`` reads positions ``o *
+    stride - lo`` to ``o * stride + hi`` of its operand dilated by ``dilation`` (operand position
+    ``i`` at ``i * dilation``) along the split axis; the operand is ``stride / dilation`` times as
+    long as the result (one of them is 1)."""
 
     lo: int = 0
     hi: int = 0
