@@ -19,7 +19,7 @@ import pytest
 
 from tests.budget import FULL
 from tests.fuzz import generate, render
-from tests.fuzz.accuracy import check_leaf, error_scale
+from tests.fuzz.accuracy import check, check_leaf, error_scale, identical
 from tests.fuzz.inputs import make_inputs, next_after
 from tests.fuzz.program import build
 from tests.fuzz.runner import run_case, run_seed
@@ -142,6 +142,20 @@ def test_next_after_on_the_host_is_lax_nextafter(dtype):
     moved = jax.lax.nextafter(jnp.asarray(a), target)
     want = np.asarray(jnp.where(jnp.isfinite(a) & (a != 0), moved, a))
     assert next_after(a, up).tobytes() == want.tobytes()
+
+
+def test_outputs_identical_to_jax_jit_pass_against_any_reference():
+    """The runner skips the float64 reference where memsafe's outputs equal jax.jit's: those
+    pass the rule whatever the reference, and any other output is not identical."""
+    jit = (jnp.asarray([1.0, np.nan, -np.inf], jnp.bfloat16), jnp.asarray([3], jnp.int32))
+    same = (jnp.asarray([1.0, np.nan, -np.inf], jnp.bfloat16), jnp.asarray([3], jnp.int32))
+    assert identical(same, jit)
+    assert check(same, jit, (np.asarray([7.0, 0.0, 0.0]), np.asarray([3]))) == []
+    off = (jnp.asarray([1.0078125, np.nan, -np.inf], jnp.bfloat16), jit[1])
+    assert not identical(off, jit)
+    assert not identical((jit[0].astype(jnp.float32), jit[1]), jit)
+    assert not identical((jit[0], jnp.asarray([4], jnp.int32)), jit)
+    assert not identical([jit[0], jit[1]], jit)  # another structure
 
 
 def test_jit_error_scale_is_its_usual_error_not_a_lucky_draw():

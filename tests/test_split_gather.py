@@ -220,9 +220,9 @@ def _segments(kind: str, mode: str):
 )
 def test_a_scatter_of_chunked_updates_is_a_sink_equal_to_jax(kind, mode, special, dtype, seed):
     """``segment_sum``/``max``/``min``/``prod`` of per-edge values split along the edges: each
-    chunk scatters into the combiner's identity (the first into the operand) and the chunks
-    fold. Duplicate and out-of-range indices, NaN and infinities in the updates and the
-    operand, integer updates; the split result obeys the accuracy rule against jax.jit."""
+    chunk scatters into the result of the chunks before it (the first into the operand).
+    Duplicate and out-of-range indices, NaN and infinities in the updates and the operand,
+    integer updates; the split result obeys the accuracy rule against jax.jit."""
     rng = np.random.default_rng(seed)
     edges, nodes, width = 6000, 50, 8
     x = rng.standard_normal((edges, 4)).astype(np.float32)
