@@ -276,7 +276,7 @@ def _chosen(
     for var in candidates(graph, budget, ctx.memory_limit):
         if _key(graph, var) in failed:
             continue
-        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx))
+        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx), ctx.room)
         if isinstance(got, tuple):
             return (var, *got, absorbed(graph, got[0].region, var, budget))
         failed.add(_key(graph, var))
