@@ -19,8 +19,8 @@ import pytest
 
 from tests.budget import FULL
 from tests.fuzz import generate, render
-from tests.fuzz.accuracy import check_leaf, error_scale
-from tests.fuzz.inputs import make_inputs
+from tests.fuzz.accuracy import check, check_leaf, error_scale, identical
+from tests.fuzz.inputs import make_inputs, next_after
 from tests.fuzz.program import build
 from tests.fuzz.runner import run_case, run_seed
 from tests.fuzz.schedule import TimedOut, run_all
@@ -124,6 +124,38 @@ def test_perturbed_inputs_move_each_finite_float_by_one_ulp():
     assert np.all((step > 0.49) & (step < 1.01))  # one ulp (half of one below a power of 2)
     assert (b[~same] > a[~same]).any() and (b[~same] < a[~same]).any()
     assert np.array_equal(moved[3], inputs.args[3])  # labels are integers
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_next_after_on_the_host_is_lax_nextafter(dtype):
+    """The perturbation moves floats on the host by their bits: the same bits as
+    ``lax.nextafter`` toward +inf or -inf, at zeros, infinities, NaN, subnormals and the largest
+    finite value too."""
+    rng = np.random.default_rng(3)
+    info = jnp.finfo(dtype)
+    special = [0.0, -0.0, np.inf, -np.inf, np.nan, float(info.max), -float(info.max)]
+    special += [float(info.smallest_subnormal), -float(info.smallest_subnormal)]
+    a = np.concatenate([rng.standard_normal(500) * 10.0 ** rng.integers(-3, 4, 500), special])
+    a = np.asarray(jnp.asarray(a, dtype))
+    up = rng.random(a.shape) < 0.5
+    target = jnp.where(up, jnp.inf, -jnp.inf).astype(dtype)
+    moved = jax.lax.nextafter(jnp.asarray(a), target)
+    want = np.asarray(jnp.where(jnp.isfinite(a) & (a != 0), moved, a))
+    assert next_after(a, up).tobytes() == want.tobytes()
+
+
+def test_outputs_identical_to_jax_jit_pass_against_any_reference():
+    """The runner skips the float64 reference where memsafe's outputs equal jax.jit's: those
+    pass the rule whatever the reference, and any other output is not identical."""
+    jit = (jnp.asarray([1.0, np.nan, -np.inf], jnp.bfloat16), jnp.asarray([3], jnp.int32))
+    same = (jnp.asarray([1.0, np.nan, -np.inf], jnp.bfloat16), jnp.asarray([3], jnp.int32))
+    assert identical(same, jit)
+    assert check(same, jit, (np.asarray([7.0, 0.0, 0.0]), np.asarray([3]))) == []
+    off = (jnp.asarray([1.0078125, np.nan, -np.inf], jnp.bfloat16), jit[1])
+    assert not identical(off, jit)
+    assert not identical((jit[0].astype(jnp.float32), jit[1]), jit)
+    assert not identical((jit[0], jnp.asarray([4], jnp.int32)), jit)
+    assert not identical([jit[0], jit[1]], jit)  # another structure
 
 
 def test_jit_error_scale_is_its_usual_error_not_a_lucky_draw():

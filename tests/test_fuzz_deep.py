@@ -78,3 +78,17 @@ def test_deep_share_of_seeds():
     assert 0.35 < share < 0.45
     # a seed that is pairwise at some share stays the same pairwise case at a smaller one
     assert all(deep.draw(s, 0.2) == generate(s) for s in seeds if not deep.is_deep(s, 0.4))
+
+
+#: Deep seeds of the sample 2026-11-27 that memsafe refused in the interesting range and now
+#: splits, each for a rule added since (tests/fuzz/campaigns/README.md): 142, a graph network's
+#: ``segment_sum`` and ``segment_min`` over chunks of edges (a combining scatter carried from
+#: chunk to chunk; folding per-chunk scatters held three node-sized copies each: 1.6 MiB at
+#: best under a 0.9 MiB limit).
+REFUSED_BEFORE = (142,)
+
+
+@pytest.mark.parametrize("seed", REFUSED_BEFORE)
+def test_deep_refusals_since_split(seed):
+    result = run_case(deep.generate_deep(seed))
+    assert result.interesting and result.outcome == "split", result.describe()

@@ -13,8 +13,7 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax import lax
     from jax.sharding import Mesh, PartitionSpec as P
-    from memsafe import mesh as ms
-    from memsafe.split import sinks
+    from memsafe.split import devices, sinks
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
     rng = np.random.default_rng(0)
@@ -28,7 +27,7 @@ SCRIPT = textwrap.dedent(
         def body(chunk):
             start = lax.axis_index("d") * chunk.shape[1]
             part = reducer.partial(eqn, [chunk], 1, start, chunk.shape[1])
-            return tuple(reducer.finish(ms.combine_partials(reducer, eqn, part, "d")))
+            return tuple(reducer.finish(devices.combine_partials(reducer, eqn, part, "d")))
 
         f = jax.shard_map(body, mesh=mesh, in_specs=P(None, "d"), out_specs=P(), check_vma=False)
         return f(x)

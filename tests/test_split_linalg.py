@@ -15,7 +15,8 @@ from jax.scipy.linalg import solve_triangular
 
 import memsafe
 from memsafe.graph import Graph, inline_calls
-from memsafe.split.registry import PLAIN, Mapping, NoRule, axis_map
+from memsafe.split.prims.gather import Into
+from memsafe.split.registry import PLAIN, Mapping, NoRule, RuleContext, axis_map, running_along
 from memsafe.split.sinks import Sink
 from memsafe.xla import Footprint, memsafe_jit
 
@@ -196,9 +197,15 @@ def test_scatter_window_axis_mapping():
     assert axis_map(eqn, ("out", 0), 0, PLAIN) == Mapping(ins=(0, None, 0), outs=(0,))
     # an indexed axis: each chunk takes the updates whose position it holds (indices whole)
     assert axis_map(eqn, ("out", 0), 1, PLAIN) == Mapping(ins=(1, None, None), outs=(1,))
-    # chunks of the index vectors (and their updates) land anywhere: a scatter-add sink
+    # chunks of the index vectors (and their updates) land anywhere: each chunk scatters into
+    # the running result, carried from chunk to chunk; a scatter-add sink where nothing can be
+    # carried (in loop bodies, on extended chunks)
     into = axis_map(eqn, ("in", 1), 0, PLAIN)
-    assert isinstance(into, Sink) and into.kind == "scatter-add" and into.ins[0] is None
+    assert into == Into(ins=(None, 0, 1), outs=(None,))
+    sink = running_along(eqn, into).sink(eqn, into)
+    assert isinstance(sink, Sink) and sink.kind == "scatter-add" and sink.ins == into.ins
+    extended = axis_map(eqn, ("in", 1), 0, RuleContext(extended=True))
+    assert isinstance(extended, Sink) and extended.kind == "scatter-add"
     with pytest.raises(NoRule):
         axis_map(eqn, ("in", 1), 1, PLAIN)  # the index vectors themselves
 

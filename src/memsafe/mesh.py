@@ -45,11 +45,11 @@ from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
 from memsafe.limits import format_bytes
 from memsafe.split import loop as chunk_loop
+from memsafe.split.devices import combine_partials
 from memsafe.split.emit import Split
 from memsafe.split.loop import Body, Carry, Fold, Written
 from memsafe.split.region import SplitFailure
 from memsafe.split.registry import Mapping, Running
-from memsafe.split.sinks import Monoid, Partial, Reducer
 from memsafe.xla import Footprint
 
 # -- what the split core's types do across devices ---------------------------------------------
@@ -107,19 +107,6 @@ def first_feed(carry: Carry, first: Any) -> dict[int, Any] | None:
     if isinstance(carry, Fold) and carry.running:
         return {i: DeviceStart(first) for i in carry.running}
     return None
-
-
-def combine_partials(reducer: Reducer, eqn: JaxprEqn, part: Partial, axis_name: Any) -> Partial:
-    """A sink's partials of every device along mesh axis ``axis_name`` combined in device order:
-    a monoid's collective where it has one, else gathered and folded as consecutive chunks, so
-    ties and NaN keep the one-device answer."""
-    if isinstance(reducer, Monoid) and reducer.collective is not None:
-        return tuple(reducer.collective(p, axis_name) for p in part)
-    gathered = [lax.all_gather(p, axis_name) for p in part]
-    acc = tuple(g[0] for g in gathered)
-    for d in range(1, gathered[0].shape[0]):
-        acc = reducer.fold(eqn, acc, tuple(g[d] for g in gathered))
-    return acc
 
 
 def combine(carry: Carry, state: Any, axis_name: Any, operands: list[Any]) -> Any:

@@ -28,10 +28,8 @@ class Inputs:
         def move(a: jnp.ndarray) -> jnp.ndarray:
             if not jnp.issubdtype(a.dtype, jnp.floating):
                 return a
-            up = jnp.asarray(rng.random(a.shape) < 0.5)
-            target = jnp.where(up, jnp.inf, -jnp.inf).astype(a.dtype)
-            moved = jax.lax.nextafter(a, target)
-            return jnp.where(jnp.isfinite(a) & (a != 0), moved, a)
+            up = rng.random(a.shape) < 0.5
+            return jnp.asarray(next_after(np.asarray(a), up))
 
         return tuple(jax.tree.map(move, a) for a in (self.args if args is None else args))
 
@@ -47,6 +45,20 @@ class Inputs:
             )
 
         return tuple(jax.tree.map(widen, a) for a in (self.args if args is None else args))
+
+
+def next_after(a: np.ndarray, up: np.ndarray) -> np.ndarray:
+    """Each finite non-zero float of ``a`` moved to its neighbour toward +inf where ``up``, else
+    toward -inf (``lax.nextafter``'s answer; NaN, inf and zeros unchanged), computed on the host
+    on the bits: the neighbour of a non-zero float is its bit pattern plus or minus one, plus one
+    when moving away from zero (so any float dtype, bfloat16 included, with no compile per
+    shape, as JAX's eager operations would need)."""
+    bits = a.view(np.dtype(f"uint{8 * a.dtype.itemsize}"))
+    with np.errstate(invalid="ignore"):  # (NaN compares false; it is not moved)
+        away = up == (a > 0)  # the move increases the magnitude
+    step = np.where(away, 1, -1).astype(bits.dtype)
+    moved = (bits + step).view(a.dtype)  # (a wrap-around only where a is 0 or NaN: unused)
+    return np.where(np.isfinite(a) & (a != 0), moved, a)
 
 
 def make_inputs(case: Case) -> Inputs:

@@ -233,6 +233,9 @@ class _Distribute:
             return None
         if m.ins[pos] != pieces.axis:
             return None  # the operand is read whole (a window, a gather along the axis)
+        run = registry.running_along(eqn, m) if not isinstance(m, Sink) else None
+        if run is not None and run.sink(eqn, m) is not None:
+            m = run.sink(eqn, m)  # a combining scatter: its pieces fold as a sink's
         if isinstance(m, Sink):
             return self._sunk(eqn, invals, held, pieces, m) if _exact(eqn, m, pieces) else None
         total = sum(pieces.sizes)

@@ -270,7 +270,10 @@ def _axis_map(
     m = registry.axis_map(eqn, side, axis, ctx)
     run = registry.running_along(eqn, m) if isinstance(m, Mapping) else None
     if run is not None and not run.same_inside(eqn, m):
-        raise NoRule(f"{eqn.primitive.name} inside the loop body scans along the split axis")
+        sink = run.sink(eqn, m)  # (a combining scatter: its chunks fold as a sink's)
+        if sink is None:
+            raise NoRule(f"{eqn.primitive.name} inside the loop body scans along the split axis")
+        return sink
     return m
 
 

@@ -90,11 +90,13 @@ def _option(
     mesh: Any = None,
     floor: int = 0,
     ctx: RuleContext = PLAIN,
+    held: int = 0,
 ) -> tuple[Split, ChunkPlan]:
     """The split of ``var`` along ``axis`` (sharded over ``mesh``'s devices where given) and
-    its chunk (``floor``: see :func:`smallest_chunk`); raises SplitFailure. Where the program
-    has windowed operations, the region on extended chunks comes first (:func:`_region`)."""
-    region = _region(graph, var, axis, budget, ctx, windowed=mesh is None)
+    its chunk (``floor``: see :func:`smallest_chunk`; ``held``: see :func:`_region`); raises
+    SplitFailure. Where the program has windowed operations, the region on extended chunks
+    comes first (:func:`_region`)."""
+    region = _region(graph, var, axis, budget, ctx, windowed=mesh is None, held=held)
     split = strategy(graph, region)
     if mesh is not None:
         split = mesh.shard(graph, split)
@@ -110,13 +112,20 @@ def _option(
 
 
 def _region(
-    graph: Graph, var: Var, axis: int, budget: int, ctx: RuleContext, windowed: bool
+    graph: Graph,
+    var: Var,
+    axis: int,
+    budget: int,
+    ctx: RuleContext,
+    windowed: bool,
+    held: int = 0,
 ) -> Region:
     """The region splitting ``var`` along ``axis``. Where ``windowed`` and the program has
     windowed operations (convolutions), first the region on extended chunks
     (:mod:`memsafe.split.halo`), which runs several of them in a row in one loop; the plain
-    region where that fails or needs no extension."""
-    small, large = max(1, budget // policy.SPLIT.small), max(1, budget // 2)
+    region where that fails or needs no extension. Values the region reads or writes whole may
+    take half of ``budget``, or of ``held`` where larger (see :func:`best_split`)."""
+    small, large = max(1, budget // policy.SPLIT.small), max(1, max(budget, held) // 2)
     if windowed and any(e.primitive.name in WINDOWED for e in graph.eqns):
         try:
             region = grow(graph, var, axis, small, large, replace(ctx, extended=True))
@@ -128,19 +137,32 @@ def _region(
 
 
 def best_split(
-    graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0
+    graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0, room: int = 0
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """:func:`cheapest_split`; where no axis splits, the same with loops replayed per chunk of
-    an accumulator (:mod:`memsafe.split.replay`: their work once per chunk), and the first
-    failures where that finds none either."""
+    an accumulator (:mod:`memsafe.split.replay`: their work once per chunk), then, where the
+    ``room`` for temporaries is larger than the (chunk-scaled) ``budget``, the same with values
+    held whole beside the loop measured against the room; the first failures where none
+    splits.
+
+    A smaller chunk scale shrinks the chunks; a value the loop reads or writes whole (a
+    segment sum's node-sized accumulator) is as large at any scale. Measured against the
+    scaled budget only, the attempts after one over the limit dropped such splits altogether
+    and compiled the program unsplit (a graph network's round under 0.9 MiB: the second of
+    its attempts back at jax.jit's 4.1 MiB; held against the room, 0.73 MiB)."""
     got = cheapest_split(graph, var, budget, mesh, floor)
-    if not isinstance(got, list) or not any(
-        e.primitive.name in replay.REPLAYABLE for e in graph.eqns
-    ):
+    if not isinstance(got, list):
         return got
-    replaying = RuleContext(replaying=True)
-    replayed = cheapest_split(graph, var, budget, mesh, floor, replaying)
-    return got if isinstance(replayed, list) else replayed
+    if any(e.primitive.name in replay.REPLAYABLE for e in graph.eqns):
+        replaying = RuleContext(replaying=True)
+        replayed = cheapest_split(graph, var, budget, mesh, floor, replaying)
+        if not isinstance(replayed, list):
+            return replayed
+    if room > budget:
+        held = cheapest_split(graph, var, budget, mesh, floor, held=room)
+        if not isinstance(held, list):
+            return held
+    return got
 
 
 def cheapest_split(
@@ -150,8 +172,10 @@ def cheapest_split(
     mesh: Any = None,
     floor: int = 0,
     ctx: RuleContext = PLAIN,
+    held: int = 0,
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
-    """The cheapest way to split ``var`` (fewest loop iterations; chunks the model expects to fit
+    """The cheapest way to split ``var`` (``held``: what values held whole may take, see
+    :func:`_region`; fewest loop iterations; chunks the model expects to fit
     before the fallbacks: the smallest chunks of axes where none does, two chunks of axes it
     expects to fit whole), or why each axis failed. Among smallest chunks, those whose own
     bytes fit the budget come first: what the model holds beside them may be alive anyway,
@@ -163,7 +187,7 @@ def cheapest_split(
         if n < 2:
             continue
         try:
-            options.append(_option(graph, var, axis, budget, mesh, floor, ctx))
+            options.append(_option(graph, var, axis, budget, mesh, floor, ctx, held))
         except SplitFailure as failure:
             failures.append((axis, failure))
     if not options:

@@ -33,6 +33,7 @@ from memsafe.rewrite import invariants
 from memsafe.split import recompute, replay
 from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
 from memsafe.split.planner import absorbed, best_split, candidates
+from memsafe.split.region import Region
 from memsafe.split.registry import PLAIN, NoRule, axis_map
 from memsafe.split.size import ChunkPlan, speed_cap
 
@@ -273,7 +274,7 @@ def _chosen(
     for var in candidates(graph, budget, ctx.memory_limit):
         if _key(graph, var) in failed:
             continue
-        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx))
+        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx), ctx.room)
         if isinstance(got, tuple):
             return (var, *got, absorbed(graph, got[0].region, var, budget))
         failed.add(_key(graph, var))
@@ -294,11 +295,23 @@ def _chosen(
     return None
 
 
+def _carried_sinks(graph: Graph, region: Region) -> set[str]:
+    """Kinds of the equations that consume the axis into a value carried from chunk to chunk
+    (a combining scatter into its running result, :meth:`Running.sink`), named as sinks."""
+    kinds = set()
+    for i in region.maps:
+        run = region.running(graph, i)
+        sink = None if run is None else run.sink(graph.eqns[i], region.maps[i])
+        if sink is not None:
+            kinds.add(sink.kind)
+    return kinds
+
+
 def _record(graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var]) -> SplitRecord:
     """What the plan says of ``split`` at ``chunk``, splitting ``values`` (the candidate first,
     then those its region absorbed)."""
     region, eqns = split.region, graph.eqns
-    sinks = sorted({m.kind for m in region.sinks.values()})
+    sinks = sorted({m.kind for m in region.sinks.values()} | _carried_sinks(graph, region))
     if any(graph.info(v).is_output for v in region.surviving):
         sinks.append("output")
     if split.label is not None:

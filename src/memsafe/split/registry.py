@@ -151,6 +151,13 @@ class Running:
         others are dead); None where the chunks then need nothing carried between them."""
         return self
 
+    def sink(self, eqn: JaxprEqn, mapping: Mapping) -> Sink | None:
+        """The equation as a sink where no value can be carried from chunk to chunk (a loop
+        body that runs whole on each chunk, a value made of pieces): a combining scatter whose
+        chunks, each scattered into its own copy, fold by its combiner; None where it has none
+        (a scan along the axis)."""
+        return None
+
     def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         """Whether, inside a loop body that runs whole on each chunk, the equation needs no
         carry between chunks: its results without the split axis read nothing of it (a nested

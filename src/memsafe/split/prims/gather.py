@@ -2,14 +2,24 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
+import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
-from memsafe.split import sinks
+from memsafe.split import devices, sinks
 from memsafe.split.indices import chunk_local_indices
-from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, shape, split_rule
+from memsafe.split.registry import (
+    Mapping,
+    NoRule,
+    RuleContext,
+    Running,
+    Side,
+    shape,
+    split_rule,
+)
 from memsafe.split.sinks import Sink
 
 SCATTERS = (
@@ -88,7 +98,62 @@ def _gather(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     return from_indices(batch_out.index(axis))
 
 
-@split_rule(*SCATTERS, rebind=_rebind_scatter)
+@dataclass(frozen=True)
+class Into(Mapping):
+    """A combining scatter whose updates and indices are split along a scatter axis (``ins``:
+    the operand whole, then the axis of the indices and of the updates), its result whole
+    (``outs``: None): each chunk scatters its updates into the result of the chunks before it
+    (:class:`ScatterRunning`)."""
+
+
+class ScatterRunning(Running):
+    """A combining scatter (``segment_sum``, ``segment_max``, the gradient of a gather) over
+    chunks of its updates: the loop carries the scattered operand, and each chunk scatters its
+    updates into what the chunks before it made, in place. The loop then holds one copy of the
+    operand where folding per-chunk scatters held three (each chunk's identity-filled copy, its
+    scattered copy and the fold: a graph network's node sums and minima over chunks of edges),
+    and a sum adds the updates in the order one scatter over all of them does. Where nothing
+    can be carried (a loop body run whole per chunk, pieces of a value) the scatter is the sink
+    that folds per-chunk scatters (:class:`memsafe.split.sinks.ScatterInto`)."""
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return isinstance(mapping, Into)
+
+    def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
+        return [carried, *invals[1:]]
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        return outs, outs[0]
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return {0: carried}
+
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Running | None:
+        return self if live else None
+
+    def sink(self, eqn: JaxprEqn, mapping: Mapping) -> Sink:
+        return Sink(sinks.SCATTER_INTO[eqn.primitive.name], ins=mapping.ins)
+
+    def device_start(
+        self, eqn: JaxprEqn, invals: list[Any], mapping: Mapping, first: Any
+    ) -> list[Any]:
+        """A device's first chunk scatters into the operand on the device holding the axis's
+        first positions, into the combiner's identity on the others; with :meth:`across`,
+        ``memsafe.mesh.Shardable``."""
+        reducer = sinks.SCATTER_INTO[eqn.primitive.name]
+        operand = invals[0]
+        fill = jnp.full(operand.shape, reducer.identity(operand.dtype), operand.dtype)
+        return [lax.select(jnp.full(operand.shape, first), operand, fill), *invals[1:]]
+
+    def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
+        """The devices' scattered operands folded by the combiner, in device order."""
+        reducer = sinks.SCATTER_INTO[eqn.primitive.name]
+        return devices.combine_partials(reducer, eqn, (carried,), axis_name)[0]
+
+
+@split_rule(*SCATTERS, rebind=_rebind_scatter, running=ScatterRunning())
 def _scatter(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Scatters pass the axis along their batching dimensions (the VJP of a batched gather) and
     along full-size window dimensions no index addresses (the VJP of a gather's offset axis)."""
@@ -112,26 +177,29 @@ def _scatter(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
         if axis == len(shape(eqn.invars[1])) - 1:
             raise NoRule("scatter index vectors cannot be split")
         if axis not in idx_b:
-            return _into(eqn, axis, upd_scatter[axis])
+            return _into(eqn, axis, upd_scatter[axis], ctx)
         j, a = axis, op_b[idx_b.index(axis)]
     else:
         if axis not in upd_scatter:
             raise NoRule("scatter updates split along a window axis")
         j = upd_scatter.index(axis)
         if j not in idx_b:
-            return _into(eqn, j, axis)
+            return _into(eqn, j, axis, ctx)
         a = op_b[idx_b.index(j)]
     return Mapping(ins=(a, j, upd_scatter[j]), outs=(a,))
 
 
-def _into(eqn: JaxprEqn, index_axis: int, update_axis: int) -> Sink:
-    """Updates (and their indices) split along a scatter axis land anywhere in the operand: a
-    sink that scatters each chunk's updates and folds the results by the scatter's combiner
-    (``segment_sum`` over chunks of edges, the gradient of a gather by chunks of indices)."""
+def _into(eqn: JaxprEqn, index_axis: int, update_axis: int, ctx: RuleContext) -> Into | Sink:
+    """Updates (and their indices) split along a scatter axis land anywhere in the operand
+    (``segment_sum`` over chunks of edges, the gradient of a gather by chunks of indices): each
+    chunk scatters into the running result (:class:`ScatterRunning`); on extended chunks
+    (:mod:`memsafe.split.halo`), which carry nothing from chunk to chunk, a sink that scatters
+    each chunk's updates and folds the results by the scatter's combiner."""
     reducer = sinks.SCATTER_INTO.get(eqn.primitive.name)
     if reducer is None:
         raise NoRule("scatter updates split along a non-batch axis (a scatter that overwrites)")
-    return Sink(reducer, ins=(None, index_axis, update_axis))
+    ins = (None, index_axis, update_axis)
+    return Sink(reducer, ins=ins) if ctx.extended else Into(ins=ins, outs=(None,))
 
 
 def _scatter_window(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | None:
