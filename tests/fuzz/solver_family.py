@@ -20,8 +20,9 @@ One variant per case, by flag:
 - ``fixed_point``: a batched equilibrium layer, the rows of a batch iterating
   ``z = tanh(z @ W + h)`` until each row has converged: a per-row ``active`` mask, masked
   (``jnp.where``) updates and the predicate ``jnp.any(active)`` (the form ``jax.vmap`` of a while
-  loop takes), under a ``jax.custom_vjp`` whose backward runs a fixed number of adjoint
-  iterations.
+  loop takes, written by hand), or with ``vmap_rows`` a per-row loop under ``jax.vmap`` (JAX makes
+  it one loop with a batched predicate); under a ``jax.custom_vjp`` whose backward runs a fixed
+  number of adjoint iterations.
 
 Every backward pass is differentiable again (fixed-count ``fori_loop``s, ``custom_linear_solve``,
 loops run on ``stop_gradient`` inputs only), so second-order wrappers apply. The solvers run in at
@@ -84,6 +85,8 @@ def draw(rng: random.Random) -> tuple[Sizes, set[str]]:
             "tol_exp": rng.choice((5, 6)),
             "classes": rng.randint(2, 32),
         }
+        if rng.random() < 0.5:
+            flags.add("vmap_rows")
     return sizes, flags
 
 
@@ -94,7 +97,7 @@ def body(sizes: Sizes, flags: frozenset[str]) -> list[str]:
     if "cg" in flags:
         return _kernel_ridge(sizes, "hand" in flags)
     if "fixed_point" in flags:
-        return _equilibrium(sizes)
+        return _equilibrium(sizes, "vmap_rows" in flags)
     raise ValueError(f"no solver variant among {sorted(flags)}")
 
 
@@ -246,28 +249,54 @@ def _kernel_ridge(sizes: Sizes, hand: bool) -> list[str]:
     ]
 
 
-def _equilibrium(sizes: Sizes) -> list[str]:
-    """An equilibrium layer whose rows iterate to their own tolerance, then a classifier."""
+def _equilibrium(sizes: Sizes, vmap_rows: bool) -> list[str]:
+    """An equilibrium layer whose rows iterate to their own tolerance, then a classifier: the
+    rows in one loop with a per-row ``active`` mask, masked updates and ``jnp.any(active)`` as
+    the predicate, or with ``vmap_rows`` a per-row loop under ``jax.vmap`` (which JAX turns into
+    one loop with a batched predicate)."""
     tol, most, adjoint = f"1e-{sizes['tol_exp']}", sizes["most"], sizes["adjoint"]
+    if vmap_rows:
+        loop = [
+            "    def iterate_row(w, h):",
+            "        def keep_going(state):",
+            "            it, _, delta = state",
+            f"            return (it < {most}) & (delta > {tol})",
+            "",
+            "        def step(state):",
+            "            it, z, _ = state",
+            "            new = cell(w, h, z)",
+            "            return it + 1, new, jnp.max(jnp.abs(new - z))",
+            "",
+            "        init = (0, jnp.zeros_like(h), jnp.asarray(jnp.inf, h.dtype))",
+            "        return lax.while_loop(keep_going, step, init)[1]",
+            "",
+            "    def iterate(w, h):",
+            "        return jax.vmap(iterate_row, in_axes=(None, 0))(w, h)",
+            "",
+        ]
+    else:
+        loop = [
+            "    def iterate(w, h):",
+            "        def keep_going(state):",
+            "            it, _, active = state",
+            f"            return (it < {most}) & jnp.any(active)",
+            "",
+            "        def step(state):",
+            "            it, z, active = state",
+            "            new = cell(w, h, z)",
+            "            delta = jnp.max(jnp.abs(new - z), axis=-1)",
+            "            z = jnp.where(active[:, None], new, z)",
+            f"            return it + 1, z, active & (delta > {tol})",
+            "",
+            "        init = (0, jnp.zeros_like(h), jnp.ones(h.shape[:-1], bool))",
+            "        return lax.while_loop(keep_going, step, init)[1]",
+            "",
+        ]
     return [
         "    def cell(w, h, z):",
         "        return jnp.tanh(z @ w + h)",
         "",
-        "    def iterate(w, h):",
-        "        def keep_going(state):",
-        "            it, _, active = state",
-        f"            return (it < {most}) & jnp.any(active)",
-        "",
-        "        def step(state):",
-        "            it, z, active = state",
-        "            new = cell(w, h, z)",
-        "            delta = jnp.max(jnp.abs(new - z), axis=-1)",
-        "            z = jnp.where(active[:, None], new, z)",
-        f"            return it + 1, z, active & (delta > {tol})",
-        "",
-        "        init = (0, jnp.zeros_like(h), jnp.ones(h.shape[:-1], bool))",
-        "        return lax.while_loop(keep_going, step, init)[1]",
-        "",
+        *loop,
         "    @jax.custom_vjp",
         "    def equilibrium(w, h):",
         "        return iterate(w, h)",
