@@ -18,6 +18,10 @@ goes on with a fresh pool (tests/fuzz/schedule.py).
 steps of MLPs, layer stacks, transformers, CNNs, graph networks and several large values alive at
 once); which seeds are deep depends on the seed and the share only, so a report's seeds rerun
 with the same share (``--seeds-from`` takes it from the report unless given).
+
+``--families solver`` makes every seed a deep program of that family (with several, seed ``s``
+takes the ``s % len``-th; tests/fuzz/forced.py), for a sample of one family; ``--seeds-from``
+takes the families from the report unless given.
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+from . import forced
+from .deep_families import FAMILIES
 from .report import format_table, write_json
 from .runner import FAILURES, OUTCOMES, Result, run_seed, timeout_result
 from .schedule import TimedOut, run_all
@@ -43,14 +49,24 @@ DEFAULT_CASES = 2000
 
 
 def _results(
-    seeds: list[int], jobs: int, timeout: float, deadline: float, deep_fraction: float = 0.0
+    seeds: list[int],
+    jobs: int,
+    timeout: float,
+    deadline: float,
+    deep_fraction: float = 0.0,
+    families: tuple[str, ...] | None = None,
 ) -> Iterator[Result]:
-    """Results of ``seeds`` in completion order (a share ``deep_fraction`` of them deep),
-    ``timeout`` results for cases killed after ``timeout`` seconds, starting no case after
-    ``deadline`` (a ``time.monotonic()`` value)."""
-    run = functools.partial(run_seed, deep_fraction=deep_fraction)
+    """Results of ``seeds`` in completion order (a share ``deep_fraction`` of them deep, or all
+    deep programs of ``families`` when given), ``timeout`` results for cases killed after
+    ``timeout`` seconds, starting no case after ``deadline`` (a ``time.monotonic()`` value)."""
+    if families:
+        run = functools.partial(forced.run_seed, families=families)
+    else:
+        run = functools.partial(run_seed, deep_fraction=deep_fraction)
     for seed, value in run_all(run, seeds, jobs, timeout, deadline):
-        if isinstance(value, TimedOut):
+        if isinstance(value, TimedOut) and families:
+            yield forced.timeout(seed, value.seconds, timeout, families)
+        elif isinstance(value, TimedOut):
             yield timeout_result(seed, value.seconds, timeout, deep_fraction)
         else:
             yield value
@@ -92,6 +108,12 @@ def _report_fraction(path: Path) -> float:
     return float(json.loads(path.read_text())["meta"].get("deep_fraction") or 0.0)
 
 
+def _report_families(path: Path) -> tuple[str, ...] | None:
+    """The families a report's campaign was forced to (None: drawn freely)."""
+    families = json.loads(path.read_text())["meta"].get("families")
+    return tuple(families) if families else None
+
+
 def _parser() -> argparse.ArgumentParser:
     """The command line."""
     p = argparse.ArgumentParser(
@@ -115,6 +137,12 @@ def _parser() -> argparse.ArgumentParser:
         "--deep-fraction",
         type=_fraction,
         help="share of seeds that draw deep programs (default 0, or the --seeds-from report's)",
+    )
+    p.add_argument(
+        "--families",
+        type=lambda text: tuple(_names(text, tuple(sorted(FAMILIES)))),
+        help="make every seed a deep program of these families, e.g. solver "
+        "(default: as --deep-fraction draws, or the --seeds-from report's)",
     )
     p.add_argument("--jobs", type=int, default=1, help="worker processes")
     p.add_argument(
@@ -174,6 +202,7 @@ def _finish(
         "seeds": seeds if listed else None,
         "case_timeout": args.case_timeout,
         "deep_fraction": args.deep_fraction,
+        "families": list(args.families) if args.families else None,
         "seconds": round(elapsed, 1),
     }
     write_json(args.json, results, meta)
@@ -192,6 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = _seeds(args, parser)
     if args.deep_fraction is None:
         args.deep_fraction = _report_fraction(args.seeds_from) if args.seeds_from else 0.0
+    if args.families is None and args.seeds_from is not None:
+        args.families = _report_families(args.seeds_from)
     if not seeds:
         print("no seeds to run", flush=True)
         return 0
@@ -202,12 +233,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     results: list[Result] = []
     deadline = start + args.budget
-    for result in _results(seeds, args.jobs, args.case_timeout, deadline, args.deep_fraction):
+    runs = _results(
+        seeds, args.jobs, args.case_timeout, deadline, args.deep_fraction, args.families
+    )
+    for result in runs:
         results.append(result)
         _show(result, args.quiet)
         if len(results) % 100 == 0:
             meta = {"partial": True, "seconds": time.monotonic() - start}
-            write_json(args.json, results, {**meta, "deep_fraction": args.deep_fraction})
+            meta |= {"deep_fraction": args.deep_fraction, "families": args.families}
+            write_json(args.json, results, meta)
     if len(results) < len(seeds):
         print(f"budget of {args.budget:g} s spent after {len(results)} cases", flush=True)
     return _finish(results, seeds, args, time.monotonic() - start)

@@ -11,7 +11,9 @@ edge features and, for Adam, the optimizer's moments) and ``labels`` int32 (clas
 SGD or Adam-like update written by hand, returning the loss, the new parameters (and moments).
 ``loss`` sums ``f``'s outputs, so the gradient wrappers differentiate a training step (second
 order) or the model (first order). Families (``tests/fuzz/deep_families.py``): ``mlp``,
-``scan_layers``, ``transformer``, ``cnn``, ``graph`` and ``multi``.
+``scan_layers``, ``transformer``, ``cnn``, ``graph``, ``multi`` and ``solver``
+(``tests/fuzz/solver_family.py``: Sinkhorn, conjugate gradients and a batched fixed point in
+``while_loop``s under ``custom_vjp``).
 
 :func:`draw` picks, per seed, a deep or a pairwise case given the share of deep ones.
 """

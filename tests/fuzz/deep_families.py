@@ -18,6 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from . import solver_family
+
 Sizes = dict[str, int]
 Tree = Any
 #: Arrays of a case before the cast to its dtype: x, params, v, labels.
@@ -470,4 +472,5 @@ FAMILIES: dict[str, Family] = {
     "cnn": Family(_cnn_draw, _cnn_body, _cnn_arrays),
     "graph": Family(_graph_draw, _graph_body, _graph_arrays, ()),
     "multi": Family(_multi_draw, _multi_body, _multi_arrays, ()),
+    "solver": Family(solver_family.draw, solver_family.body, solver_family.arrays),
 }

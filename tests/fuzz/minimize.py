@@ -5,7 +5,8 @@ simplifications one at a time (drop a chain operation or a sink, no control flow
 wrapper, normal inputs, float32, fewer rows and columns), keeping each that still gives the same
 outcome; it prints the smallest program and the ``dataclasses.replace`` call that rebuilds it.
 ``--deep`` minimizes the deep cases of those seeds (``tests/fuzz/deep.py``: the plain wrapper,
-float32, each flag dropped, each size halved, keeping those that still trace).
+float32, each flag dropped, each size halved, keeping those that still trace); ``--family NAME``
+the seeds' cases forced to that family (as ``python -m tests.fuzz --families NAME`` runs them).
 """
 
 from __future__ import annotations
@@ -101,9 +102,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tests.fuzz.minimize", description=__doc__)
     parser.add_argument("seeds", type=int, nargs="+")
     parser.add_argument("--deep", action="store_true", help="the seeds' deep cases")
+    parser.add_argument("--family", help="the seeds' deep cases forced to this family")
     args = parser.parse_args(argv)
     for seed in args.seeds:
-        case = generate_deep(seed) if args.deep else generate(seed)
+        if args.family:
+            case = generate_deep(seed, family=args.family)
+        else:
+            case = generate_deep(seed) if args.deep else generate(seed)
         first = run_case(case)
         print(f"seed {seed}: {first.outcome} {first.message[:200]}", flush=True)
         if not first.failed:
