@@ -1,23 +1,32 @@
 """Deep programs of the differential fuzzer (tests/fuzz/deep.py): training steps of MLPs, layer
-stacks, transformers, CNNs, graph networks and several large values alive at once.
+stacks, transformers, CNNs, graph networks, several large values alive at once and iterative
+solvers in while loops.
 
 ``test_deep_family_runs`` runs one fixed case per family under memsafe.jit against jax.jit (split,
 unchanged, refused, unreachable or outer pass; wrong, over the limit or a crash fail); the other
 tests check that deep cases are reproducible from their seed, trace under every wrapper and are
-drawn for the asked share of seeds only.
+drawn for the asked share of seeds only, and that every solver variant differentiates to second
+order (its backward loops have fixed counts).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import jax
 import numpy as np
 import pytest
 
-from tests.fuzz import deep
+from tests.fuzz import deep, forced
 from tests.fuzz.deep_families import FAMILIES
 from tests.fuzz.program import generate
 from tests.fuzz.runner import run_case
+from tests.fuzz.solver_family import VARIANTS
 from tests.fuzz.wrappers import WRAPPERS
+
+#: The solver family's fixed case: an SGD step through a per-row fixed point under jax.vmap (one
+#: while loop with a batched predicate, split by rows) in a custom_vjp, fixed-count adjoint.
+SOLVER_SEED = 16
 
 #: One quick case per family (seed, forced fields), each a few seconds, together under a minute.
 FAMILY_CASES: dict[str, tuple[int, dict]] = {
@@ -27,6 +36,7 @@ FAMILY_CASES: dict[str, tuple[int, dict]] = {
     "cnn": (20, {}),  # SAME convolutions, average pooling
     "graph": (41, {}),  # sorted receivers, segment_min, an SGD step
     "multi": (8, {}),  # two (rows, rows) values alive at once, under an inner jax.jit
+    "solver": (SOLVER_SEED, {}),
 }
 
 
@@ -92,3 +102,29 @@ REFUSED_BEFORE = (142,)
 def test_deep_refusals_since_split(seed):
     result = run_case(deep.generate_deep(seed))
     assert result.interesting and result.outcome == "split", result.describe()
+
+
+def _solver_cases(variant: str) -> list[deep.DeepCase]:
+    """Solver cases of ``variant`` (with and without its sub-flag) among the first seeds."""
+    cases = (deep.generate_deep(seed, family="solver") for seed in range(40))
+    return [c for c in cases if variant in c.flags]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_solver_variants_differentiate_twice(variant):
+    """A training step under a gradient wrapper differentiates the solver twice: no backward
+    pass runs a while loop JAX cannot transpose."""
+    found = _solver_cases(variant)
+    subflags = {flag for c in found for flag in c.flags} & {"every", "hand"}
+    assert found and (variant == "fixed_point" or subflags)
+    for case in found[:4]:
+        flags = tuple(sorted({*case.flags, "train"}))
+        trial = replace(case, wrapper="grad_inside", batch=1, flags=flags)
+        assert deep.valid(trial), deep.render(trial)
+
+
+def test_families_option_forces_the_family():
+    for seed in range(6):
+        case = forced.case_of(seed, ("solver",))
+        assert case == deep.generate_deep(seed, family="solver")
+    assert {forced.case_of(s, ("cnn", "solver")).family for s in range(4)} == {"cnn", "solver"}
