@@ -31,7 +31,7 @@ from memsafe.graph.interpret import Group
 from memsafe.split import loop as chunk_loop
 from memsafe.split import planner
 from memsafe.split.emit import OneDevice, StagedSplit, plan_loops
-from memsafe.split.online import OnlinePlan, OnlineSplit, raw_key
+from memsafe.split.online import OnlinePlan, OnlineSplit, late_factors, raw_key
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping
 
@@ -93,28 +93,8 @@ class FusedSplit(OneDevice):
             for k, kn in enumerate(self.kernels)
         ]
         if self.plan is not None and self.plan.deferred:
-            groups.append(self._late(graph, self.plan))
+            groups.append(late_factors(graph, self.region, self.plan))
         return groups
-
-    def _late(self, graph: Graph, plan: OnlinePlan) -> Group:
-        """Deferred sinks' results: their accumulators times their late factors."""
-
-        def finish(vals: list[Any]) -> list[Any]:
-            accs, late = vals[: len(plan.deferred)], vals[len(plan.deferred) :]
-            bases = dict(zip(plan.late, late))
-            out = []
-            for i, acc in zip(plan.deferred, accs):
-                f = plan.factors[i].value(graph, bases)
-                out.append(acc if f is None else acc * f.astype(acc.dtype))
-            return out
-
-        return Group(
-            eqns=frozenset(),
-            needs=(*(raw_key(i) for i in plan.deferred), *plan.late),
-            gives=tuple(o for i in plan.deferred for o in graph.eqns[i].outvars),
-            position=max(self.region.maps),
-            run=finish,
-        )
 
 
 def fuse(graph: Graph, split: Any, policy: FusedPolicy | None = None) -> Any:

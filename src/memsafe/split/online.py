@@ -540,7 +540,7 @@ class OnlineSplit(OneDevice):
         self, graph: Graph, chunk: int, runner: chunk_loop.Runner = chunk_loop.run
     ) -> list[Group]:
         """The loop over every chunk (run by ``runner``), and the late factors applied after."""
-        return [self._loop(graph, chunk, runner), self._finish(graph)]
+        return [self._loop(graph, chunk, runner), late_factors(graph, self.region, self.plan)]
 
     def _loop(self, graph: Graph, chunk: int, runner: chunk_loop.Runner) -> Group:
         region, plan = self.region, self.plan
@@ -570,27 +570,6 @@ class OnlineSplit(OneDevice):
             gives=(*gives, *region.surviving),
             position=min(region.maps),
             run=run_loop,
-        )
-
-    def _finish(self, graph: Graph) -> Group:
-        """Deferred sinks' results: their accumulators times their late factors."""
-        plan = self.plan
-
-        def run_finish(vals: list[Any]) -> list[Any]:
-            accs, late = vals[: len(plan.deferred)], vals[len(plan.deferred) :]
-            bases = dict(zip(plan.late, late))
-            out = []
-            for i, acc in zip(plan.deferred, accs):
-                f = plan.factors[i].value(graph, bases)
-                out.append(acc if f is None else acc * f.astype(acc.dtype))
-            return out
-
-        return Group(
-            eqns=frozenset(),
-            needs=(*(raw_key(i) for i in plan.deferred), *plan.late),
-            gives=tuple(o for i in plan.deferred for o in graph.eqns[i].outvars),
-            position=max(self.region.maps),
-            run=run_finish,
         )
 
 
@@ -663,6 +642,28 @@ class _OnlineBody:
         shape = list(out.aval.shape)
         shape[m.outs[0]] = n
         env.local[out] = jnp.broadcast_to(val, shape).astype(out.aval.dtype)
+
+
+def late_factors(graph: Graph, region: Region, plan: OnlinePlan) -> Group:
+    """The group that finishes an online region's deferred sinks: their accumulators times their
+    late factors (what the loop leaves under :func:`raw_key`, and the late bases)."""
+
+    def run(vals: list[Any]) -> list[Any]:
+        accs, late = vals[: len(plan.deferred)], vals[len(plan.deferred) :]
+        bases = dict(zip(plan.late, late))
+        out = []
+        for i, acc in zip(plan.deferred, accs):
+            f = plan.factors[i].value(graph, bases)
+            out.append(acc if f is None else acc * f.astype(acc.dtype))
+        return out
+
+    return Group(
+        eqns=frozenset(),
+        needs=(*(raw_key(i) for i in plan.deferred), *plan.late),
+        gives=tuple(o for i in plan.deferred for o in graph.eqns[i].outvars),
+        position=max(region.maps),
+        run=run,
+    )
 
 
 def strategy(graph: Graph, region: Region) -> OnlineSplit | None:
