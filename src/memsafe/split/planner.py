@@ -124,16 +124,19 @@ def _region(
     windowed operations (convolutions), first the region on extended chunks
     (:mod:`memsafe.split.halo`), which runs several of them in a row in one loop; the plain
     region where that fails or needs no extension. Values the region reads or writes whole may
-    take half of ``budget``, or of ``held`` where larger (see :func:`best_split`)."""
+    take half of ``budget``, or of ``held`` where larger (see :func:`best_split`); values
+    computed outside and read chunk by chunk over half of ``budget`` must then be smaller than
+    ``var`` (``sliced_large`` of :func:`memsafe.split.region.grow`)."""
     small, large = max(1, budget // policy.SPLIT.small), max(1, max(budget, held) // 2)
+    sliced = max(1, budget // 2) if held > budget else None
     if windowed and any(e.primitive.name in WINDOWED for e in graph.eqns):
         try:
-            region = grow(graph, var, axis, small, large, replace(ctx, extended=True))
+            region = grow(graph, var, axis, small, large, replace(ctx, extended=True), sliced)
         except SplitFailure:
             region = None
         if region is not None and region.windowed:
             return region
-    return grow(graph, var, axis, small, large, ctx)
+    return grow(graph, var, axis, small, large, ctx, sliced)
 
 
 def best_split(

@@ -298,13 +298,24 @@ class _Growth:
 
 
 def grow(
-    graph: Graph, seed: Var, axis: int, small: int, large: int, ctx: RuleContext = PLAIN
+    graph: Graph,
+    seed: Var,
+    axis: int,
+    small: int,
+    large: int,
+    ctx: RuleContext = PLAIN,
+    sliced_large: int | None = None,
 ) -> Region:
     """The region splitting ``seed`` along ``axis``, its split rules told ``ctx`` (on extended
     chunks, replays tried); raises :class:`SplitFailure`.
 
     Producers of values over ``small`` bytes are pulled into the region even when they are not
     cheap to recompute; values the region reads or writes in full must stay under ``large``.
+    Where ``sliced_large`` is given (smaller than ``large``), a value computed outside and read
+    chunk by chunk that is larger than it must also be smaller than ``seed``: one as large as
+    the seed is whole in memory at any chunk size, so the region saves at most what it computes
+    from it (the pointwise tail of an FFT, split alone, held the FFT's result whole beside its
+    chunks and kept the scheduling pass from sequencing the FFTs).
     Every consumer of a sliced input joins the region when the axis can pass through it, so
     values that read the same input along the same axis share one loop.
 
@@ -315,7 +326,7 @@ def grow(
     left_out: dict[int, SplitFailure] = {}
     while True:
         try:
-            return _grow(graph, seed, axis, small, large, left_out, ctx)
+            return _grow(graph, seed, axis, small, large, left_out, ctx, sliced_large)
         except _ReadsWhole as err:
             if (
                 err.users <= left_out.keys()
@@ -340,6 +351,7 @@ def _grow(
     large: int,
     left_out: dict[int, SplitFailure],
     ctx: RuleContext,
+    sliced_large: int | None = None,
 ) -> Region:
     g = _Growth(graph, graph.info(seed).shape[axis], small, ctx, left_out=dict(left_out))
     g.assign(seed, axis, graph.info(seed).producer or 0)
@@ -347,6 +359,9 @@ def _grow(
     produced = g.hand_back(large)
     sliced = {v for v in g.axis_of if v not in produced}
     whole = {v for v, _ in g.whole_uses}
+    if sliced_large is not None:
+        large_read = {v for v in sliced if graph.info(v).bytes > sliced_large}
+        _check_inputs(g, large_read, set(), graph.info(seed).bytes - 1)
     _check_inputs(g, sliced, whole, large)
     surviving = _surviving(g, produced, large)
     _check_saves(g, seed, produced, surviving)
