@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # A pass that raises is a bug in that pass: under the tests it fails instead of being skipped.
@@ -24,6 +25,19 @@ settings.load_profile("memsafe")
 
 # Plan snapshots (tests/plan_snapshot.py), inactive unless MEMSAFE_PLAN_SNAPSHOT names a directory.
 pytest_plugins = ["plan_snapshot"]
+
+#: Tests measured slow (tools/slow_tests.py): marked ``slow`` here, left out of ``make test``.
+SLOW_LIST = Path(__file__).with_name("slow.txt")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Mark the tests :data:`SLOW_LIST` names ``slow`` before ``-m`` selects."""
+    lines = (line.strip() for line in SLOW_LIST.read_text().splitlines())
+    slow = {line for line in lines if line and not line.startswith("#")}
+    for item in items:
+        if item.nodeid in slow:
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(autouse=True)

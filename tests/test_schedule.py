@@ -294,3 +294,22 @@ def test_property_chains_over_multi_output_producers_match_jit(spec):
     *_, g = _run_pass(f, x)
     for got, want in zip(jax.jit(g)(x), memsafe_jit(f)(x)):
         _close(got, want)
+
+
+def test_the_held_fallback_leaves_a_pointwise_tail_of_an_unsplit_result_alone(x, loop_temps):
+    """Where values held whole are measured against the room (``best_split``'s ``room``, the
+    attempts after the first), the pointwise tail of seed 002's FFT chains does not split: each
+    FFT's result is whole in memory at any chunk size, so the tail saved nothing, and its split
+    kept the schedule pass from sequencing the chains (n=2: 5.37 MB over the 4.33 MB limit,
+    where the schedule fits 4.26 MB). ``test_fft_multi_flat_in_n_under_memsafe_jit`` (slow)
+    runs the whole search."""
+    from memsafe.graph import Graph
+    from memsafe.split.planner import best_split
+
+    graph = Graph(inline_calls(jax.make_jaxpr(lambda x: f_fft_multi(x, n=2))(x)))
+    tails = [e.outvars[0] for e in graph.eqns if e.primitive.name == "integer_pow"]
+    room = loop_temps + 64 * 1024  # the limit of _check_flat_in_n less arguments and outputs
+    budget = int(room * 0.61)  # the second attempt's chunk scale
+    assert len(tails) == 2 and all(graph.info(t).bytes == x.nbytes for t in tails)
+    for tail in tails:
+        assert isinstance(best_split(graph, tail, budget, room=room), list)
