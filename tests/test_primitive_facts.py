@@ -4,6 +4,11 @@ facts for one it knows how to split (issue 40)."""
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
 import memsafe  # noqa: F401  (loads every split rule)
 from memsafe import primitives
 from memsafe.passes import hoist
@@ -50,3 +55,54 @@ def test_a_declared_primitive_joins_and_leaves_every_derived_set():
     assert "toy_op" not in TABLE and rule_of("toy_op") is None
     assert not any("toy_op" in names for names in DERIVED.values())
     assert "toy_op" not in hoist.POINTWISE and "toy_op" not in invariants.UNHELD
+
+
+def _programs():
+    """A small program per primitive the table says is linear in some operands, the
+    primitive's operands its arguments (or literals)."""
+    a, b = jnp.arange(12.0).reshape(3, 4) - 5.0, jnp.linspace(-2.0, 3.0, 12).reshape(3, 4)
+    return {
+        "mul": (lambda x, y: x * y, (a, b)),
+        "div": (lambda x, y: x / y, (a, b + 10.0)),
+        "dot_general": (lambda x, y: lax.dot_general(x, y, (((1,), (1,)), ((), ()))), (a, b)),
+        "select_n": (lambda p, x, y: lax.select_n(p, x, y), (a > 0, a, b)),
+        "concatenate": (lambda x, y: jnp.concatenate([x, y], 1), (a, b)),
+        "pad": (lambda x, v: lax.pad(x, v, [(1, 2, 0), (0, 1, 1)]), (a, jnp.float32(0))),
+        "slice": (lambda x: x[1:, ::2], (a,)),
+        "rev": (lambda x: lax.rev(x, (1,)), (a,)),
+        "reduce_sum": (lambda x: x.sum(0), (a,)),
+        "cumsum": (lambda x: lax.cumsum(x, 1), (a,)),
+        "dynamic_slice": (lambda x: lax.dynamic_slice(x, (1, 0), (2, 4)), (a,)),
+        "dynamic_update_slice": (
+            lambda x, u: lax.dynamic_update_slice(x, u, (1, 1)),
+            (a, b[:2, :2]),
+        ),
+    }
+
+
+def test_every_linear_fact_holds_of_its_primitive():
+    """``Facts.linear`` (what ``memsafe.split.linear`` keeps sums through): the primitive's
+    result on a sum of two shares of its linear operands is the sum of its results on each,
+    its other operands held; in any one of them alone where it is not linear jointly."""
+    programs = _programs()
+    linear = {n for n, row in TABLE.items() if row.linear is not None}
+    assert linear == set(programs)
+    rng = np.random.default_rng(0)
+    for name, (fun, args) in programs.items():
+        closed = jax.make_jaxpr(fun)(*args)
+        (eqn,) = [e for e in closed.jaxpr.eqns if e.primitive.name == name]
+        vals = dict(zip(closed.jaxpr.invars, args))
+        ins = [v.val if hasattr(v, "val") else vals[v] for v in eqn.invars]
+        row = facts(name).linear
+        where = row.indices(len(ins))
+        groups = [where] if row.jointly else [(k,) for k in where]
+        for group in groups:
+            first, second = list(ins), list(ins)
+            for k in group:
+                part = rng.standard_normal(np.shape(ins[k])).astype(np.float32)
+                first[k], second[k] = part, np.asarray(ins[k]) - part
+            whole = eqn.primitive.bind(*ins, **eqn.params)
+            summed = eqn.primitive.bind(*first, **eqn.params) + eqn.primitive.bind(
+                *second, **eqn.params
+            )
+            np.testing.assert_allclose(summed, whole, rtol=1e-5, atol=1e-5, err_msg=name)

@@ -40,6 +40,34 @@ class Scaling(enum.Enum):
 
 
 @dataclass(frozen=True)
+class Linear:
+    """The operand positions a primitive is linear in, every other operand read as a
+    coefficient (the same on every chunk): a sum of its results over shares of those operands
+    is its result on their sum (``memsafe.split.linear``).
+
+    Attributes:
+        positions: the linear operands (a slice of the operand list, or their positions).
+        jointly: linear in all of them together (every one a share or zero: a sum, a
+            concatenation); false: in any one of them, the others then coefficients (a product).
+        zero: operands that must be zero (a pad's padding value).
+    """
+
+    positions: slice | tuple[int, ...]
+    jointly: bool = True
+    zero: tuple[int, ...] = ()
+
+    def indices(self, n: int) -> tuple[int, ...]:
+        """The linear positions among ``n`` operands."""
+        if isinstance(self.positions, slice):
+            return tuple(range(n)[self.positions])
+        return tuple(k for k in self.positions if k < n)
+
+
+#: Linear in its one (first) operand.
+_FIRST = Linear(slice(0, 1))
+
+
+@dataclass(frozen=True)
 class Facts:
     """What is known about one primitive.
 
@@ -66,6 +94,8 @@ class Facts:
             its primal body is exact for a forward program.
         windowed: it reads overlapping windows of an axis (convolutions, pooling): a split along
             that axis runs on extended chunks (``memsafe.split.halo``).
+        linear: the operands it is linear in where its ``scaling`` does not say so (products,
+            contractions, selections, concatenations and the linear layout ops; None: none).
     """
 
     kind: Kind
@@ -81,6 +111,7 @@ class Facts:
     remat: bool = False
     custom_diff: bool = False
     windowed: bool = False
+    linear: Linear | None = None
 
 
 def _elementwise(**facts: object) -> Facts:
@@ -106,8 +137,8 @@ TABLE: dict[str, Facts] = {
     "add": _elementwise(cheap=True, fold=True, commutative=True, scaling=Scaling.SAME),
     "add_any": _elementwise(cheap=True, fold=True, commutative=True, scaling=Scaling.SAME),
     "sub": _elementwise(cheap=True, fold=True, scaling=Scaling.SAME),
-    "mul": _ARITH_COMM,
-    "div": _ARITH,
+    "mul": _elementwise(cheap=True, fold=True, commutative=True, linear=Linear((0, 1), False)),
+    "div": _elementwise(cheap=True, fold=True, linear=Linear((0,), False)),
     "rem": _elementwise(fold=True),
     "pow": _elementwise(fold=True),
     "atan2": _elementwise(fold=True),
@@ -181,7 +212,7 @@ TABLE: dict[str, Facts] = {
     **dict.fromkeys(
         ["not", "shift_left", "shift_right_logical", "shift_right_arithmetic"], _elementwise()
     ),
-    "select_n": _elementwise(cheap=True, scaling=Scaling.SAME),
+    "select_n": _elementwise(cheap=True, scaling=Scaling.SAME, linear=Linear(slice(1, None))),
     # conversions and identities
     "convert_element_type": _elementwise(cheap=True, scaling=Scaling.COMMUTES),
     "reduce_precision": _elementwise(scaling=Scaling.COMMUTES),
@@ -195,10 +226,14 @@ TABLE: dict[str, Facts] = {
     "squeeze": _layout(scaling=Scaling.LAYOUT),
     "expand_dims": _layout(scaling=Scaling.LAYOUT),
     "transpose": Facts(Kind.LAYOUT, cheap=True, scaling=Scaling.LAYOUT),
-    **dict.fromkeys(["slice", "pad", "concatenate", "stack", "rev", "dynamic_slice"], _layout()),
+    **dict.fromkeys(["slice", "rev"], _layout(linear=_FIRST)),
+    "pad": _layout(linear=Linear((0,), zero=(1,))),
+    "concatenate": _layout(linear=Linear(slice(None))),
+    "dynamic_slice": _layout(linear=_FIRST),
+    "stack": _layout(),
     "iota": Facts(Kind.GENERATOR, fusible=True, cheap=True),
     # reductions and scans
-    "reduce_sum": _reduction("sum"),
+    "reduce_sum": Facts(Kind.REDUCTION, monoid="sum", linear=_FIRST),
     "reduce_max": _reduction("max"),
     "reduce_min": _reduction("min"),
     "reduce_prod": _reduction("prod"),
@@ -209,9 +244,8 @@ TABLE: dict[str, Facts] = {
     "argmin": Facts(Kind.REDUCTION, monoid="argmin", decides=True),
     # orders: what goes where depends on comparing the values
     **dict.fromkeys(["sort", "top_k"], Facts(Kind.OTHER, decides=True)),
-    **dict.fromkeys(
-        ["cumsum", "cumprod", "cummax", "cummin", "cumlogsumexp"], Facts(Kind.CUMULATIVE)
-    ),
+    "cumsum": Facts(Kind.CUMULATIVE, linear=_FIRST),
+    **dict.fromkeys(["cumprod", "cummax", "cummin", "cumlogsumexp"], Facts(Kind.CUMULATIVE)),
     # layout ops whose results are pieces of their operand
     **dict.fromkeys(["split", "unstack"], _layout()),
     # windows: XLA stores their results
@@ -226,11 +260,11 @@ TABLE: dict[str, Facts] = {
         Facts(Kind.OTHER, windowed=True),
     ),
     # contractions, gathers and scatters: XLA stores their results
+    "dot_general": Facts(Kind.OTHER, linear=Linear((0, 1), False)),
+    "dynamic_update_slice": Facts(Kind.OTHER, linear=Linear(slice(0, 2))),
     **dict.fromkeys(
         [
-            "dot_general",
             "gather",
-            "dynamic_update_slice",
             "select_and_scatter_add",
             "scatter",
             "scatter-add",

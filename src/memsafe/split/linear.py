@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from memsafe._jax import JaxprEqn
-from memsafe.primitives import Scaling, facts
+from memsafe.primitives import Linear, Scaling, facts
 
 
 class Role(enum.Enum):
@@ -31,46 +31,35 @@ class Role(enum.Enum):
     SPLIT = "split"  # carries the split axis
 
 
-#: Linear in one operand, the others read whole (a product, a contraction, a quotient by a
-#: value read whole): the operand positions that may hold the share.
-_ONE_OF: dict[str, tuple[int, ...]] = {"mul": (0, 1), "dot_general": (0, 1), "div": (0,)}
-#: Linear in all of these positions jointly, the others read whole (indices, predicates): every
-#: one must be a share or zero.
-_ALL_OF: dict[str, slice] = {
-    "concatenate": slice(None),
-    "select_n": slice(1, None),
-    "dynamic_slice": slice(0, 1),
-    "dynamic_update_slice": slice(0, 2),
-}
-#: Linear, one operand, not in the primitive table's scaling facts.
-_UNARY = frozenset({"reduce_sum", "slice", "rev", "cumsum"})
-
-
 def keeps_sums(eqn: JaxprEqn, roles: Sequence[Role]) -> bool:
     """Whether ``eqn``'s results are shares of sums, given its operands' ``roles`` (at least
     one a share, none split)."""
     if Role.SPLIT in roles:
         return False
-    name = eqn.primitive.name
-    if name == "pad":  # linear in the operand when the padding value is zero
-        return roles[0] is Role.SHARE and roles[1] is Role.ZERO
-    if name in _ONE_OF:
-        shares = [k for k, r in enumerate(roles) if r is Role.SHARE]
-        return len(shares) == 1 and shares[0] in _ONE_OF[name]
-    if name in _ALL_OF:
-        return _all_of(roles, _ALL_OF[name])
-    scaling = facts(name).scaling
+    row = facts(eqn.primitive.name)
+    if row.linear is not None:
+        return _linear_in(roles, row.linear)
+    scaling = row.scaling
     if scaling is Scaling.SAME:
-        return _all_of(roles, slice(None))  # sums and differences (select_n is above)
+        return _linear_in(roles, Linear(slice(None)))  # sums and differences
     if scaling is Scaling.COMMUTES and not _inexact(eqn):
         return False  # a share converted to an integer no longer adds up
-    return len(roles) == 1 and (scaling is not None or name in _UNARY)
+    return len(roles) == 1 and scaling is not None
 
 
-def _all_of(roles: Sequence[Role], where: slice) -> bool:
-    inside = set(range(len(roles))[where])
+def _linear_in(roles: Sequence[Role], linear: Linear) -> bool:
+    """Whether operands of ``roles`` keep a sum through an operation ``linear`` in some of
+    them (the table's :class:`memsafe.primitives.Linear`)."""
+    inside = linear.indices(len(roles))
+    if not linear.jointly:
+        shares = [k for k, r in enumerate(roles) if r is Role.SHARE]
+        return len(shares) == 1 and shares[0] in inside
     return all(
-        (r in (Role.SHARE, Role.ZERO)) if k in inside else r is Role.WHOLE
+        r is Role.ZERO
+        if k in linear.zero
+        else (r in (Role.SHARE, Role.ZERO))
+        if k in inside
+        else r is Role.WHOLE
         for k, r in enumerate(roles)
     )
 
