@@ -1,0 +1,160 @@
+"""A ``lax.cond``/``lax.switch`` inside a loop body whose branches reduce a large loop invariant
+(issue 41): a Sinkhorn solver that tests its marginal error only every few iterations, and
+switches of three branches that reduce the invariant differently (a sum, a max, an argmax, one
+that reads nothing of it), in ``while`` and ``scan`` bodies. The invariant is made inside the
+branches that read it, each branch split as a program of its own (its reductions chunk by chunk,
+the index whole); answers are jax.jit's (NaN, infinities and ties included) under a limit of the
+arguments, the outputs and a quarter of jax.jit's temporaries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import memsafe
+from tests.agree import assert_like_jit
+from tests.limits import limit_between
+
+
+def _fits(fun: Any, args: tuple[Any, ...], fraction: float = 0.25) -> memsafe.Plan:
+    """The plan of ``fun`` under arguments + outputs + ``fraction`` of jax.jit's temporaries:
+    under the limit, jax.jit's answers."""
+    limit = limit_between(fun, args, fraction)
+    g = memsafe.jit(fun, memory_limit=limit)
+    plan = g.plan(*args)
+    assert plan.after.total <= limit, plan
+    assert_like_jit(g(*args), fun, *args)
+    return plan
+
+
+def _made_in_cond(plan: memsafe.Plan) -> bool:
+    """Whether the plan recomputed an invariant inside a cond's branches."""
+    return any("inside the cond body" in str(p) for p in plan.passes)
+
+
+def _sinkhorn_every(n: int, m: int, k: int = 3, eps: float = 0.5) -> tuple[Any, tuple]:
+    """Log-domain Sinkhorn whose row marginal's error is computed every ``k`` iterations by a
+    ``lax.cond`` in the ``while_loop`` body (the cost matrix made once, outside the loop)."""
+
+    def fun(x: jax.Array, y: jax.Array) -> jax.Array:
+        c = jnp.sum((x[:, None] - y[None]) ** 2, -1)
+        la, lb = jnp.full(n, -jnp.log(n)), jnp.full(m, -jnp.log(m))
+
+        def error(f: jax.Array, g: jax.Array) -> jax.Array:
+            rows = jnp.exp(jax.nn.logsumexp((f[:, None] + g[None] - c) / eps + lb[None], 1))
+            return jnp.sum(jnp.abs(rows - jnp.exp(la)))
+
+        def sweep(s: Any) -> Any:
+            it, f, g, err = s
+            f = -eps * jax.nn.logsumexp((g[None] - c) / eps + lb[None], 1)
+            g = -eps * jax.nn.logsumexp((f[:, None] - c) / eps + la[:, None], 0)
+            err = lax.cond(it % k == k - 1, lambda: error(f, g), lambda: err)
+            return it + 1, f, g, err
+
+        start = (0, jnp.zeros(n), jnp.zeros(m), jnp.asarray(jnp.inf))
+        it, f, g, err = lax.while_loop(lambda s: (s[0] < 60) & (s[3] > 1e-4), sweep, start)
+        p = jnp.exp((f[:, None] + g[None] - c) / eps + la[:, None] + lb[None])
+        return jnp.sum(p * c), it, err
+
+    kx, ky = jax.random.split(jax.random.key(41))
+    return fun, (jax.random.normal(kx, (n, 3)), jax.random.normal(ky, (m, 3)) * 0.8 + 0.3)
+
+
+def test_sinkhorn_with_an_every_k_convergence_test_fits():
+    """The cond's branch reduces the cost matrix along both axes (a log-sum-exp over rows, a sum
+    over columns); before, every axis of the matrix was refused at the cond."""
+    fun, args = _sinkhorn_every(1024, 1280)
+    plan = _fits(fun, args)
+    assert _made_in_cond(plan), plan
+
+
+def _switch_loop(loop: str, argmax: bool = False, remat: bool = False) -> Any:
+    """A loop over (u, v, acc) around the invariant ``c = x y^T`` (made outside it): the body
+    updates u and v by reductions of ``c``'s finite entries along each axis, then ``lax.switch``
+    on the iteration picks a branch that sums ``exp`` of ``c`` over its rows, takes its column
+    max (or, with ``argmax``, the first row of each column's max), or reads nothing of ``c``.
+    With ``remat`` the step is a ``jax.checkpoint``: its gradient recomputes each step from the
+    carries."""
+
+    def fun(x: jax.Array, y: jax.Array) -> Any:
+        c = x[:, None] * y[None]
+
+        def branches(u: jax.Array, v: jax.Array, acc: jax.Array) -> list[Any]:
+            summed = lambda: jnp.sum(jnp.exp(jnp.tanh(c + u[:, None])), 0) / c.shape[0]
+            if argmax:
+                best = lambda: jnp.argmax(c, 0).astype(acc.dtype) / c.shape[0]
+            else:
+                best = lambda: jnp.max(c + u[:, None], 0)
+            return [summed, best, lambda: 0.5 * acc + v]
+
+        def step(i: jax.Array, s: Any) -> Any:
+            u, v, acc = s
+            finite = jnp.where(jnp.isfinite(c), c, 0.0)
+            u = 0.5 * u + jnp.mean(jnp.tanh(finite + v[None]), 1)
+            v = 0.5 * v + jnp.mean(jnp.tanh(finite + u[:, None]), 0)
+            return u, v, acc + lax.switch(i % 3, branches(u, v, acc))
+
+        step = jax.checkpoint(step) if remat else step
+        n, m = c.shape
+        start = (jnp.zeros(n), jnp.zeros(m), jnp.zeros(m))
+        if loop == "scan":
+            return lax.fori_loop(0, 7, step, start)
+        body = lambda s: (s[0] + 1, *step(s[0], s[1:]))
+        return lax.while_loop(lambda s: s[0] < 7, body, (0, *start))
+
+    return fun
+
+
+def _points(n: int, m: int, seed: int = 0) -> tuple[jax.Array, jax.Array]:
+    kx, ky = jax.random.split(jax.random.key(seed))
+    return jax.random.normal(kx, (n,)), jax.random.normal(ky, (m,))
+
+
+@pytest.mark.parametrize("loop", ["while", "scan"])
+def test_a_switch_of_three_branches_reducing_differently_fits(loop):
+    """A sum over the split axis, a max over it and a branch that does not reduce, in a
+    ``while`` body and in a ``scan`` body (a ``fori_loop`` with static bounds)."""
+    fun = _switch_loop(loop)
+    plan = _fits(fun, _points(1024, 1536))
+    assert _made_in_cond(plan), plan
+
+
+def test_nan_and_infinities_in_the_invariant_keep_jax_jits_answers():
+    """``c[5, 3]`` is NaN (0 * inf), column 3 and row 700 are infinite: the chunked sums and
+    maxima of the branches put NaN and infinities in the accumulated columns where jax.jit does
+    (the body's own updates read the finite entries only)."""
+    x, y = _points(1024, 1536, 1)
+    x = x.at[5].set(0.0).at[700].set(jnp.inf)
+    y = y.at[3].set(jnp.inf).at[9].set(-jnp.inf)
+    fun = _switch_loop("while")
+    acc = np.asarray(jax.jit(fun)(x, y)[-1])  # NaN, infinities and finite values
+    assert np.isnan(acc).any() and np.isinf(acc).any() and np.isfinite(acc).any()
+    _fits(fun, (x, y))
+
+
+def test_ties_for_the_max_keep_the_first_row():
+    """Integer-valued points give ``c`` many equal entries per column: the chunked argmax keeps
+    the first row of each column's max, as jax.jit does, and the max itself is exact."""
+    x, y = _points(1024, 1536, 2)
+    x, y = jnp.round(x * 2), jnp.round(y * 2)
+    for argmax in (False, True):
+        fun = _switch_loop("scan", argmax)
+        plan = _fits(fun, (x, y))
+        assert _made_in_cond(plan), plan
+
+
+def test_the_gradient_through_a_scan_with_the_switch_fits():
+    """``jax.grad`` of the scan's result: the backward scan runs the transposed switch, whose
+    branches read the invariant too."""
+    fun = _switch_loop("scan")
+
+    def loss(x: jax.Array, y: jax.Array) -> jax.Array:
+        u, v, acc = fun(x, y)
+        return jnp.sum(u**2) + jnp.sum(v * acc)
+
+    _fits(jax.grad(loss, (0, 1)), _points(1024, 1536, 3))
