@@ -37,32 +37,54 @@ def _made_in_cond(plan: memsafe.Plan) -> bool:
     return any("inside the cond body" in str(p) for p in plan.passes)
 
 
-def _sinkhorn_every(n: int, m: int, k: int = 3, eps: float = 0.5) -> tuple[Any, tuple]:
-    """Log-domain Sinkhorn whose row marginal's error is computed every ``k`` iterations by a
-    ``lax.cond`` in the ``while_loop`` body (the cost matrix made once, outside the loop)."""
+def _solve_every(c: jax.Array, k: int = 3, eps: float = 0.5) -> Any:
+    """Log-domain Sinkhorn potentials for uniform marginals, the row marginal's error computed
+    every ``k`` iterations by a ``lax.cond`` in the ``while_loop`` body: (iterations, f, g, the
+    last error)."""
+    n, m = c.shape
+    la, lb = jnp.full(n, -jnp.log(n)), jnp.full(m, -jnp.log(m))
 
-    def fun(x: jax.Array, y: jax.Array) -> jax.Array:
-        c = jnp.sum((x[:, None] - y[None]) ** 2, -1)
-        la, lb = jnp.full(n, -jnp.log(n)), jnp.full(m, -jnp.log(m))
+    def error(f: jax.Array, g: jax.Array) -> jax.Array:
+        rows = jnp.exp(jax.nn.logsumexp((f[:, None] + g[None] - c) / eps + lb[None], 1))
+        return jnp.sum(jnp.abs(rows - jnp.exp(la)))
 
-        def error(f: jax.Array, g: jax.Array) -> jax.Array:
-            rows = jnp.exp(jax.nn.logsumexp((f[:, None] + g[None] - c) / eps + lb[None], 1))
-            return jnp.sum(jnp.abs(rows - jnp.exp(la)))
+    def sweep(s: Any) -> Any:
+        it, f, g, err = s
+        f = -eps * jax.nn.logsumexp((g[None] - c) / eps + lb[None], 1)
+        g = -eps * jax.nn.logsumexp((f[:, None] - c) / eps + la[:, None], 0)
+        err = lax.cond(it % k == k - 1, lambda: error(f, g), lambda: err)
+        return it + 1, f, g, err
 
-        def sweep(s: Any) -> Any:
-            it, f, g, err = s
-            f = -eps * jax.nn.logsumexp((g[None] - c) / eps + lb[None], 1)
-            g = -eps * jax.nn.logsumexp((f[:, None] - c) / eps + la[:, None], 0)
-            err = lax.cond(it % k == k - 1, lambda: error(f, g), lambda: err)
-            return it + 1, f, g, err
+    start = (0, jnp.zeros(n), jnp.zeros(m), jnp.asarray(jnp.inf, c.dtype))
+    return lax.while_loop(lambda s: (s[0] < 60) & (s[3] > 1e-4), sweep, start)
 
-        start = (0, jnp.zeros(n), jnp.zeros(m), jnp.asarray(jnp.inf))
-        it, f, g, err = lax.while_loop(lambda s: (s[0] < 60) & (s[3] > 1e-4), sweep, start)
-        p = jnp.exp((f[:, None] + g[None] - c) / eps + la[:, None] + lb[None])
-        return jnp.sum(p * c), it, err
 
+def _sqdist(x: jax.Array, y: jax.Array) -> jax.Array:
+    return jnp.sum((x[:, None] - y[None]) ** 2, -1)
+
+
+def _transport(f: jax.Array, g: jax.Array, c: jax.Array, eps: float = 0.5) -> jax.Array:
+    """The transport cost of the plan the potentials make (uniform marginals)."""
+    n, m = c.shape
+    p = jnp.exp((f[:, None] + g[None] - c) / eps) / (n * m)
+    return jnp.sum(p * c)
+
+
+def _clouds(n: int, m: int) -> tuple[jax.Array, jax.Array]:
     kx, ky = jax.random.split(jax.random.key(41))
-    return fun, (jax.random.normal(kx, (n, 3)), jax.random.normal(ky, (m, 3)) * 0.8 + 0.3)
+    return jax.random.normal(kx, (n, 3)), jax.random.normal(ky, (m, 3)) * 0.8 + 0.3
+
+
+def _sinkhorn_every(n: int, m: int) -> tuple[Any, tuple]:
+    """The transport cost, the iterations run and the last error between two point clouds (the
+    cost matrix made once, outside the loop)."""
+
+    def fun(x: jax.Array, y: jax.Array) -> Any:
+        c = _sqdist(x, y)
+        it, f, g, err = _solve_every(c)
+        return _transport(f, g, c), it, err
+
+    return fun, _clouds(n, m)
 
 
 def test_sinkhorn_with_an_every_k_convergence_test_fits():
@@ -70,6 +92,20 @@ def test_sinkhorn_with_an_every_k_convergence_test_fits():
     over columns); before, every axis of the matrix was refused at the cond."""
     fun, args = _sinkhorn_every(1024, 1280)
     plan = _fits(fun, args)
+    assert _made_in_cond(plan), plan
+
+
+def test_the_envelope_gradient_of_sinkhorn_with_an_every_k_test_fits():
+    """Value and gradient w.r.t. both clouds by the envelope theorem, as Sinkhorn's users take
+    it (the potentials held fixed): the loop with its cond runs in the forward program, the
+    plan and the cost matrix's reads again in the gradient."""
+
+    def cost(x: jax.Array, y: jax.Array) -> jax.Array:
+        c = _sqdist(x, y)
+        _, f, g, _ = lax.stop_gradient(_solve_every(lax.stop_gradient(c)))
+        return _transport(f, g, c)
+
+    plan = _fits(jax.value_and_grad(cost, (0, 1)), _clouds(1024, 1280))
     assert _made_in_cond(plan), plan
 
 
