@@ -17,7 +17,7 @@ from typing import Any
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, checkpointed_like, jaxpr_as_fun
+from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Var, checkpointed_like, jaxpr_as_fun
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import (
@@ -116,10 +116,64 @@ def _in_branch(side: Side) -> Side:
 
 def _branches(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> list[BodySplit]:
     """Each branch reached from the split axis at ``side`` of the cond, in ``ctx`` (a body's
-    context)."""
-    return [
-        _axes(_inlined(b), _in_branch(side), axis, ctx, same=True) for b in eqn.params["branches"]
-    ]
+    context). Where the branches, each reached alone, carry the axis to different operands or
+    results, each is reached again from all of them (:func:`_unified`)."""
+    branches = [_inlined(b) for b in eqn.params["branches"]]
+    reached, refusals = [], []
+    for b in branches:
+        try:
+            reached.append(_axes(b, _in_branch(side), axis, ctx, same=True))
+        except NoRule as err:  # a branch that makes the result: reached from the others
+            refusals.append(err)
+    if not refusals and len({_sides(r) for r in reached}) == 1:
+        return reached
+    if not reached:
+        raise refusals[0]
+    return _unified(branches, reached, ctx)
+
+
+def _sides(reached: BodySplit) -> tuple[tuple, tuple]:
+    """(operand axes, result axes) of a reached branch."""
+    body, got = reached
+    jaxpr = body.jaxpr
+    return (
+        tuple(got.axes.get(v) for v in jaxpr.invars),
+        tuple(got.axes.get(v) if isinstance(v, Var) else None for v in jaxpr.outvars),
+    )
+
+
+def _unified(
+    branches: list[ClosedJaxpr], reached: list[BodySplit], ctx: RuleContext
+) -> list[BodySplit]:
+    """The branches reached again from every operand and result any of them carries the axis
+    at, until they agree: a branch that does not read an operand takes it chunked all the same,
+    and one that makes a result (a broadcast constant) makes it at chunk shape. Refused where
+    two branches carry the axis at different places of one operand or result, or a branch
+    cannot give a result the axis the others give it (one it computes from values read whole)."""
+    for _ in range(2 * len(branches[0].jaxpr.invars) + 2):
+        ins: dict[int, int] = {}  # operand (result) position -> axis, from every branch
+        outs: dict[int, int] = {}
+        for r in reached:
+            operands, results = _sides(r)
+            for known, axes in ((ins, operands), (outs, results)):
+                for k, a in enumerate(axes):
+                    if a is not None and known.setdefault(k, a) != a:
+                        raise NoRule(
+                            "cond: its branches carry the split axis to different places of "
+                            "one operand or result"
+                        )
+        try:
+            again = [
+                (b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)) for b in branches
+            ]
+        except NoRule as err:
+            raise NoRule(
+                f"cond: its branches carry the split axis to different operands or results ({err})"
+            ) from None
+        if all(_sides(a) == _sides(r) for a, r in zip(again, reached)):
+            return again
+        reached = again
+    raise NoRule("cond: its branches never settle on the split axis")
 
 
 def _cond(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
