@@ -17,6 +17,7 @@ import pytest
 from jax import lax
 
 import memsafe
+from memsafe.split.registry import PLAIN, NoRule, axis_map
 from tests.agree import assert_like_jit
 from tests.limits import limit_between
 
@@ -184,13 +185,80 @@ def test_ties_for_the_max_keep_the_first_row():
         assert _made_in_cond(plan), plan
 
 
-def test_the_gradient_through_a_scan_with_the_switch_fits():
-    """``jax.grad`` of the scan's result: the backward scan runs the transposed switch, whose
-    branches read the invariant too."""
-    fun = _switch_loop("scan")
+def test_the_gradient_through_a_checkpointed_scan_with_the_switch_fits_half():
+    """``jax.grad`` through the scan of ``jax.checkpoint``-ed steps: the backward scan runs each
+    step's switch again (its residuals made by one branch, broadcast by another) and the
+    transposed switch (a branch summing the cotangent over the split axis, one making it zero),
+    both split along the columns with the rest of the step. Under a quarter of jax.jit's
+    temporaries it is refused: the column max of the second branch's residual is no sum, so the
+    rows cannot split, and the columns leave no room beside the step's whole values."""
+    fun = _switch_loop("scan", remat=True)
 
     def loss(x: jax.Array, y: jax.Array) -> jax.Array:
         u, v, acc = fun(x, y)
         return jnp.sum(u**2) + jnp.sum(v * acc)
 
-    _fits(jax.grad(loss, (0, 1)), _points(1024, 1536, 3))
+    plan = _fits(jax.grad(loss, (0, 1)), _points(1024, 1536, 3), fraction=0.5)
+    assert any("cond" in s.ops for s in plan.splits), plan
+
+
+def _made_or_summed(kind: str) -> Any:
+    """A switch at the top level over a large value: its branches exponentiate it, make a
+    result by broadcasting, and ignore an operand (``made``), or sum it over its rows, make
+    that sum zero, and sum its square (``summed``)."""
+
+    def fun(a: jax.Array, b: jax.Array, i: jax.Array) -> Any:
+        big = jnp.tanh(a[:, None] * b[None])
+        if kind == "made":
+            out = lax.switch(
+                i,
+                [
+                    lambda z, w: jnp.exp(z) + w[None],
+                    lambda z, w: jnp.zeros_like(z),
+                    lambda z, w: jnp.full(z.shape, 2.0) * w[None],
+                ],
+                big,
+                b,
+            )
+            return jnp.sum(out, 0)
+        s, t = lax.switch(
+            i,
+            [
+                lambda z: (jnp.sum(z, 0), jnp.exp(z)),
+                lambda z: (jnp.zeros(z.shape[1]), z * 2),
+                lambda z: (jnp.sum(z * z, 0), -z),
+            ],
+            big,
+        )
+        return s, jnp.sum(t, 1)
+
+    return fun
+
+
+@pytest.mark.parametrize("kind", ["made", "summed"])
+@pytest.mark.parametrize("index", [0, 1, 2])
+def test_a_switch_whose_branches_make_or_sum_a_result_splits(kind, index):
+    """Branches that carry the split axis differently are reached again from all of them: one
+    that makes a result at chunk shape, one that does not read an operand; a result some
+    branches sum over the axis into (and another makes zero) adds up over the chunks."""
+    a = jax.random.normal(jax.random.key(0), (2048,))
+    b = jax.random.normal(jax.random.key(1), (1024,))
+    plan = _fits(_made_or_summed(kind), (a, b, jnp.asarray(index)))
+    assert any("cond" in s.ops for s in plan.splits), plan
+
+
+def test_a_branch_that_sums_where_another_reads_the_value_whole_is_refused():
+    """One branch sums over the split axis into a result the other computes from a value read
+    whole: the chunks' results would not add up to the cond's."""
+
+    def fun(a: jax.Array, b: jax.Array, i: jax.Array) -> Any:
+        big = jnp.tanh(a[:, None] * b[None])
+        s = lax.switch(i, [lambda z, w: jnp.sum(z, 0), lambda z, w: w * 2.0], big, b)
+        return s, jnp.exp(big)
+
+    a = jax.random.normal(jax.random.key(0), (2048,))
+    b = jax.random.normal(jax.random.key(1), (1024,))
+    m = jax.make_jaxpr(fun)(a, b, 0).jaxpr.eqns
+    (cond,) = [e for e in m if e.primitive.name == "cond"]
+    with pytest.raises(NoRule, match="another gives it a value that is no such sum"):
+        axis_map(cond, ("in", 1), 0, PLAIN)
