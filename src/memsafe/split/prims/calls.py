@@ -183,7 +183,7 @@ def _unified(
             raise NoRule(
                 f"cond: its branches carry the split axis to different operands or results ({err})"
             ) from None
-        if all(_sides(a) == _sides(r) for a, r in zip(again, reached)):
+        if len({_sides(r) for r in again}) == 1:  # every branch as the others
             return again
         reached = again
     raise NoRule("cond: its branches never settle on the split axis")
