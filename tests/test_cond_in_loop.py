@@ -262,3 +262,15 @@ def test_a_branch_that_sums_where_another_reads_the_value_whole_is_refused():
     (cond,) = [e for e in m if e.primitive.name == "cond"]
     with pytest.raises(NoRule, match="another gives it a value that is no such sum"):
         axis_map(cond, ("in", 1), 0, PLAIN)
+
+
+def test_the_solver_samples_every_sinkhorn_refused_before_splits():
+    """Deep fuzz seed 10 of the ``solver`` family (the campaign 2026-11-28-solver-sample refused
+    it, with 6 more ``every`` Sinkhorns: "cond: the body sums over the split axis into a
+    result"): the gradient of a transport cost inside ``jax.grad``, its loop's error computed
+    every few iterations by a cond, splits with jax.jit's answers under the limit."""
+    from tests.fuzz.forced import run_seed
+
+    result = run_seed(10, ("solver",))
+    assert "every" in result.case.flags, result.describe()
+    assert result.interesting and result.outcome == "split", result.describe()
