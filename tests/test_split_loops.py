@@ -319,18 +319,21 @@ def test_a_cond_whose_branches_map_the_axis_is_split_through(flag):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
 
-def test_a_cond_whose_branches_map_the_axis_differently_has_no_rule():
-    """Each branch maps the rows of its result to a different operand: no one chunking of the
-    operands serves both branches."""
-    from memsafe.split.registry import PLAIN, NoRule, axis_map
+def test_a_cond_whose_branches_map_the_axis_to_different_operands_chunks_both():
+    """Each branch maps the rows of its result to a different operand: the branches are reached
+    again from both, so both operands are chunked along their rows (each branch reads its own
+    chunk); the columns come from ``c``'s rows in both branches."""
+    from memsafe.split.registry import PLAIN, axis_map
 
     def fun(x, w, c):
         return lax.cond(jnp.sum(c) > 0, lambda: x @ c.T, lambda: w @ c.T)
 
     x, w, c = jnp.ones((20, 8)), jnp.ones((20, 8)), jnp.ones((30, 8))
     (eqn,) = [e for e in jax.make_jaxpr(fun)(x, w, c).eqns if e.primitive.name == "cond"]
-    with pytest.raises(NoRule, match="branches carry the split axis to different"):
-        axis_map(eqn, ("out", 0), 0, PLAIN)
+    rows = axis_map(eqn, ("out", 0), 0, PLAIN)
+    assert sorted(k for k, a in enumerate(rows.ins) if a == 0) == sorted(
+        k for k, v in enumerate(eqn.invars) if v.aval.shape == (20, 8)
+    )
     columns = axis_map(eqn, ("out", 0), 1, PLAIN)  # c's rows, the same in both branches
     assert [eqn.invars[k].aval.shape for k, a in enumerate(columns.ins) if a == 0] == [(30, 8)]
 

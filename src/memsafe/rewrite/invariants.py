@@ -1,11 +1,11 @@
 """Loop invariants recomputed inside the loops that read them, instead of held for the whole loop.
 
-:func:`transform` finds the constants of ``scan`` loops (and, where asked, ``while`` loops) that
-cheap generators compute (:func:`generator`) and moves their computation into the loop bodies,
-recursively; :class:`Moving` says which constants move. The recompute pass
-(:mod:`memsafe.passes.recompute`) runs it with the defaults, the constants pass on the generators
-it puts in place of constants, and the split planner (:mod:`memsafe.split.program`) on invariants
-too large to hold beside a split body.
+:func:`transform` finds the constants of ``scan`` loops (and, where asked, ``while`` loops and the
+operands of ``cond``s) that cheap generators compute (:func:`generator`) and moves their
+computation into the loop bodies (the branches that read them), recursively; :class:`Moving`
+says which constants move. The recompute pass (:mod:`memsafe.passes.recompute`) runs it with the
+defaults, the constants pass on the generators it puts in place of constants, and the split
+planner (:mod:`memsafe.split.program`) on invariants too large to hold beside a split body.
 """
 
 from __future__ import annotations
@@ -67,6 +67,9 @@ class Moving:
         skip: loops to leave as they are.
         takes: which constants of the other loops may move, by operand position.
         whiles: whether the constants of ``while`` loops move too (:func:`loop_const_positions`).
+        conds: whether the operands of ``cond``s move too, into the branches that read them (a
+            large value a branch reduces, made from small ones: split inside the branch, it is
+            never whole).
     """
 
     min_bytes: int | None = None
@@ -74,6 +77,7 @@ class Moving:
     skip: Skip = _never
     takes: Takes = _any
     whiles: bool = False
+    conds: bool = False
 
     @property
     def floor(self) -> int:
@@ -93,15 +97,19 @@ class Generator:
     leaves: tuple[Var, ...]
 
 
-def loop_const_positions(eqn: JaxprEqn, whiles: bool = False) -> list[int]:
+def loop_const_positions(eqn: JaxprEqn, whiles: bool = False, conds: bool = False) -> list[int]:
     """Operand positions of a loop equation whose constants are worth moving into its body.
 
     ``scan`` (fori_loop with static bounds, lax.scan); ``while`` only where ``whiles``: in a
     ``while`` loop XLA's while-loop-invariant-code-motion hoists the recomputation straight back
     out (measured on CPU: a k-mesh written by hand inside a while_loop body still costs the full
     temporary), unless the body is split afterwards, the recomputation then sitting inside its
-    chunk loops. ``while`` bodies are still searched for inner scans.
+    chunk loops. ``while`` bodies are still searched for inner scans. ``cond`` only where
+    ``conds``: every operand but the branch index (each branch recomputes the value, once per
+    time it runs, only where it reads it).
     """
+    if eqn.primitive.name == "cond" and conds:
+        return list(range(1, len(eqn.invars)))
     if eqn.primitive.name == "scan":
         return list(range(scan_counts(eqn.params)[0]))
     if eqn.primitive.name == "while" and whiles:
@@ -151,8 +159,11 @@ def _regenerate(eqns: Sequence[JaxprEqn], gen: Generator, leaf_vals: Sequence[An
     return evaluate_eqns(eqns, gen.eqns, dict(zip(gen.leaves, leaf_vals)))[gen.var]
 
 
-def _body_jaxprs(eqn: JaxprEqn) -> dict[str, ClosedJaxpr]:
+def _body_jaxprs(eqn: JaxprEqn) -> dict[Any, ClosedJaxpr]:
+    """The programs of a loop (or cond: ``branches`` at position k is ``("branches", k)``)."""
     name = eqn.primitive.name
+    if name == "cond":
+        return {("branches", k): b for k, b in enumerate(eqn.params["branches"])}
     if name == "scan":
         return {"jaxpr": eqn.params["jaxpr"]}
     if name == "while":
@@ -174,16 +185,45 @@ def _as_fun(closed: ClosedJaxpr):
     return lambda *args: evaluate(closed, args)
 
 
+def _reads(closed: ClosedJaxpr, position: int) -> bool:
+    """Whether ``closed`` reads its input at ``position``."""
+    var = closed.jaxpr.invars[position]
+    used = (a for e in closed.jaxpr.eqns for a in e.invars)
+    return any(a is var for a in (*used, *closed.jaxpr.outvars))
+
+
+def _rebind_cond(
+    eqn: JaxprEqn, invals: list[Any], bodies: dict[Any, ClosedJaxpr], moved: dict[int, Any]
+) -> list[Any]:
+    """A ``cond`` bound again as ``lax.switch`` on its (whole) index, each branch with its new
+    program and the operands at positions ``moved`` recomputed inside it where it reads them
+    (a branch that does not gets None in their place: it never reads it)."""
+    branches = [bodies[("branches", k)] for k in range(len(eqn.params["branches"]))]
+
+    def branch(closed: ClosedJaxpr) -> Callable[..., list[Any]]:
+        def run(*ops: Any) -> list[Any]:
+            made = {k: moved[k]() for k in moved if _reads(closed, k - 1)}
+            args = [made.get(k, None if k in moved else op) for k, op in enumerate(ops, 1)]
+            return evaluate(closed, args)
+
+        return run
+
+    ops = [None if k in moved else v for k, v in enumerate(invals[1:], 1)]
+    return list(lax.switch(invals[0], [branch(b) for b in branches], *ops))
+
+
 def _rebind_loop(
     eqn: JaxprEqn,
     invals: list[Any],
-    bodies: dict[str, ClosedJaxpr],
+    bodies: dict[Any, ClosedJaxpr],
     moved: dict[int, Any],
 ) -> list[Any]:
     """Bind ``eqn`` again through the public loop API, with new bodies and the constants at
     positions ``moved`` recomputed inside the body by the given thunks."""
     name = eqn.primitive.name
     p = eqn.params
+    if name == "cond":
+        return _rebind_cond(eqn, invals, bodies, moved)
     if name == "scan":
         nc, ncarry = scan_counts(p)
         consts, init, xs = invals[:nc], invals[nc : nc + ncarry], invals[nc + ncarry :]
@@ -233,7 +273,7 @@ def _dead_after(graph: Graph, removed_uses: set[tuple[int, int]], keep: set[Var]
 
 #: A loop's new bodies (by parameter name) and the generators of the constants moving into it
 #: (by operand position).
-LoopPlan = tuple[dict[str, ClosedJaxpr], dict[int, Generator]]
+LoopPlan = tuple[dict[Any, ClosedJaxpr], dict[int, Generator]]
 
 
 def _plan_loop(
@@ -241,7 +281,7 @@ def _plan_loop(
 ) -> LoopPlan | None:
     """The plan of loop ``eqn``: its bodies transformed (their moves recorded first), and the
     generators of its constants ``moving`` selects, each recorded; None where neither changes."""
-    positions = loop_const_positions(eqn, moving.whiles)
+    positions = loop_const_positions(eqn, moving.whiles, moving.conds)
     bodies = {k: _process_body(b, records, depth, moving) for k, b in _body_jaxprs(eqn).items()}
     changed = any(bodies[k] is not b for k, b in _body_jaxprs(eqn).items())
     gens: dict[int, Generator] = {}
@@ -299,7 +339,8 @@ def transform(
     plans: dict[int, LoopPlan] = {}
     removed: set[tuple[int, int]] = set()
     for i, eqn in enumerate(eqns):
-        if eqn.primitive.name not in ("scan", "while") or moving.skip(eqn):
+        loops = ("scan", "while", "cond") if moving.conds else ("scan", "while")
+        if eqn.primitive.name not in loops or moving.skip(eqn):
             continue
         plan = _plan_loop(graph, eqn, records, depth, moving)
         if plan is not None:

@@ -147,6 +147,45 @@ def _reach(
     raise NoRule("no input of the body carries the split axis to this result")
 
 
+def reach_seeded(
+    jaxpr: Jaxpr,
+    ins: dict[int, int],
+    outs: dict[int, int],
+    ctx: registry.RuleContext,
+    sums: bool = False,
+) -> Reached:
+    """:func:`propagate` from the body inputs in ``ins`` and from each result in ``outs`` (result
+    position -> axis) pulled back to the inputs it is computed from or to the generator that makes
+    it (a branch of a ``cond`` that makes a result by broadcasting a constant where the others
+    compute it from an operand). Every result in ``outs`` must come out at its axis.
+
+    Remembered like :func:`reach`; raises :class:`NoRule` naming the result that cannot."""
+    ins_, outs_ = tuple(sorted(ins.items())), tuple(sorted(outs.items()))
+    got, err = _seeded_once(jaxpr, ins_, outs_, ctx, sums)
+    if err is not None:
+        raise NoRule(str(err), inherent=err.inherent)
+    return got
+
+
+@functools.lru_cache(maxsize=1024)
+def _seeded_once(
+    jaxpr: Jaxpr, ins: tuple, outs: tuple, ctx: registry.RuleContext, sums: bool
+) -> tuple[Reached | None, NoRule | None]:
+    seeds: dict[Any, int] = dict(ins)
+    try:
+        for o, a in outs:
+            var = jaxpr.outvars[o]
+            if not (isinstance(var, Var) and _pull(jaxpr, var, a, seeds, ctx)):
+                raise NoRule(f"the body's result {o} cannot carry the split axis")
+        got = propagate(jaxpr, seeds, ctx, sums=sums)
+        for o, a in outs:
+            if got.axes.get(jaxpr.outvars[o]) != a:
+                raise NoRule(f"the body's result {o} does not carry the split axis where asked")
+    except NoRule as err:
+        return None, err
+    return got, None
+
+
 class _ShareCarry(Exception):
     """The carry input at ``position`` meets a sum over the split axis in a sum: it
     accumulates one, and the walk starts again with it as a share."""

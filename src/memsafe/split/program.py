@@ -200,14 +200,17 @@ def _unheld_inside(
     """``closed`` with the loop invariants larger than all the room for temporaries (those the
     ``skip``/``takes`` of ``which`` choose, :class:`memsafe.rewrite.invariants.Moving`) made inside
     the loops that read them, their reductions and products included (a Sinkhorn loop's cost
-    matrix); ``while`` loops too, since XLA hoists nothing out of a split body's chunk loops.
+    matrix); ``while`` loops too, since XLA hoists nothing out of a split body's chunk loops;
+    and the branches of ``cond``s that read them (a Sinkhorn body's convergence test every few
+    iterations, reducing the cost matrix in a branch: the branch is then split as a program of
+    its own, its reductions chunk by chunk, its index whole).
     One the room could hold stays outside: made inside, its computation would have to split
     within the body (fuzz seed 1389 was refused so). ``room``: that room (None: all of it; the
     invariants a loop holds whole are measured against the scaled budget, so that an attempt
     after one that failed moves a matrix the room held but not beside the rest: a Sinkhorn
     loop's cost matrix, read again by the gradient of the transport cost)."""
     floor = max(policy.REWRITE.invariant_min_bytes, ctx.room if room is None else room)
-    moving = invariants.Moving(floor, invariants.UNHELD, whiles=True, **which)
+    moving = invariants.Moving(floor, invariants.UNHELD, whiles=True, conds=True, **which)
     return _moved(closed, ctx, moving)
 
 

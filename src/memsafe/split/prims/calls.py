@@ -1,7 +1,8 @@
 """Calls and branches. A call whose body maps the split axis through (a ``jax.checkpoint``
 region, a nested ``jit``) runs on each chunk: its body re-traced at chunk shape, checkpointed
 again where it was. A ``cond`` whose branches all map the split axis the same way runs each
-chunk through the branch its (whole, scalar) index picks.
+chunk through the branch its (whole, scalar) index picks; a result its branches sum over the axis
+into is the sum of the chunks' results.
 
 The pipeline inlines the user's calls before planning, so the calls met here are the ones a
 split emitted: every chunk loop checkpoints its chunk body, and a later split along another axis
@@ -15,16 +16,25 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
-from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, checkpointed_like, jaxpr_as_fun
+from memsafe._jax import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    checkpointed_like,
+    jaxpr_as_fun,
+)
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import (
-    LastChunk,
     Mapping,
     NoRule,
     RuleContext,
+    Running,
     Side,
     Through,
     split_rule,
@@ -61,10 +71,13 @@ def _axes(
     return body, loop_body.reach(body.jaxpr, ins, outs, ctx, sums=same)
 
 
-def _mapping(name: str, reached: BodySplit, side: Side, axis: int, ctx: RuleContext) -> Through:
-    """Every operand and result of a body (reached in ``ctx``) at the axis its value carries."""
+def _mapping(
+    name: str, reached: BodySplit, side: Side, axis: int, ctx: RuleContext, sums: bool = False
+) -> Through:
+    """Every operand and result of a body (reached in ``ctx``) at the axis its value carries;
+    with ``sums``, results that are sums over the axis are allowed (not carrying it)."""
     body, got = reached
-    if got.result_shares(body.jaxpr):
+    if got.result_shares(body.jaxpr) and not sums:
         raise NoRule(f"{name}: the body sums over the split axis into a result")
     axes = got.axes
     ins = tuple(axes.get(v) for v in body.jaxpr.invars)
@@ -116,17 +129,74 @@ def _in_branch(side: Side) -> Side:
 
 def _branches(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> list[BodySplit]:
     """Each branch reached from the split axis at ``side`` of the cond, in ``ctx`` (a body's
-    context)."""
-    return [
-        _axes(_inlined(b), _in_branch(side), axis, ctx, same=True) for b in eqn.params["branches"]
-    ]
+    context). Where the branches, each reached alone, carry the axis to different operands or
+    results, each is reached again from all of them (:func:`_unified`)."""
+    branches = [_inlined(b) for b in eqn.params["branches"]]
+    reached, refusals = [], []
+    for b in branches:
+        try:
+            reached.append(_axes(b, _in_branch(side), axis, ctx, same=True))
+        except NoRule as err:  # a branch that makes the result: reached from the others
+            refusals.append(err)
+    if not refusals and len({_sides(r) for r in reached}) == 1:
+        return reached
+    if not reached:
+        raise refusals[0]
+    return _unified(branches, reached, ctx)
+
+
+def _sides(reached: BodySplit) -> tuple[tuple, tuple]:
+    """(operand axes, result axes) of a reached branch."""
+    body, got = reached
+    jaxpr = body.jaxpr
+    return (
+        tuple(got.axes.get(v) for v in jaxpr.invars),
+        tuple(got.axes.get(v) if isinstance(v, Var) else None for v in jaxpr.outvars),
+    )
+
+
+def _unified(
+    branches: list[ClosedJaxpr], reached: list[BodySplit], ctx: RuleContext
+) -> list[BodySplit]:
+    """The branches reached again from every operand and result any of them carries the axis
+    at, until they agree: a branch that does not read an operand takes it chunked all the same,
+    and one that makes a result (a broadcast constant) makes it at chunk shape. Refused where
+    two branches carry the axis at different places of one operand or result, or a branch
+    cannot give a result the axis the others give it (one it computes from values read whole)."""
+    for _ in range(2 * len(branches[0].jaxpr.invars) + 2):
+        ins: dict[int, int] = {}  # operand (result) position -> axis, from every branch
+        outs: dict[int, int] = {}
+        for r in reached:
+            operands, results = _sides(r)
+            for known, axes in ((ins, operands), (outs, results)):
+                for k, a in enumerate(axes):
+                    if a is not None and known.setdefault(k, a) != a:
+                        raise NoRule(
+                            "cond: its branches carry the split axis to different places of "
+                            "one operand or result"
+                        )
+        try:
+            again = [
+                (b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)) for b in branches
+            ]
+        except NoRule as err:
+            raise NoRule(
+                f"cond: its branches carry the split axis to different operands or results ({err})"
+            ) from None
+        if len({_sides(r) for r in again}) == 1:  # every branch as the others
+            return again
+        reached = again
+    raise NoRule("cond: its branches never settle on the split axis")
 
 
 def _cond(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
-    """Operands and results at the axes every branch gives them (the index whole)."""
+    """Operands and results at the axes every branch gives them (the index whole); a result
+    some branch sums over the axis into is a sum of the chunks' results (:func:`_summed`)."""
     inner = ctx.in_body()
     branch = _in_branch(side)
-    found = {_mapping("cond", r, branch, axis, inner) for r in _branches(eqn, side, axis, inner)}
+    reached = _branches(eqn, side, axis, inner)
+    _summed(reached)
+    found = {_mapping("cond", r, branch, axis, inner, sums=True) for r in reached}
     if len(found) != 1:
         raise NoRule("cond: its branches carry the split axis to different operands or results")
     (m,) = found
@@ -142,17 +212,77 @@ def _rebind_cond(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     return list(lax.switch(invals[0], funs, jnp.asarray(start, jnp.int32), *invals[1:]))
 
 
+def _is_zero(jaxpr: Jaxpr, atom: Any) -> bool:
+    """Whether ``atom`` is a zero literal or a zero literal broadcast (a branch's cotangent of an
+    operand it does not read)."""
+    if isinstance(atom, Literal):
+        return not np.any(np.asarray(atom.val))
+    eqn = next((e for e in jaxpr.eqns if atom in e.outvars), None)
+    return (
+        eqn is not None
+        and eqn.primitive.name == "broadcast_in_dim"
+        and _is_zero(jaxpr, eqn.invars[0])
+    )
+
+
+def _summed(reached: list[BodySplit]) -> frozenset[int]:
+    """Positions of the results some branch sums over the split axis into (a contraction's
+    cotangent): each other branch must sum into it too, or make it zero, so that the chunks'
+    results add up to the cond's whichever branch the index picks. Refused otherwise."""
+    sums = {k for body, got in reached for k in got.result_shares(body.jaxpr)}
+    for k in sorted(sums):
+        for body, got in reached:
+            out = body.jaxpr.outvars[k]
+            if not (out in got.shares or _is_zero(body.jaxpr, out)):
+                raise NoRule(
+                    f"cond: a branch sums over the split axis into result {k}, another gives "
+                    "it a value that is no such sum"
+                )
+    return frozenset(sums)
+
+
+def _cond_sums(eqn: JaxprEqn, m: Mapping) -> frozenset[int]:
+    """The summed results (:func:`_summed`) of a cond mapped as ``m``."""
+    assert isinstance(m, Through)
+    side = _side(m)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    return _summed(_branches(eqn, side, axis, m.ctx))
+
+
 @dataclass(frozen=True)
-class Same(LastChunk):
-    """A cond some of whose results read nothing of the split axis (a solver's step counter
-    beside its state): every chunk computes them alike; the last chunk's are the results
-    after the loop. Inside a loop body they are read whole."""
+class Same(Running):
+    """A cond some of whose results do not carry the split axis: those that read nothing of it
+    (a solver's step counter beside its state) are the same on every chunk, the last chunk's
+    are the results after the loop; those its branches sum over the axis into are added up
+    over the chunks. Inside a loop body, where a chunk's sum is no result, only the first kind
+    is read whole.
+
+    The carried value is (the sums so far, the last chunk's same results), each keyed by result
+    position, of those in ``kept`` (None: all)."""
+
+    kept: frozenset[int] | None = None
 
     def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return None in mapping.outs
 
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Same | None:
+        return Same(live) if live else None
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        kept = frozenset(range(len(outs))) if self.kept is None else self.kept
+        sums = _cond_sums(eqn, mapping) & kept
+        same = {k: outs[k] for k in kept if mapping.outs[k] is None and k not in sums}
+        if carried is None:
+            return outs, ({k: outs[k] for k in sums}, same)
+        return outs, ({k: lax.add(carried[0][k], outs[k]) for k in sums}, same)
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return {**carried[0], **carried[1]}
+
     def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
-        return True
+        return not _cond_sums(eqn, mapping)
 
 
 split_rule("cond", rebind=_rebind_cond, running=(Same(),))(_cond)
