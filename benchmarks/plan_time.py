@@ -14,7 +14,7 @@ backend:
 each **cold** (no cache anywhere) and **warm**: JAX's persistent compilation cache on for both
 (``jax_compilation_cache_dir``, every compile cached) and memsafe's plan store on
 (``MEMSAFE_CACHE_DIR``), both filled by two earlier processes of each that are not counted
-(the first plans and stores, the second compiles the stored program into JAX's cache).
+(the first plans and stores the program and its executable, the second loads them).
 
 Programs: the quick ones (attention, kNN, kernel matvec) and four training steps from
 ``tests/deep_models.py`` (a gradient and Adam's update): the flax transformer with a Python loop
