@@ -14,7 +14,7 @@ backend:
 each **cold** (no cache anywhere) and **warm**: JAX's persistent compilation cache on for both
 (``jax_compilation_cache_dir``, every compile cached) and memsafe's plan store on
 (``MEMSAFE_CACHE_DIR``), both filled by two earlier processes of each that are not counted
-(the first plans and stores, the second compiles the stored program into JAX's cache).
+(the first plans and stores the program and its executable, the second loads them).
 
 Programs: the quick ones (attention, kNN, kernel matvec) and four training steps from
 ``tests/deep_models.py`` (a gradient and Adam's update): the flax transformer with a Python loop
@@ -161,6 +161,7 @@ def measure(names: list[str], repeats: int) -> dict[str, Any]:
     import jax
 
     results: dict[str, Any] = {}
+    loadavg_start = os.getloadavg()
     for name in names:
         jax_cold = [_run(name, "jax", None, None) for _ in range(repeats)]
         limit = jax_cold[0]["limit"]
@@ -211,6 +212,7 @@ def measure(names: list[str], repeats: int) -> dict[str, Any]:
     return {
         "results": results,
         "repeats": repeats,
+        "loadavg_start": loadavg_start,
         "loadavg_end": os.getloadavg(),
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
@@ -226,6 +228,9 @@ def write(run: dict[str, Any]) -> None:
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "plan-time.json").write_text(json.dumps(run, indent=1, default=float) + "\n")
     load = ", ".join(f"{x:.2f}" for x in run["loadavg_end"])
+    if "loadavg_start" in run:
+        start = ", ".join(f"{x:.2f}" for x in run["loadavg_start"])
+        load = f"{start} at the start, {load}"
     lines = [
         "# Plan time against jax.jit's compile (issue 42)",
         "",

@@ -253,3 +253,26 @@ def test_batched_variants_need_at_least_their_forms_operations():
         assert rule.variants_for(every) == variants  # all of them, in the same order
         for form in forms:
             assert form not in rule.variants_for(required_ops(form) - {form.root.node.op})
+
+
+def test_batched_variants_end_one_axis_above_their_form():
+    """Rule.variants_for traces a form's batched variants only where the program has values of
+    one more axis than the form's result: exact only because each batched variant's result has
+    that rank (jax.vmap adds one axis) and a variant matches only values of its result's rank."""
+    from memsafe.rules.pattern import required_ops
+
+    for rule in builtin_rules():
+        variants = rule.variants
+        forms = [v for v in variants if " batched " not in v.label]
+        for v in variants:
+            form = forms[int(v.label.split()[1])]
+            extra = 0 if v is form else 1
+            assert v.root.rank == form.root.rank + extra, (rule.name, v.label)
+        every = set().union(*map(required_ops, variants))
+        ranks = {v.root.rank for v in variants}
+        assert rule.variants_for(every, ranks) == variants
+        for form in forms:
+            without = ranks - {form.root.rank + 1}
+            kept = rule.variants_for(every, without)
+            mine = [v for v in kept if v.label.split(" batched")[0] == form.label]
+            assert mine == [form], (rule.name, form.label)

@@ -1,12 +1,15 @@
-"""Verified programs kept in the plan store (memsafe.stored): a second process compiles the
-stored program once instead of searching, with the first process's footprint and answers; what
-does not load or no longer fits is planned anew."""
+"""Verified programs kept in the plan store (memsafe.stored): a second process loads the stored
+executable (or, where it does not load, compiles the stored program once) instead of searching,
+with the first process's footprint and answers; what does not load or no longer fits is planned
+anew."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
+import pickle
+import pickletools
 import subprocess
 import sys
 import textwrap
@@ -18,7 +21,7 @@ import numpy as np
 import pytest
 
 import memsafe
-from memsafe import cache, plan_store, stored
+from memsafe import _jax, cache, plan_store, stored
 from memsafe.rules import Rule, register_rule, unregister_rule
 
 LIMIT = "2MiB"  # the 512 x 2048 product (4 MiB) must be split
@@ -75,13 +78,15 @@ _SCRIPT = textwrap.dedent(
     plan = f.plan(x, y, v)
     backward = f.backward_plan(x, y, v)  # of every input: what jax.grad below runs
     planning = len(compiles)
+    times = [(p.time.origin, [w for w, _ in p.time.compiles], p.time.loaded > 0)
+             for p in (plan, backward)]
     out = np.asarray(f(x, y, v))
     grads = jax.grad(lambda *a: f(*a).sum(), argnums=(0, 1, 2))(x, y, v)
     grad = np.concatenate([np.asarray(g).ravel() for g in grads])
     print(json.dumps({
         "out": out.tobytes().hex(), "grad": grad.tobytes().hex(),
         "after": plan.after.total, "backward": backward.after.total,
-        "plan": str(plan), "compiles": planning, "messages": messages,
+        "plan": str(plan), "compiles": planning, "messages": messages, "times": times,
     }))
     """
 )
@@ -97,16 +102,19 @@ def _process(directory: Path) -> dict:
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def test_a_second_process_compiles_the_stored_programs_once(tmp_path):
+def test_a_second_process_runs_the_stored_executables_without_compiling(tmp_path):
     first = _process(tmp_path / "store")
     second = _process(tmp_path / "store")
     assert not any("loaded from the plan store" in m for m in first["messages"])
     loaded = [m for m in second["messages"] if "loaded from the plan store" in m]
     assert len(loaded) == 2, second["messages"]  # the function and its gradient
-    # the first searched (the original, then attempts, for each program); the second compiled
-    # each stored program once
+    executables = [m for m in second["messages"] if "stored executable loaded" in m]
+    assert len(executables) == 2, second["messages"]
+    # the first searched (the original, then attempts, for each program); the second loaded
+    # each stored executable and compiled nothing to plan
     assert first["compiles"] >= 4
-    assert second["compiles"] == 2, second["messages"]
+    assert second["compiles"] == 0, second["messages"]
+    assert second["times"] == [["loaded", [], True]] * 2
     for k in ("out", "grad", "after", "backward", "plan"):
         assert first[k] == second[k], k
     assert len(list((tmp_path / "store").glob("*.plan"))) == 2
@@ -151,8 +159,9 @@ def test_a_hit_in_process_skips_the_search_with_the_same_answer(store, caplog):
     assert planned.time.origin == "planned" and planned.time.total > 0
     assert "split" in planned.time.passes and len(planned.time.compiles) >= 2
     assert loaded.time.origin == "loaded" and not loaded.time.passes
-    assert [what for what, _ in loaded.time.compiles] == ["stored program"]
+    assert loaded.time.compiles == [] and loaded.time.loaded > 0  # the executable, not compiled
     assert "loaded from the plan store" in loaded.time.describe()
+    assert "executable loaded" in loaded.time.describe()
 
 
 def test_an_entry_that_does_not_load_is_planned_anew(store, caplog):
@@ -171,9 +180,90 @@ def test_an_entry_that_does_not_load_is_planned_anew(store, caplog):
     assert plan_store.load(path.stem).payload != b"not a pickle"  # stored again
 
 
-def test_a_stored_program_over_the_limit_is_not_trusted(store, caplog, monkeypatch):
+def _stored(path: Path) -> dict:
+    """The payload saved in the entry at ``path``, unpickled."""
+    return pickle.loads(plan_store.load(path.stem).payload)
+
+
+def _restore(path: Path, payload: dict) -> None:
+    """Save ``payload`` (changed) back under the entry at ``path``: a well-formed entry."""
+    plan_store.save(path.stem, pickle.dumps(payload), {})
+
+
+def _garbled(data: bytes) -> bytes:
+    """The stored executable with XLA's own bytes (the longest bytes object in its pickle)
+    zeroed: a pickle that unpickles, holding an executable XLA cannot read."""
+    payload, in_tree, out_tree = pickle.loads(data)
+    longest = max(
+        (arg for op, arg, _ in pickletools.genops(payload) if isinstance(arg, bytes)), key=len
+    )
+    garbled = payload.replace(longest, bytes(len(longest)))
+    assert len(garbled) == len(payload) and garbled != payload
+    return pickle.dumps((garbled, in_tree, out_tree))
+
+
+def _foreign(_data: bytes) -> bytes:
+    """Another program's executable (other shapes), as if stored under this key."""
+    compiled = jax.jit(lambda a: a + 1).lower(np.ones(3, np.float32)).compile()
+    return _jax.serialize_executable(compiled)
+
+
+@pytest.mark.parametrize(
+    "spoil",
+    [lambda d: d[: len(d) // 2], lambda d: d[:-7], _garbled, _foreign],
+    ids=["truncated", "cut-short", "garbled", "foreign"],
+)
+def test_an_executable_that_does_not_load_compiles_the_stored_program(store, caplog, spoil):
+    x, y, v = _inputs()
+    first = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    want = np.asarray(first(x, y, v))
+    (path,) = store.glob("*.plan")
+    payload = _stored(path)
+    assert isinstance(payload["executable"], bytes)
+    _restore(path, {**payload, "executable": spoil(payload["executable"])})
+    cache.clear()
+    f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    with caplog.at_level(logging.INFO, logger="memsafe"):
+        got = np.asarray(f(x, y, v))
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("stored executable did not load" in m for m in messages), messages
+    assert any("loaded from the plan store" in m for m in messages), messages
+    np.testing.assert_array_equal(got, want)
+    plan = f.plan(x, y, v)
+    assert [what for what, _ in plan.time.compiles] == ["stored program"]
+    assert plan.after == first.plan(x, y, v).after
+
+
+def _add_kernel(x, y):
+    return x + jnp.exp(-(x @ y.T)) @ y  # the result has x's shape: x's buffer can hold it
+
+
+def test_a_donated_argument_stays_donated_when_loaded(store):
+    x, y, _ = _inputs()
+    first = memsafe.jit(_add_kernel, memory_limit=LIMIT, donate_argnums=0)
+    given = jnp.asarray(x)
+    want = np.asarray(first(given, y))
+    assert given.is_deleted()
+    planned = first.plan(jax.ShapeDtypeStruct(x.shape, x.dtype), y)
+    assert planned.after.aliases > 0
+    cache.clear()
+    second = memsafe.jit(_add_kernel, memory_limit=LIMIT, donate_argnums=0)
+    given = jnp.asarray(x)
+    got = np.asarray(second(given, y))
+    loaded = second.plan(jax.ShapeDtypeStruct(x.shape, x.dtype), y)
+    assert loaded.time.origin == "loaded" and loaded.time.compiles == []
+    assert given.is_deleted()  # the loaded executable took x's buffer
+    np.testing.assert_array_equal(got, want)
+    assert loaded.after == planned.after
+
+
+@pytest.mark.parametrize("executable", [True, False], ids=["executable", "export-only"])
+def test_a_stored_program_over_the_limit_is_not_trusted(store, caplog, monkeypatch, executable):
     x, y, v = _inputs()
     memsafe.jit(_kernel_sum, memory_limit=LIMIT)(x, y, v)
+    if not executable:  # an entry from a backend that cannot serialize its executables
+        (path,) = store.glob("*.plan")
+        _restore(path, {**_stored(path), "executable": None})
     cache.clear()
     real = stored.compile_measured
 
@@ -182,13 +272,23 @@ def test_a_stored_program_over_the_limit_is_not_trusted(store, caplog, monkeypat
         footprint = type(got.footprint)(**{**got.footprint.__dict__, "temps": 1 << 30})
         return type(got)(got.jitted, got.compiled, footprint)
 
+    measured = stored.Footprint
+
+    class Bigger(measured):  # the same, for the loaded executable's measure
+        @classmethod
+        def from_compiled(cls, compiled, hidden_constants=0):
+            got = measured.from_compiled(compiled, hidden_constants)
+            return measured(**{**got.__dict__, "temps": 1 << 30})
+
     monkeypatch.setattr(stored, "compile_measured", bigger)
+    monkeypatch.setattr(stored, "Footprint", Bigger)
     f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
     with caplog.at_level(logging.INFO, logger="memsafe"):
         f(x, y, v)
     messages = [r.getMessage() for r in caplog.records]
     assert any("no longer fits" in m for m in messages), messages
-    assert f.plan(x, y, v).after.total <= 2 << 20
+    plan = f.plan(x, y, v)
+    assert plan.time.origin != "loaded" and plan.after.total <= 2 << 20
 
 
 def test_programs_that_fit_unchanged_or_use_user_rules_are_not_stored(store):

@@ -358,3 +358,59 @@ def lapack_waits_on_its_pool() -> bool:
 
     version = tuple(int(p) for p in jaxlib.__version__.split(".")[:2] if p.isdigit())
     return (0, 10) <= version < (0, 11) and lowering_platform() == "cpu"
+
+
+def serialize_executable(compiled: Any) -> bytes:
+    """``compiled`` (a ``jax.stages.Compiled``) as bytes that :func:`load_executable` turns back
+    into an executable in another process of the same jaxlib, backend and devices.
+
+    Args:
+        compiled: what ``jax.jit(...).lower(...).compile()`` returned.
+
+    Returns:
+        The executable (XLA's serialization) with its argument and result trees, pickled.
+
+    Raises:
+        ValueError, NotImplementedError: what ``jax.experimental.serialize_executable`` refuses
+            (a backend that cannot serialize, constants passed as arguments, mutable arrays).
+    """
+    import pickle
+
+    from jax.experimental import serialize_executable
+
+    payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+    return pickle.dumps((payload, in_tree, out_tree))
+
+
+def load_executable(data: bytes) -> Any:
+    """The executable :func:`serialize_executable` wrote, loaded onto the default backend's
+    devices: a ``jax.stages.Compiled`` (callable, with ``memory_analysis()``), not compiled again.
+
+    Args:
+        data: bytes from :func:`serialize_executable`, read from a source only the user writes
+            (loading an executable runs code it holds).
+
+    Returns:
+        The loaded executable.
+
+    Raises:
+        Exception: whatever unpickling or XLA's loader raises for bytes it cannot load
+            (truncated, corrupt, another jaxlib's).
+    """
+    import pickle
+
+    from jax.experimental import serialize_executable
+
+    payload, in_tree, out_tree = pickle.loads(data)
+    return serialize_executable.deserialize_and_load(payload, in_tree, out_tree)
+
+
+def topology_fingerprint() -> str:
+    """A fingerprint of the default backend's devices and how they are connected (what JAX's
+    own compilation cache keys on), or "" where the backend gives none."""
+    from jax._src.lib import xla_client
+
+    try:
+        return str(xla_client.get_topology_for_devices(jax.devices()).fingerprint())
+    except Exception:  # a backend without a serializable topology: device kinds cover it
+        return ""

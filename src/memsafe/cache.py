@@ -23,6 +23,7 @@ import dataclasses
 import hashlib
 import sys
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -55,10 +56,20 @@ def _const_key(value: Any) -> Hashable:
     return ("bytes", array.shape, str(array.dtype), digest)
 
 
+#: Texts of jaxprs printed already (a jaxpr is immutable): the program key and the plan store's
+#: digest both read the text of the program just traced, which printing twice would cost twice
+#: (0.05 s for a training step's jaxpr).
+_TEXTS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
 def _text(closed: Any) -> str:
     """The jaxpr's text, with NumPy printing every element of any array it shows."""
-    with np.printoptions(threshold=sys.maxsize):
-        return str(closed.jaxpr)
+    jaxpr = closed.jaxpr
+    text = _TEXTS.get(jaxpr)
+    if text is None:
+        with np.printoptions(threshold=sys.maxsize):
+            text = _TEXTS[jaxpr] = str(jaxpr)
+    return text
 
 
 def program_key(

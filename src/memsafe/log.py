@@ -99,14 +99,18 @@ def reused(name: str) -> None:
     note(logging.INFO, "%s: the same program was verified before: reused", name)
 
 
-def compiled(name: str, what: str, total: int, limit: int, seconds: float) -> None:
-    """Report one compile-and-verify: ``what`` was compiled, its footprint against the limit."""
+def compiled(
+    name: str, what: str, total: int, limit: int, seconds: float, how: str = "compiled"
+) -> None:
+    """Report one compile-and-verify: ``what`` was compiled (or, per ``how``, loaded), its
+    footprint against the limit."""
     verdict = "fits" if total <= limit else f"over by {format_bytes(total - limit)}"
     note(
         logging.INFO,
-        "%s: %s compiled in %.2f s: footprint %s vs limit %s (%s)",
+        "%s: %s %s in %.2f s: footprint %s vs limit %s (%s)",
         name,
         what,
+        how,
         seconds,
         format_bytes(total),
         format_bytes(limit),

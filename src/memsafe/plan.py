@@ -142,6 +142,8 @@ class PlanTime:
         trace: tracing the function (and the program a rewrite starts from).
         passes: each pass's seconds, summed over the attempts.
         compiles: each XLA compile, as (what, seconds).
+        loaded: loading executables stored by another process (:mod:`memsafe.stored`), not
+            compiled again.
         total: the whole plan, from the call to the verified program.
     """
 
@@ -149,6 +151,7 @@ class PlanTime:
     trace: float = 0.0
     passes: dict[str, float] = field(default_factory=dict)
     compiles: list[tuple[str, float]] = field(default_factory=list)
+    loaded: float = 0.0
     total: float = 0.0
 
     def describe(self) -> str:
@@ -159,6 +162,8 @@ class PlanTime:
         parts = [f"trace {self.trace:.2f} s"]
         if passes:
             parts.append(f"passes {sum(self.passes.values()):.2f} s ({shown})")
+        if self.loaded:
+            parts.append(f"executable loaded {self.loaded:.2f} s")
         n = len(self.compiles)
         parts.append(f"{n} compile{'s' if n != 1 else ''} {compiled:.2f} s")
         how = _ORIGINS.get(self.origin, self.origin)

@@ -1,8 +1,9 @@
 """A persistent store on disk: bytes saved under a key, shared by every process on the machine.
 
 It knows nothing of plans: a caller builds a :func:`key` from named components (every key also
-carries :func:`environment`: memsafe's and jax's versions and memsafe's source, the backend and
-its devices, this store's format), stores a payload and a JSON-able ``meta`` under it with
+carries :func:`environment`: memsafe's and jax's versions and memsafe's source, the backend, its
+devices and their topology, the host processor on a CPU backend, ``XLA_FLAGS``, this store's
+format), stores a payload and a JSON-able ``meta`` under it with
 :func:`save`, and gets them back, in this process or another, with :func:`load`.
 
 The store is off unless a directory is given: :func:`set_cache_dir` (which overrides) or the
@@ -42,7 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from memsafe import log
+from memsafe import _jax, log
 from memsafe.cache import _text
 from memsafe.limits import format_bytes, parse_limit
 
@@ -168,6 +169,42 @@ def _source_digest() -> str:
     return digest.hexdigest()
 
 
+#: The lines of /proc/cpuinfo that name a processor and its instruction set (x86 and Arm), not
+#: those that differ from core to core or moment to moment (its clock, its ids).
+_CPU_IDENTITY = (
+    "vendor_id",
+    "cpu family",
+    "model",
+    "model name",
+    "flags",
+    "CPU implementer",
+    "CPU architecture",
+    "CPU variant",
+    "CPU part",
+    "Features",
+)
+
+
+@cache
+def _host_cpu() -> str:
+    """A digest of the host processor's model and instruction-set features: a CPU backend's
+    executables are machine code for them (one from a newer processor may not run on an older
+    one). Read from /proc/cpuinfo's first processor where there is one, else from
+    :mod:`platform`."""
+    try:
+        first = Path("/proc/cpuinfo").read_text().strip().split("\n\n")[0]
+    except OSError:
+        first = ""
+    lines = []
+    for line in first.splitlines():
+        name, _, value = line.partition(":")
+        if name.strip() in _CPU_IDENTITY:
+            lines.append(f"{name.strip()}:{value.strip()}")
+    if not lines:
+        lines = [platform.machine(), platform.processor(), platform.platform()]
+    return hashlib.sha256("\n".join(lines).encode()).hexdigest()
+
+
 @cache
 def _version() -> str:
     """memsafe's installed version (read from its metadata: memsafe's ``__init__`` imports
@@ -185,7 +222,11 @@ def environment() -> dict[str, str]:
         ``memsafe`` (its version), ``memsafe_source`` (a digest of its source files), ``jax``,
         ``jaxlib``, ``python`` (major.minor), ``backend`` (the default backend's platform),
         ``platform_version`` (its compiler and runtime, e.g. the CUDA version), ``device_kinds``
-        (sorted, distinct), ``device_count``, ``process_count`` and ``store_format``.
+        (sorted, distinct), ``device_count``, ``process_count``, ``topology`` (JAX's
+        fingerprint of the devices and their links, where the backend gives one),
+        ``host_cpu`` (on the CPU backend, a digest of the processor's model and instruction set,
+        which its executables are compiled for; else empty), ``xla_flags`` (``XLA_FLAGS``,
+        which change what XLA compiles) and ``store_format``.
     """
     import jaxlib
 
@@ -205,6 +246,9 @@ def environment() -> dict[str, str]:
         "device_kinds": ",".join(sorted({d.device_kind for d in devices})),
         "device_count": str(jax.device_count()),
         "process_count": str(jax.process_count()),
+        "topology": _jax.topology_fingerprint(),
+        "host_cpu": _host_cpu() if jax.default_backend() == "cpu" else "",
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
         "store_format": str(FORMAT_VERSION),
     }
 

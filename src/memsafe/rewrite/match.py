@@ -25,12 +25,15 @@ from memsafe.rules.ir import IR
 from memsafe.rules.pattern import Match, Rule, Variant
 
 
-def _variants_by_op(rules: Sequence[Rule], ops: set[str]) -> dict[str, list[Variant]]:
-    """The variants of ``rules`` that can match in a program with the operations ``ops``, by
-    their root's operation, largest first (then in the rules' order)."""
+def _variants_by_op(
+    rules: Sequence[Rule], ops: set[str], ranks: set[int]
+) -> dict[str, list[Variant]]:
+    """The variants of ``rules`` that can match in a program with the operations ``ops`` at
+    values of the ranks ``ranks``, by their root's operation, largest first (then in the rules'
+    order)."""
     ordered: list[tuple[int, int, Variant]] = []
     for r, rule in enumerate(rules):
-        for variant in rule.variants_for(ops):
+        for variant in rule.variants_for(ops, ranks):
             ordered.append((-variant.size, r, variant))
     ordered.sort(key=lambda t: (t[0], t[1]))
     by_op: dict[str, list[Variant]] = {}
@@ -48,7 +51,14 @@ def find_matches(
     saves (always done for rules with ``min_bytes_saved``, which need it to decide)."""
     graph = Graph(closed)
     ir = IR(closed).build_all()
-    by_op = _variants_by_op(rules, {node.op for node in ir.nodes})
+    roots = [
+        eqn.outvars[0]
+        for eqn in graph.eqns
+        if len(eqn.outvars) == 1
+        and isinstance(eqn.outvars[0], Var)
+        and hasattr(eqn.outvars[0].aval, "shape")
+    ]
+    by_op = _variants_by_op(rules, {node.op for node in ir.nodes}, {ir.view(v).rank for v in roots})
     claimed: set[int] = set()
     found: list[tuple[Match, RuleRecord]] = []
     eqns = graph.eqns

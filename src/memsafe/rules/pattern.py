@@ -577,19 +577,27 @@ class Rule:
             self._variants = [v for i in range(len(self.patterns)) for v in self._form(i, True)]
         return self._variants
 
-    def variants_for(self, ops: Collection[str]) -> list[Variant]:
+    def variants_for(
+        self, ops: Collection[str], ranks: Collection[int] | None = None
+    ) -> list[Variant]:
         """The variants that can match in a program whose canonical operations (``IR`` node
         ops) are ``ops``, in the order of :attr:`variants`: each form whose operations (those a
         match reaches from the root, :func:`required_ops`) all occur in ``ops``, with its
         batched variants, which hold at least those operations (``jax.vmap`` keeps each
         primitive of these patterns; ``tests/test_rules_builtin.py`` checks it of every built-in
-        rule). Only those variants are traced: a program without a rule's operations does not
-        pay for tracing its batched forms."""
+        rule). With ``ranks``, the ranks of the program's values a match can end at, a form's
+        batched variants are kept only where ``ranks`` holds one more than its root's rank
+        (``jax.vmap`` adds one axis to the pattern's result, and a variant matches only a value
+        of its root's rank, :meth:`Variant.match`). Only those variants are traced: a program
+        without a rule's operations, or without values of a batched result's rank, does not pay
+        for tracing its batched forms."""
         out = []
         for i in range(len(self.patterns)):
             form = self._form(i, False)
-            if required_ops(form[0]) <= set(ops):
-                out.extend(self._form(i, True) if self.batched else form)
+            if not required_ops(form[0]) <= set(ops):
+                continue
+            batched = self.batched and (ranks is None or form[0].root.rank + 1 in ranks)
+            out.extend(self._form(i, True) if batched else form)
         return out
 
     def _form(self, i: int, batched: bool) -> list[Variant]:
