@@ -230,14 +230,16 @@ def write(run: dict[str, Any]) -> None:
     load = ", ".join(f"{x:.2f}" for x in run["loadavg_end"])
     if "loadavg_start" in run:
         start = ", ".join(f"{x:.2f}" for x in run["loadavg_start"])
-        load = f"{start} at the start, {load}"
+        load = f"{start} at the start, {load} at the end"
+    else:
+        load = f"{load} at the end"
     lines = [
         "# Plan time against jax.jit's compile (issue 42)",
         "",
         *__doc__.split("\n\n")[1:4],
         "",
         f"jax {run['jax']}, {run['cpu_count']} CPUs, median of {run['repeats']} fresh processes "
-        f"per cell, load average at the end {load}.",
+        f"per cell, load average {load}.",
         "",
         "| program | jax.jit footprint | limit | jax.jit cold | memsafe cold | ratio | attempts "
         "| jax.jit warm | memsafe warm | ratio | memsafe warm was | same footprint |",
