@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import jax
 import numpy as np
+from jax import lax
 
 from memsafe import policy
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Literal, Var, bind_eqn, is_var
@@ -491,3 +492,22 @@ def _chunk_aval(aval: Any, axis: int | None, size: int) -> jax.ShapeDtypeStruct:
     if axis is not None:
         shape[axis] = size
     return jax.ShapeDtypeStruct(tuple(shape), aval.dtype)
+
+
+def summed_record(
+    outs: list[Any], mapping: Mapping, kept: Any, sums: frozenset[int], carried: Any
+) -> tuple[list[Any], Any]:
+    """The carry of a loop's or cond's results without the split axis, after one more chunk
+    (the running rules ``Summed`` of scans, ``Same`` of while loops and conds): the results at
+    ``sums`` added to the chunks' shares so far, the other results in ``kept`` without the axis
+    the same on every chunk (the last chunk's kept). The carried value is (sums, same), each
+    keyed by result position."""
+    same = {k: outs[k] for k in kept if mapping.outs[k] is None and k not in sums}
+    if carried is None:
+        return outs, ({k: outs[k] for k in sums}, same)
+    return outs, ({k: lax.add(carried[0][k], outs[k]) for k in sums}, same)
+
+
+def summed_finals(carried: Any) -> dict[int, Any]:
+    """The results after the loop over chunks of a carry made by :func:`summed_record`."""
+    return {**carried[0], **carried[1]}

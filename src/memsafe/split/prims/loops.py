@@ -118,13 +118,10 @@ class Summed(Running):
     ) -> tuple[list[Any], Any]:
         kept = range(len(outs)) if self.kept is None else self.kept
         sums = _summed(eqn, mapping) & frozenset(kept)
-        same = {k: outs[k] for k in kept if mapping.outs[k] is None and k not in sums}
-        if carried is None:
-            return outs, ({k: outs[k] for k in sums}, same)
-        return outs, ({k: lax.add(carried[0][k], outs[k]) for k in sums}, same)
+        return loop_body.summed_record(outs, mapping, kept, sums, carried)
 
     def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
-        return {**carried[0], **carried[1]}
+        return loop_body.summed_finals(carried)
 
     def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         """A nested scan whose results without the axis are no sums (its counter)."""

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
-from jax import lax
 
 from memsafe._jax import ClosedJaxpr, JaxprEqn, bind_eqn_with, is_var
 from memsafe.graph.interpret import inline_calls
@@ -254,13 +253,10 @@ class Same(Running):
     ) -> tuple[list[Any], Any]:
         kept = frozenset(range(len(outs))) if self.kept is None else self.kept
         sums = _shares(eqn, mapping) & kept
-        same = {k: outs[k] for k in kept if mapping.outs[k] is None and k not in sums}
-        if carried is None:
-            return outs, ({k: outs[k] for k in sums}, same)
-        return outs, ({k: lax.add(carried[0][k], outs[k]) for k in sums}, same)
+        return loop_body.summed_record(outs, mapping, kept, sums, carried)
 
     def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
-        return {**carried[0], **carried[1]}
+        return loop_body.summed_finals(carried)
 
     def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return not _shares(eqn, mapping)
