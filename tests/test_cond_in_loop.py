@@ -18,19 +18,9 @@ from jax import lax
 
 import memsafe
 from memsafe.split.registry import PLAIN, NoRule, axis_map
-from tests.agree import assert_like_jit
-from tests.limits import limit_between
+from tests.limits import plan_fitting
 
-
-def _fits(fun: Any, args: tuple[Any, ...], fraction: float = 0.25) -> memsafe.Plan:
-    """The plan of ``fun`` under arguments + outputs + ``fraction`` of jax.jit's temporaries:
-    under the limit, jax.jit's answers."""
-    limit = limit_between(fun, args, fraction)
-    g = memsafe.jit(fun, memory_limit=limit)
-    plan = g.plan(*args)
-    assert plan.after.total <= limit, plan
-    assert_like_jit(g(*args), fun, *args)
-    return plan
+_fits = plan_fitting
 
 
 def _made_in_cond(plan: memsafe.Plan) -> bool:

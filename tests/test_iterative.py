@@ -11,17 +11,9 @@ from jax import lax
 
 import memsafe
 from tests import iterative
-from tests.agree import assert_like_jit
-from tests.limits import limit_between
+from tests.limits import limit_between, plan_fitting
 
-
-def _fits(fun, args, fraction=0.25):
-    limit = limit_between(fun, args, fraction)
-    g = memsafe.jit(fun, memory_limit=limit)
-    plan = g.plan(*args)
-    assert plan.after.total <= limit, plan
-    assert_like_jit(g(*args), fun, *args)
-    return plan
+_fits = plan_fitting
 
 
 def test_vmap_of_a_while_loop_runs_whole_on_each_chunk_of_the_batch():
