@@ -9,12 +9,20 @@ That is exact when the positions cannot tell how many iterations ran for the oth
 - the predicate is *batched* along the axis (what ``jax.vmap`` of a while loop with a per-position
   predicate makes: the predicate has the carries' leading batch axes, the loop runs while any
   position's is true, and a position whose predicate is false keeps its carry: XLA selects the
-  carry per position). A position then stops at its own iteration in any chunk.
+  carry per position). A position then stops at its own iteration in any chunk;
+- the predicate is ``any`` of a *mask* carried along the axis, as such a loop is written by hand
+  (``while jnp.any(active)``, perhaps with a bound on the iterations ``&``-ed to it): the body
+  only turns the mask off (``active & ...``) and keeps every other carry where it is off
+  (``jnp.where(active, new, old)``). A position then stops changing at its own iteration, in a
+  chunk as in the whole loop; carries without the axis (the iteration counter) run as far as
+  the chunk's own positions do, so they are taken from the chunk whose counter ran furthest
+  (:class:`Furthest`), as far as the whole loop's.
 
-A predicate that reduces over the axis (a norm over the whole batch, one step size shared by all
-trajectories) couples the positions: a chunk would stop when its own positions agree, not when all
-do. Such a loop is refused, naming the predicate's reduction; so is a body that mixes positions
-(a sum over the axis into a carry, a carry that takes the axis in but gives back something else).
+Any other predicate that reduces over the axis (a norm over the whole batch, one step size shared
+by all trajectories) couples the positions: a chunk would stop when its own positions agree, not
+when all do. Such a loop is refused, naming the predicate's reduction; so is a body that mixes
+positions (a sum over the axis into a carry, a carry that takes the axis in but gives back
+something else).
 """
 
 from __future__ import annotations
@@ -24,8 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
+from jax import lax
 
-from memsafe._jax import ClosedJaxpr, JaxprEqn, bind_eqn_with, is_var
+from memsafe._jax import ClosedJaxpr, JaxprEqn, Literal, bind_eqn_with, is_var
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import Mapping, NoRule, RuleContext, Running, Side, Through, split_rule
@@ -67,6 +76,9 @@ class _Split:
     body_got: loop_body.Reached
     cond: ClosedJaxpr
     cond_got: loop_body.Reached
+    #: Under a predicate that is ``any`` of a mask (:func:`_masked`): the position of the
+    #: iteration counter among the carries, or -1 where no carry lacks the axis; else None.
+    counter: int | None = None
 
 
 def _describe(eqn: JaxprEqn, k: int) -> str:
@@ -117,7 +129,18 @@ def _reach(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> _Split:
         raise NoRule(f"while: the batched predicate selects {_describe(eqn, j)} per position")
     cond_seeds = {c + j: ax for j, ax in carried.items()}
     cond_seeds.update({j: ax for j, ax in _const_axes(eqn, got, body).items()})
-    cond_got = _reach_cond(eqn, cond, cond_seeds, ctx, rank, a)
+    try:
+        cond_got, counter = _reach_cond(eqn, cond, cond_seeds, ctx, rank, a), None
+    except NoRule as err:
+        if rank:
+            raise
+        cond_got, counter = _masked(eqn, body, cond, cond_seeds, carried, err)
+        if shares:
+            raise NoRule(
+                f"while: the body sums over the split axis into {_describe(eqn, shares[0])} "
+                "under a predicate that is any of a mask: each chunk's loop runs its own number "
+                "of iterations, so the chunks' sums are not the loop's"
+            ) from None
     (pred,) = cond.jaxpr.outvars
     if shares and is_var(pred) and pred in cond_got.axes:
         raise NoRule(
@@ -132,7 +155,127 @@ def _reach(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> _Split:
                 f"while: the predicate reads {_describe(eqn, j)}, a sum over the split axis the "
                 "loop accumulates: each chunk would stop at its own share, not at the sum"
             )
-    return _Split(body, got, cond, cond_got)
+    return _Split(body, got, cond, cond_got, counter)
+
+
+def _masked(
+    eqn: JaxprEqn,
+    body: ClosedJaxpr,
+    cond: ClosedJaxpr,
+    seeds: dict[int, int],
+    carried: dict[int, int],
+    err: NoRule,
+) -> tuple[loop_body.Reached, int]:
+    """The cond on chunks where the predicate is ``any`` of a mask carried along the axis that
+    the body only turns off and under which it keeps every other carry (see the module); the
+    position of the carry counting the iterations (-1: every carry has the axis). Raises
+    ``err``, the predicate's coupling, where the loop is not of that form."""
+    c, b, n = _counts(eqn)
+    cj, bj = cond.jaxpr, body.jaxpr
+    along = {cj.invars[p]: ax for p, ax in seeds.items()}
+    anys: dict[Any, Any] = {}  # reduce_or result -> the mask it reduces
+    for e in cj.eqns:
+        read = [v for v in e.invars if is_var(v) and v in along]
+        if not read:
+            continue
+        mask = read[0]
+        whole = set(e.params.get("axes", ())) == set(range(len(mask.aval.shape)))
+        if e.primitive.name != "reduce_or" or len(e.invars) != 1 or not whole:
+            raise err
+        anys[e.outvars[0]] = mask
+    (pred,) = cj.outvars
+    leaves = _conjuncts(cj, pred)
+    masks = {anys[v] for v in leaves if v in anys}
+    position = {v: k for k, v in enumerate(cj.invars)}
+    others = [v for v in leaves if v not in anys]
+    if len(masks) != 1 or len(anys) != len([v for v in leaves if v in anys]):
+        raise err
+    if any(_inputs_under(cj, v) & set(seeds) for v in others):
+        raise err
+    (mask,) = masks
+    k = position[mask] - c
+    ins, outs = bj.invars[b:], bj.outvars
+    if not _only_off(bj, outs[k], ins[k]):
+        raise err
+    for j in carried:
+        if j != k and outs[j] is not ins[j] and not _kept_where_off(bj, outs[j], ins[j], ins[k]):
+            raise NoRule(
+                f"while: the loop stops on any of {_describe(eqn, k)}, but the body changes "
+                f"{_describe(eqn, j)} where that mask is off"
+            )
+    counter = _counter(bj, b, n, carried)
+    if counter is None:
+        j = next(j for j in range(n) if j not in carried)
+        raise NoRule(
+            f"while: the loop stops on any of {_describe(eqn, k)}, so each chunk runs its own "
+            f"number of iterations, and {_describe(eqn, j)} lacks the split axis with no "
+            "iteration counter to tell which chunk ran as far as the loop"
+        )
+    return loop_body.Reached(dict(along), {}, frozenset()), counter
+
+
+def _producers(jaxpr: Any) -> dict[Any, JaxprEqn]:
+    return {o: e for e in jaxpr.eqns for o in e.outvars}
+
+
+def _conjuncts(jaxpr: Any, var: Any) -> list[Any]:
+    """The values ``var`` is the conjunction of (through ``and`` and conversions to bool)."""
+    producer = _producers(jaxpr)
+    out, stack = [], [var]
+    while stack:
+        v = stack.pop()
+        e = producer.get(v) if is_var(v) else None
+        if e is not None and e.primitive.name == "and" and v.aval.dtype == bool:
+            stack.extend(e.invars)
+        elif (
+            e is not None
+            and e.primitive.name == "convert_element_type"
+            and (e.invars[0].aval.dtype == bool)
+        ):
+            stack.append(e.invars[0])
+        else:
+            out.append(v)
+    return out
+
+
+def _only_off(jaxpr: Any, out: Any, mask: Any) -> bool:
+    """Whether the body's new mask ``out`` is off wherever the old one, ``mask``, is: the mask
+    itself, or ``mask & ...``."""
+    return out is mask or mask in _conjuncts(jaxpr, out)
+
+
+def _kept_where_off(jaxpr: Any, out: Any, old: Any, mask: Any) -> bool:
+    """Whether ``out`` is ``old`` wherever ``mask`` is off: ``select_n(m, old, new)`` with ``m``
+    the mask, broadcast."""
+    producer = _producers(jaxpr)
+    e = producer.get(out) if is_var(out) else None
+    if e is None or e.primitive.name != "select_n" or len(e.invars) != 3 or e.invars[1] is not old:
+        return False
+    m = e.invars[0]
+    while is_var(m) and m is not mask:
+        p = producer.get(m)
+        if p is None or p.primitive.name != "broadcast_in_dim":
+            return False
+        m = p.invars[0]
+    return m is mask
+
+
+def _counter(jaxpr: Any, b: int, n: int, carried: dict[int, int]) -> int | None:
+    """The carry the body adds a positive constant to (the iteration counter) among those
+    without the axis: -1 where every carry has the axis, None where none is a counter."""
+    if len(carried) == n:
+        return -1
+    producer = _producers(jaxpr)
+    for j in range(n):
+        if j in carried:
+            continue
+        e = producer.get(jaxpr.outvars[j]) if is_var(jaxpr.outvars[j]) else None
+        if e is None or e.primitive.name != "add" or jaxpr.invars[b + j].aval.shape != ():
+            continue
+        step = [v for v in e.invars if v is not jaxpr.invars[b + j]]
+        if len(step) == 1 and isinstance(step[0], Literal) and step[0].val > 0:
+            return j
+    return None
 
 
 def _inputs_under(jaxpr: Any, var: Any) -> set[int]:
@@ -236,7 +379,10 @@ class Same(Running):
     def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return None in mapping.outs
 
-    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Same | None:
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Running | None:
+        counter = _split_of(mapping, eqn).counter
+        if counter is not None:  # a masked loop: no sums (refused), counters run per chunk
+            return Furthest(live, counter) if live else None
         shares = _shares(eqn, mapping)
         return Same(live, shares) if live or shares else None
 
@@ -259,7 +405,44 @@ class Same(Running):
         return loop_body.summed_finals(carried)
 
     def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
-        return not _shares(eqn, mapping)
+        return _split_of(mapping, eqn).counter is None and not _shares(eqn, mapping)
+
+
+@dataclass(frozen=True)
+class Furthest(Running):
+    """A while loop split through its state under a predicate that is ``any`` of a mask: each
+    chunk's loop runs until its own positions are done, so its carries without the split axis
+    (which read nothing of it: the counter, values that follow it) are those of the whole loop
+    after as many iterations. The chunk whose ``counter`` (a carry position) ran furthest ran as
+    many as the whole loop: its results at positions ``kept`` are the results."""
+
+    kept: frozenset[int]
+    counter: int
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return None in mapping.outs
+
+    def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Running | None:
+        return Furthest(live, self.counter) if live else None
+
+    def record(
+        self, eqn: JaxprEqn, outs: list[Any], mapping: Mapping, size: int, carried: Any
+    ) -> tuple[list[Any], Any]:
+        now = {k: outs[k] for k in self.kept | {self.counter}}
+        if carried is not None:
+            behind = outs[self.counter] < carried[self.counter]
+            now = {k: lax.select(behind, carried[k], v) for k, v in now.items()}
+        return outs, now
+
+    def finals(self, eqn: JaxprEqn, carried: Any) -> dict[int, Any]:
+        return {k: carried[k] for k in self.kept}
+
+
+def _split_of(m: Mapping, eqn: JaxprEqn) -> _Split:
+    """The split of a loop mapped as ``m``."""
+    assert isinstance(m, Through)
+    side = _side_of(m)
+    return _reach(eqn, side, (m.ins if side[0] == "in" else m.outs)[side[1]], m.ctx)
 
 
 def _shares_of(carried: Any) -> frozenset[int]:
@@ -268,10 +451,7 @@ def _shares_of(carried: Any) -> frozenset[int]:
 
 def _shares(eqn: JaxprEqn, m: Mapping) -> frozenset[int]:
     """Positions of the carries the body of a loop mapped as ``m`` sums over the axis into."""
-    assert isinstance(m, Through)
-    side = _side_of(m)
-    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    split = _reach(eqn, side, axis, m.ctx)
+    split = _split_of(m, eqn)
     return frozenset(split.body_got.result_shares(split.body.jaxpr))
 
 
@@ -286,10 +466,7 @@ def _side_of(m: Mapping) -> Side:
 def _rebind_while(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
     """The loop on the chunk: its body and cond re-traced at chunk shape (the chunk's start
     enters each as one more constant)."""
-    assert isinstance(m, Through)
-    side = _side_of(m)
-    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    split = _reach(eqn, side, axis, m.ctx)
+    split = _split_of(m, eqn)
     c, b, _ = _counts(eqn)
     body_avals = [v.aval for v in split.body.jaxpr.invars]
     cond_avals = [v.aval for v in split.cond.jaxpr.invars]
