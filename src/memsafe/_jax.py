@@ -16,6 +16,7 @@ import jax.extend.core as _jex_core
 import numpy as np
 from jax import core as _public_core
 from jax._src.array import ArrayImpl as _ArrayImpl
+from jax._src.lax import lax as _lax_internal
 
 from memsafe import primitives
 
@@ -414,3 +415,19 @@ def topology_fingerprint() -> str:
         return str(xla_client.get_topology_for_devices(jax.devices()).fingerprint())
     except Exception:  # a backend without a serializable topology: device kinds cover it
         return ""
+
+
+def weak_like(values: Sequence[Any], avals: Sequence[Any]) -> list[Any]:
+    """``values`` (traced results of a rewritten program) made weakly typed where ``avals`` (the
+    original program's results) are: a result built anew (a chunk loop's counter) loses the weak
+    type of a Python scalar it started from, which changes how it promotes afterwards."""
+
+    def weak(v: Any) -> bool:
+        return bool(getattr(getattr(v, "aval", v), "weak_type", False))
+
+    return [
+        _lax_internal._convert_element_type(v, None, weak_type=True)
+        if weak(a) and not weak(v)
+        else v
+        for v, a in zip(values, avals)
+    ]

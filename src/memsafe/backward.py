@@ -140,4 +140,4 @@ def algebraic_forward(
     )
     for name, run in passes.named_passes(passes.ALGEBRAIC):
         program = run_pass(name, run, program, ctx, getattr(fun, "__name__", "function"))
-    return emit(program), ctx.plan.records
+    return emit(program, closed.out_avals), ctx.plan.records

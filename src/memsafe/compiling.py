@@ -147,10 +147,14 @@ def add_trial(
     return dataclasses.replace(program, trial=trial)
 
 
-def emit(closed: _jax.ClosedJaxpr) -> Callable[..., list[Any]]:
-    """A plain JAX function that runs ``closed`` (used to jit and to differentiate)."""
+def emit(
+    closed: _jax.ClosedJaxpr, out_avals: Sequence[Any] | None = None
+) -> Callable[..., list[Any]]:
+    """A plain JAX function that runs ``closed`` (used to jit and to differentiate); its results
+    weakly typed where ``out_avals`` (the program's before it was rewritten) are."""
 
     def run(*flat: Any) -> list[Any]:
-        return _jax.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        outs = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
+        return outs if out_avals is None else _jax.weak_like(outs, out_avals)
 
     return run

@@ -379,7 +379,7 @@ class Search:
         self.rolled |= any(getattr(r, "pass_name", "") in retried for r in attempt_plan.records)
         if previous is not None and attempt_plan.records == previous:
             return None
-        emitted = emit(program)
+        emitted = emit(program, self.flat.out_avals)
         what = (self.name, f"attempt {index + 1} (chunk scale {scale:.3g})", self.memory_limit)
         hidden_now = hidden_constant_bytes(program.consts)
         placed = tuple(self.avals if sharding is None else sharding.placed(self.avals))
