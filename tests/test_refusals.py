@@ -4,6 +4,7 @@ operations named)."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -53,3 +54,28 @@ def test_arguments_over_the_limit_leave_no_chunked_program():
     assert err.missing_rules == []
     assert "arguments and outputs alone" in str(err)
     assert "no chunked program memsafe can build fits this limit" in str(err)
+
+
+def test_values_too_small_to_close_the_gap_are_left_out_and_name_no_missing_rule():
+    """The last attempts shrink the budget until the planner tries values of a few bytes inside
+    loop bodies (deep fuzz seed 347: 4-byte ``select_n`` operands): those cannot close a gap of
+    hundreds of kilobytes, so the refusal counts them instead of naming their operations as
+    missing rules."""
+    from memsafe.errors import Blocker
+    from memsafe.search import refusal
+    from memsafe.xla import Footprint
+
+    def blocker(n: int, operation: str, inherent: bool) -> Blocker:
+        reason = "why"
+        return Blocker(f"float32[{n}]", (n,), "float32", 4 * n, operation, reason, "", inherent)
+
+    big, tiny = blocker(1 << 18, "split", True), blocker(1, "select_n", False)
+    limit = 1 << 20
+    best = Footprint(arguments=limit + (640 << 10), outputs=0, temps=0, aliases=0)
+    flat = jax.make_jaxpr(lambda x: x * 2.0)(jnp.ones(4))
+    err = refusal(flat, "f", limit, None, best, [big, tiny])
+    assert err.blockers == [big] and err.missing_rules == []
+    assert "1 smaller values that could not be split are left out: each under 10.0 KiB" in str(err)
+    assert "no chunked program memsafe can build fits this limit" in str(err)
+    # with nothing compiled (no gap known) every blocker is reported
+    assert refusal(flat, "f", limit, None, None, [big, tiny]).missing_rules == ["select_n"]

@@ -33,6 +33,8 @@ class MemoryLimitError(MemoryError):
 
     ``limit``, ``footprint`` (best achieved, bytes or None), ``blockers`` (list of
     :class:`Blocker`) and ``minimum`` (smallest limit known to work, or None) are attributes.
+    Values too small to close the gap between the best footprint and the limit are left out of
+    ``blockers`` (``omitted``: how many, and the size each is under; ``memsafe.policy.REFUSAL``).
     ``missing_rules`` lists the operations that stopped a split for want of a rule: when it is
     empty no chunked program memsafe can build fits the limit (the limit is below what chunking
     reaches: arguments and outputs, the smallest chunks, sorts along the axis); when it is not,
@@ -47,6 +49,7 @@ class MemoryLimitError(MemoryError):
         footprint: int | None = None,
         blockers: list[Blocker] | None = None,
         minimum: int | None = None,
+        omitted: tuple[int, int] = (0, 0),
     ) -> None:
         self.limit = limit
         self.footprint = footprint
@@ -58,6 +61,12 @@ class MemoryLimitError(MemoryError):
         if self.blockers:
             lines.append("  values that could not be split:")
             lines.extend(b.describe() for b in self.blockers)
+        count, under = omitted
+        if count:
+            lines.append(
+                f"  ({count} smaller values that could not be split are left out: each under "
+                f"{format_bytes(under)}, too small to close the gap to the limit)"
+            )
         lines.append(self._verdict())
         if minimum is not None:
             lines.append(

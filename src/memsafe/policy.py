@@ -174,6 +174,21 @@ class InspectPolicy:
     constant_threshold: int = 64
 
 
+@dataclass(frozen=True)
+class RefusalPolicy:
+    """What a refusal (``memsafe.MemoryLimitError``) reports.
+
+    Attributes:
+        gap_share: a value no rule could split is listed only when it is at least the gap
+            between the best footprint reached and the limit over this share: splitting a
+            smaller one could not close the gap (the last attempts shrink the budget until the
+            planner tries values of a few bytes inside loop bodies). What is left out is
+            counted, and no longer says that a rule is missing.
+    """
+
+    gap_share: int = 64
+
+
 #: The split planner's knobs.
 SPLIT = SplitPolicy()
 #: The rewriting passes' knobs.
@@ -182,3 +197,5 @@ REWRITE = RewritePolicy()
 TUNING = TuningPolicy()
 #: The inspector's knobs.
 INSPECT = InspectPolicy()
+#: What a refusal reports.
+REFUSAL = RefusalPolicy()

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, mesh, passes
+from memsafe import _jax, mesh, passes, policy
 from memsafe.compiling import (
     Compiled,
     CompileWith,
@@ -285,13 +285,16 @@ def refusal(
     """The error when no attempt fit: the largest intermediates and what stopped each split."""
     largest = Graph(flat).largest(5)
     detail = ", ".join(f"{v.dtype}{list(v.shape)} ({format_bytes(v.bytes)})" for v in largest[:3])
+    under = 0 if best is None else (best.total - memory_limit) // policy.REFUSAL.gap_share
+    kept = [b for b in blockers if b.bytes >= under]
     return MemoryLimitError(
         f"{name}: no rewrite brought the footprint under the limit "
         f"(largest intermediates: {detail})",
         limit=memory_limit,
         footprint=None if best is None else best.total,
-        blockers=blockers,
+        blockers=kept,
         minimum=min((f.total for f in (before, best) if f is not None), default=None),
+        omitted=(len(blockers) - len(kept), under),
     )
 
 
