@@ -31,15 +31,19 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import JaxprEqn, Var
+from memsafe._jax import JaxprEqn, Var, is_var
+from memsafe.graph import Graph
+from memsafe.primitives import WINDOWED
 from memsafe.split import registry
-from memsafe.split.sinks import Partial, Reducer
+from memsafe.split.region import SplitFailure
+from memsafe.split.sinks import Partial, Reducer, Sink
+from memsafe.split.span import PLAIN_SPAN, Span, scaled
 
 Axis = int | None
 
@@ -168,12 +172,6 @@ def aligned(step: int, dilation: int, n_in: int, n_out: int) -> bool:
     return min(step, dilation) == 1 and n_in * dilation == n_out * step
 
 
-def scaled(start: Any, k: int) -> Any:
-    """``start * k``, with no equation where ``k`` is 1 (a body that reads no position of the
-    axis must not read its start: memsafe.split.selection)."""
-    return start if k == 1 else start * k
-
-
 def positions(start: Any, n: int) -> Any:
     """Global positions ``[start, start + n)`` along the axis (int32)."""
     return lax.convert_element_type(start, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
@@ -299,3 +297,78 @@ def runs_extended(eqn: JaxprEqn, mapping: registry.Mapping) -> bool:
     """Whether ``eqn``, mapped as ``mapping``, runs unchanged on an extended chunk: a windowed
     equation's :class:`Halo`, or a positional rule's that carries nothing from chunk to chunk."""
     return isinstance(mapping, Halo) or registry.positional(eqn, mapping)
+
+
+@dataclass(frozen=True)
+class Extended:
+    """The span of a region on extended chunks (a ``memsafe.split.span.Span``): chunk ``[start,
+    start + n)`` covers ``[start - extend, start + n + extend)``, of a value ``k`` times as long
+    as the axis (``scale``; 1 where absent) ``k`` times those positions."""
+
+    extend: int
+    scale: dict[Var, int]
+    plain: ClassVar[bool] = False
+
+    def scale_of(self, v: Var) -> int:
+        return self.scale.get(v, 1)
+
+    def scale_for(self, eqn: JaxprEqn, mapping: registry.Mapping) -> int:
+        pairs = [*zip(eqn.outvars, mapping.outs), *zip(eqn.invars, mapping.ins)]
+        return next((self.scale_of(a) for a, ax in pairs if ax is not None), 1)
+
+    def cover(self, start: Any, n: int) -> tuple[Any, int]:
+        e = self.extend
+        return (start - e, n + 2 * e) if e else (start, n)
+
+    def read(self, value: Any, axis: int, start: Any, n: int, scale: int) -> Any:
+        return read_extended(value, axis, scaled(start, scale), n * scale)
+
+    def own(self, value: Any, axis: int, n: int, scale: int) -> Any:
+        e = self.extend
+        return centre(value, axis, scale * e, scale * (n - 2 * e)) if e else value
+
+    def partial(self, sink: Sink, eqn: JaxprEqn, invals: list[Any], start: Any, n: int) -> Partial:
+        e = self.extend
+        if e:
+            start, n = start + e, n - 2 * e
+        scales = tuple(self.scale_of(a) if is_var(a) else 1 for a in eqn.invars)
+        return extended_partial(sink.reducer, eqn, invals, sink.ins, scales, start, n, e)
+
+
+class Extending:
+    """Growing a region on extended chunks (a ``memsafe.split.span.Spanning``, tried first by the
+    planner where the program has windowed operations): the split rules are told
+    ``RuleContext.extended``, equations join only where they run unchanged on an extended chunk
+    (:func:`runs_extended`) with lengths their mapping agrees with, and the region runs on an
+    :class:`Extended` span (its axis the values' greatest common length, :func:`scales`; its
+    extension :func:`extension`), or the plain one where nothing extends."""
+
+    mixed_lengths: ClassVar[bool] = True
+
+    def applies(self, graph: Graph) -> bool:
+        return any(e.primitive.name in WINDOWED for e in graph.eqns)
+
+    def context(self, ctx: registry.RuleContext) -> registry.RuleContext:
+        return replace(ctx, extended=True)
+
+    def admit(self, eqn: JaxprEqn, mapping: registry.Mapping) -> None:
+        if not runs_extended(eqn, mapping):
+            raise registry.NoRule(f"{eqn.primitive.name} does not run on extended chunks (halos)")
+        if not lengths_agree(eqn, mapping):
+            raise SplitFailure("axis sizes do not match", eqn)
+
+    def span(
+        self,
+        graph: Graph,
+        maps: Mapping[int, Any],
+        axis_of: Mapping[Var, int],
+        surviving: Sequence[Var],
+        size: int,
+    ) -> tuple[int, Span]:
+        size, scale = scales({v: graph.info(v).shape[ax] for v, ax in axis_of.items()})
+        extend = extension(graph.eqns, maps, surviving, scale)
+        return size, (Extended(extend, scale) if extend or scale else PLAIN_SPAN)
+
+
+#: Regions on extended chunks (``memsafe.split.planner.SPANS``).
+EXTENDED = Extending()
