@@ -25,6 +25,11 @@ operations (elementwise, broadcasts, contractions of other axes) keep each posit
 Where strides make values of several lengths, the region's axis is their greatest common divisor
 (:func:`scales`): a value ``k`` times as long holds positions ``[k * (start - E), k * (start + n
 + E))`` of its own axis.
+
+The core knows none of this: a region grows on extended chunks through :data:`EXTENDED` (a
+``memsafe.split.span.Spanning`` the planner tries first, ``planner.SPANS``) and runs on an
+:class:`Extended` span, which reads, centres and reduces each value's chunk for the chunk
+environment (``memsafe.split.span.Span``).
 """
 
 from __future__ import annotations

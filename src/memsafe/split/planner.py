@@ -128,10 +128,10 @@ def _region(
     """The region splitting ``var`` along ``axis``: on the first of ``spans`` that applies to
     the program and grows a region whose span is not plain (extended chunks where the program
     has convolutions, :mod:`memsafe.split.halo`), else on plain chunks. Values the region reads
-    or writes whole may
-    take half of ``budget``, or of ``held`` where larger (see :func:`best_split`); values
-    computed outside and read chunk by chunk over half of ``budget`` must then be smaller than
-    ``var`` (``sliced_large`` of :func:`memsafe.split.region.grow`)."""
+    or writes whole may take half of ``budget``, or of ``held`` where larger (see
+    :func:`best_split`); values computed outside and read chunk by chunk over half of
+    ``budget`` must then be smaller than ``var`` (``sliced_large`` of
+    :func:`memsafe.split.region.grow`)."""
     small, large = max(1, budget // policy.SPLIT.small), max(1, max(budget, held) // 2)
     sliced = max(1, budget // 2) if held > budget else None
     for spanning in spans:
