@@ -112,12 +112,26 @@ def take(x: Any, axis: int, index: Any, valid: Any, fill: Any) -> Any:
     return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
 
 
-def lengths_agree(eqn: JaxprEqn, m: Any) -> bool:
+def lengths_agree(eqn: JaxprEqn, m: registry.Mapping) -> bool:
     """Whether the operands and results a mapping splits have lengths along the axis it can run
-    chunk for chunk (``Mapping.lengths_agree``)."""
+    chunk for chunk: a :class:`Halo`'s own (:meth:`Halo.lengths_agree`), else all equally long."""
     ins = [a.aval.shape[ax] if ax is not None else None for a, ax in zip(eqn.invars, m.ins)]
     outs = [o.aval.shape[ax] if ax is not None else None for o, ax in zip(eqn.outvars, m.outs)]
-    return m.lengths_agree(ins, outs)
+    if isinstance(m, Halo):
+        return m.lengths_agree(ins, outs)
+    return len({n for n in (*ins, *outs) if n is not None}) <= 1
+
+
+def wrong_after(m: registry.Mapping, ins: Sequence[int | None]) -> int:
+    """Positions at each end of an extended chunk of the results of an equation mapped as ``m``
+    that may be wrong, given those of its split operands (None: not split): a :class:`Halo`'s
+    own (:meth:`Halo.wrong_after`), else the most of the operands' (each result position
+    reads its own position of each operand)."""
+    return m.wrong_after(ins) if isinstance(m, Halo) else _most_wrong(ins)
+
+
+def _most_wrong(ins: Sequence[int | None]) -> int:
+    return max((w for w in ins if w is not None), default=0)
 
 
 def scales(lengths: Mapping[Var, int]) -> tuple[int, dict[Var, int]]:
@@ -139,7 +153,7 @@ def extension(
 
     Walks the region's equations (``maps``: index -> Mapping or Sink) in program order, tracking
     how many positions at each end of an extended chunk of every value may be wrong, in the
-    value's own positions (``Mapping.wrong_after``: a :class:`Halo` adds
+    value's own positions (:func:`wrong_after`: a :class:`Halo` adds
     its reach and divides by its stride, other mappings keep the most of their operands'). Sinks
     (plus the reach of a sink that reads a window of an operand, :func:`sink_reach`) and
     written values need their operands exact at the centre, ``scale`` of a value's positions to
@@ -159,7 +173,7 @@ def extension(
                 if w is not None:
                     need = max(need, units(w + reach.get(k, 0), a))
             continue
-        after = m.wrong_after(ins)
+        after = wrong_after(m, ins)
         wrong.update((o, after) for o, ax in zip(eqn.outvars, m.outs) if ax is not None)
     return max([need, *(units(wrong.get(v, 0), v) for v in surviving)])
 
@@ -227,7 +241,7 @@ class Halo(registry.Mapping):
 
     def wrong_after(self, ins: Sequence[int | None]) -> int:
         """A result position is wrong where its window reads a wrong operand position."""
-        wrong = self.dilation * super().wrong_after(ins)
+        wrong = self.dilation * _most_wrong(ins)
         return -(-(wrong + self.reach) // self.stride)
 
     def operand_start(self, start: Any) -> Any:
