@@ -332,6 +332,8 @@ class Extended:
         return self.scale.get(v, 1)
 
     def scale_for(self, eqn: JaxprEqn, mapping: registry.Mapping) -> int:
+        if not self.scale:  # every value as long as the axis
+            return 1
         pairs = [*zip(eqn.outvars, mapping.outs), *zip(eqn.invars, mapping.ins)]
         return next((self.scale_of(a) for a, ax in pairs if ax is not None), 1)
 
