@@ -1,8 +1,8 @@
 """The extension points of docs/contributing.md ("Add a primitive", "Add a sink", "Add a pass",
-"Add a strategy", its span),
-used as a library outside memsafe would use them: toy primitives defined with JAX's public API
-(``jax.extend.core.Primitive``), described and registered through those points only, each planned
-under a limit that forces a split through it, with jax.jit's answers.
+"Add a strategy" and its span), used as a library outside memsafe would use them: toy
+primitives defined with JAX's public API (``jax.extend.core.Primitive``), described and registered
+through those points only, each planned under a limit that forces a split through it, with
+jax.jit's answers.
 
 Each fixture removes what it registered, so no other test sees the toys. Every line of code the
 guide shows is one of this module's (the last test).
