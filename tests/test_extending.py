@@ -1,8 +1,8 @@
 """The extension points of docs/contributing.md ("Add a primitive", "Add a sink", "Add a pass",
-"Add a strategy"),
-used as a library outside memsafe would use them: toy primitives defined with JAX's public API
-(``jax.extend.core.Primitive``), described and registered through those points only, each planned
-under a limit that forces a split through it, with jax.jit's answers.
+"Add a strategy" and its span), used as a library outside memsafe would use them: toy
+primitives defined with JAX's public API (``jax.extend.core.Primitive``), described and registered
+through those points only, each planned under a limit that forces a split through it, with
+jax.jit's answers.
 
 Each fixture removes what it registered, so no other test sees the toys. Every line of code the
 guide shows is one of this module's (the last test).
@@ -31,7 +31,8 @@ from memsafe.plan import PassRecord
 from memsafe.primitives import Facts, Kind, declare
 from memsafe.split import planner
 from memsafe.split.emit import StagedSplit
-from memsafe.split.registry import SPLIT_RULES, Mapping, NoRule, split_rule
+from memsafe.split.halo import Extended
+from memsafe.split.registry import SPLIT_RULES, Mapping, NoRule, positional, split_rule
 from memsafe.split.sinks import Reducer, Sink
 from memsafe.xla import Footprint, memsafe_jit
 from tests.agree import assert_like_jit
@@ -282,6 +283,39 @@ def toy_strategy(monkeypatch):
 def test_a_strategy_plans_the_regions_it_applies_to(toy_strategy):
     plan = _planned(lambda x, y: jnp.exp(_scores(x, y)).sum(1), *_data())
     assert "toy_strategy" in _ops(plan), plan
+
+
+# -- a span -----------------------------------------------------------------------------------
+
+
+class Padded:
+    mixed_lengths = False
+
+    def applies(self, graph):
+        return True
+
+    def context(self, ctx):
+        return ctx
+
+    def admit(self, eqn, mapping):
+        if not positional(eqn, mapping):
+            raise NoRule("a position reads others: not on padded chunks")
+
+    def span(self, graph, maps, axis_of, surviving, size):
+        return size, Extended(extend=1, scale={})
+
+
+@pytest.fixture
+def padded(monkeypatch):
+    monkeypatch.setattr(planner, "SPANS", planner.SPANS)  # restored after the test
+    planner.SPANS = [Padded(), *planner.SPANS]
+
+
+def test_a_span_covers_what_its_spanning_says(padded):
+    """Every chunk read, computed and reduced one position wider on each side: jax.jit's
+    answers, the sum and the values written along the axis from the chunks' own positions."""
+    plan = _planned(lambda x, y: jnp.tanh(_scores(x, y)).sum(1), *_data())
+    assert [s.extend for s in plan.splits] == [1], plan
 
 
 # -- the guide ------------------------------------------------------------------------------

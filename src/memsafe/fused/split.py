@@ -114,7 +114,7 @@ def _fused(graph: Graph, split: Any, policy: FusedPolicy) -> FusedSplit:
     region = split.region
     if region.size < policy.cols:
         raise NotFused("the split axis is shorter than one tile: nothing to stream")
-    if region.windowed or region.surviving:
+    if not region.span.plain or region.surviving:
         raise NotFused("the region writes values along the axis or runs on extended chunks")
     if any(region.running(graph, i) is not None for i in region.maps):
         raise NotFused("the region scans along the axis")

@@ -123,13 +123,14 @@ def _loop_group(
     values are computed as in every other loop of the region (no peephole moves, no tiles), and
     the results of the equations in ``pinned`` held behind a barrier (:meth:`ChunkEnv.pin`)."""
     sharded = isinstance(runner, chunk_loop.DevicesRunner)
-    tiled = (runner is chunk_loop.run or sharded) and not same and not region.windowed
+    plain = region.span.plain  # peephole moves and tiles assume a chunk is its own positions
+    tiled = (runner is chunk_loop.run or sharded) and not same and plain
     devices = runner.devices if sharded else 1
     fused = selection.plan(graph, region, loop, chunk, devices) if tiled else None
     if fused is not None:
         return loop.group(dead, functools.partial(fused.run, runner=runner))
     eqns = graph.eqns
-    moved = () if same or region.windowed else loop.eqns  # () plans none
+    moved = loop.eqns if plain and not same else ()  # () plans none
     peep = peephole.plan(graph, region, moved, chunk)
     kept = {i: run for i in loop.eqns if (run := region.running(graph, i)) is not None}
     running = tuple(kept)
@@ -143,7 +144,7 @@ def _loop_group(
         tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse, finals,
         tuple((eqns[i], run) for i, run in kept.items()),
     )  # fmt: skip
-    written = Written.of(loop.surviving, region.axis_of, region.scale_of)
+    written = Written.of(loop.surviving, region.axis_of, region.span.scale_of)
     n_sliced = len(loop.sliced)
 
     def body(start: Any, n: int, ops: list[Any], fed: Any) -> tuple[list, list]:

@@ -25,21 +25,30 @@ operations (elementwise, broadcasts, contractions of other axes) keep each posit
 Where strides make values of several lengths, the region's axis is their greatest common divisor
 (:func:`scales`): a value ``k`` times as long holds positions ``[k * (start - E), k * (start + n
 + E))`` of its own axis.
+
+The core knows none of this: a region grows on extended chunks through :data:`EXTENDED` (a
+``memsafe.split.span.Spanning`` the planner tries first, ``planner.SPANS``) and runs on an
+:class:`Extended` span, which reads, centres and reduces each value's chunk for the chunk
+environment (``memsafe.split.span.Span``).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import JaxprEqn, Var
+from memsafe._jax import JaxprEqn, Var, is_var
+from memsafe.graph import Graph
+from memsafe.primitives import WINDOWED
 from memsafe.split import registry
-from memsafe.split.sinks import Partial, Reducer
+from memsafe.split.region import SplitFailure
+from memsafe.split.sinks import Partial, Reducer, Sink
+from memsafe.split.span import PLAIN_SPAN, Span, scaled
 
 Axis = int | None
 
@@ -103,12 +112,26 @@ def take(x: Any, axis: int, index: Any, valid: Any, fill: Any) -> Any:
     return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
 
 
-def lengths_agree(eqn: JaxprEqn, m: Any) -> bool:
+def lengths_agree(eqn: JaxprEqn, m: registry.Mapping) -> bool:
     """Whether the operands and results a mapping splits have lengths along the axis it can run
-    chunk for chunk (``Mapping.lengths_agree``)."""
+    chunk for chunk: a :class:`Halo`'s own (:meth:`Halo.lengths_agree`), else all equally long."""
     ins = [a.aval.shape[ax] if ax is not None else None for a, ax in zip(eqn.invars, m.ins)]
     outs = [o.aval.shape[ax] if ax is not None else None for o, ax in zip(eqn.outvars, m.outs)]
-    return m.lengths_agree(ins, outs)
+    if isinstance(m, Halo):
+        return m.lengths_agree(ins, outs)
+    return len({n for n in (*ins, *outs) if n is not None}) <= 1
+
+
+def wrong_after(m: registry.Mapping, ins: Sequence[int | None]) -> int:
+    """Positions at each end of an extended chunk of the results of an equation mapped as ``m``
+    that may be wrong, given those of its split operands (None: not split): a :class:`Halo`'s
+    own (:meth:`Halo.wrong_after`), else the most of the operands' (each result position
+    reads its own position of each operand)."""
+    return m.wrong_after(ins) if isinstance(m, Halo) else _most_wrong(ins)
+
+
+def _most_wrong(ins: Sequence[int | None]) -> int:
+    return max((w for w in ins if w is not None), default=0)
 
 
 def scales(lengths: Mapping[Var, int]) -> tuple[int, dict[Var, int]]:
@@ -130,7 +153,7 @@ def extension(
 
     Walks the region's equations (``maps``: index -> Mapping or Sink) in program order, tracking
     how many positions at each end of an extended chunk of every value may be wrong, in the
-    value's own positions (``Mapping.wrong_after``: a :class:`Halo` adds
+    value's own positions (:func:`wrong_after`: a :class:`Halo` adds
     its reach and divides by its stride, other mappings keep the most of their operands'). Sinks
     (plus the reach of a sink that reads a window of an operand, :func:`sink_reach`) and
     written values need their operands exact at the centre, ``scale`` of a value's positions to
@@ -150,7 +173,7 @@ def extension(
                 if w is not None:
                     need = max(need, units(w + reach.get(k, 0), a))
             continue
-        after = m.wrong_after(ins)
+        after = wrong_after(m, ins)
         wrong.update((o, after) for o, ax in zip(eqn.outvars, m.outs) if ax is not None)
     return max([need, *(units(wrong.get(v, 0), v) for v in surviving)])
 
@@ -166,12 +189,6 @@ def aligned(step: int, dilation: int, n_in: int, n_out: int) -> bool:
     per result position (one of them 1) runs chunk for chunk: the lengths match them exactly
     (``n_in * dilation == n_out * step``), so a chunk of whole results reads a whole chunk."""
     return min(step, dilation) == 1 and n_in * dilation == n_out * step
-
-
-def scaled(start: Any, k: int) -> Any:
-    """``start * k``, with no equation where ``k`` is 1 (a body that reads no position of the
-    axis must not read its start: memsafe.split.selection)."""
-    return start if k == 1 else start * k
 
 
 def positions(start: Any, n: int) -> Any:
@@ -224,7 +241,7 @@ class Halo(registry.Mapping):
 
     def wrong_after(self, ins: Sequence[int | None]) -> int:
         """A result position is wrong where its window reads a wrong operand position."""
-        wrong = self.dilation * super().wrong_after(ins)
+        wrong = self.dilation * _most_wrong(ins)
         return -(-(wrong + self.reach) // self.stride)
 
     def operand_start(self, start: Any) -> Any:
@@ -299,3 +316,80 @@ def runs_extended(eqn: JaxprEqn, mapping: registry.Mapping) -> bool:
     """Whether ``eqn``, mapped as ``mapping``, runs unchanged on an extended chunk: a windowed
     equation's :class:`Halo`, or a positional rule's that carries nothing from chunk to chunk."""
     return isinstance(mapping, Halo) or registry.positional(eqn, mapping)
+
+
+@dataclass(frozen=True)
+class Extended:
+    """The span of a region on extended chunks (a ``memsafe.split.span.Span``): chunk ``[start,
+    start + n)`` covers ``[start - extend, start + n + extend)``, of a value ``k`` times as long
+    as the axis (``scale``; 1 where absent) ``k`` times those positions."""
+
+    extend: int
+    scale: dict[Var, int]
+    plain: ClassVar[bool] = False
+
+    def scale_of(self, v: Var) -> int:
+        return self.scale.get(v, 1)
+
+    def scale_for(self, eqn: JaxprEqn, mapping: registry.Mapping) -> int:
+        if not self.scale:  # every value as long as the axis
+            return 1
+        pairs = [*zip(eqn.outvars, mapping.outs), *zip(eqn.invars, mapping.ins)]
+        return next((self.scale_of(a) for a, ax in pairs if ax is not None), 1)
+
+    def cover(self, start: Any, n: int) -> tuple[Any, int]:
+        e = self.extend
+        return (start - e, n + 2 * e) if e else (start, n)
+
+    def read(self, value: Any, axis: int, start: Any, n: int, scale: int) -> Any:
+        return read_extended(value, axis, scaled(start, scale), n * scale)
+
+    def own(self, value: Any, axis: int, n: int, scale: int) -> Any:
+        e = self.extend
+        return centre(value, axis, scale * e, scale * (n - 2 * e)) if e else value
+
+    def partial(self, sink: Sink, eqn: JaxprEqn, invals: list[Any], start: Any, n: int) -> Partial:
+        e = self.extend
+        if e:
+            start, n = start + e, n - 2 * e
+        scales = tuple(self.scale_of(a) if is_var(a) else 1 for a in eqn.invars)
+        return extended_partial(sink.reducer, eqn, invals, sink.ins, scales, start, n, e)
+
+
+class Extending:
+    """Growing a region on extended chunks (a ``memsafe.split.span.Spanning``, tried first by the
+    planner where the program has windowed operations): the split rules are told
+    ``RuleContext.extended``, equations join only where they run unchanged on an extended chunk
+    (:func:`runs_extended`) with lengths their mapping agrees with, and the region runs on an
+    :class:`Extended` span (its axis the values' greatest common length, :func:`scales`; its
+    extension :func:`extension`), or the plain one where nothing extends."""
+
+    mixed_lengths: ClassVar[bool] = True
+
+    def applies(self, graph: Graph) -> bool:
+        return any(e.primitive.name in WINDOWED for e in graph.eqns)
+
+    def context(self, ctx: registry.RuleContext) -> registry.RuleContext:
+        return replace(ctx, extended=True)
+
+    def admit(self, eqn: JaxprEqn, mapping: registry.Mapping) -> None:
+        if not runs_extended(eqn, mapping):
+            raise registry.NoRule(f"{eqn.primitive.name} does not run on extended chunks (halos)")
+        if not lengths_agree(eqn, mapping):
+            raise SplitFailure("axis sizes do not match", eqn)
+
+    def span(
+        self,
+        graph: Graph,
+        maps: Mapping[int, Any],
+        axis_of: Mapping[Var, int],
+        surviving: Sequence[Var],
+        size: int,
+    ) -> tuple[int, Span]:
+        size, scale = scales({v: graph.info(v).shape[ax] for v, ax in axis_of.items()})
+        extend = extension(graph.eqns, maps, surviving, scale)
+        return size, (Extended(extend, scale) if extend or scale else PLAIN_SPAN)
+
+
+#: Regions on extended chunks (``memsafe.split.planner.SPANS``).
+EXTENDED = Extending()

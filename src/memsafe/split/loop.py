@@ -26,12 +26,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import JaxprEqn, Literal, Var, is_var
+from memsafe._jax import JaxprEqn, Literal, Var
 from memsafe.graph import Graph
-from memsafe.split import halo, peephole
+from memsafe.split import peephole
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, Running
 from memsafe.split.sinks import Partial, Sink
+from memsafe.split.span import local_start, scaled
 
 #: A chunk body: (chunk start, chunk length, operands, what it reads of the carry) ->
 #: (partials of the chunk, values written along the axis).
@@ -158,7 +159,7 @@ class Written:
     values: tuple[Var, ...]
     axes: tuple[int, ...]
     #: Positions of each value per position of the loop's axis (empty: 1 each; see
-    #: ``Region.scale``).
+    #: ``Span.scale_of``).
     scales: tuple[int, ...] = ()
 
     @classmethod
@@ -172,18 +173,10 @@ class Written:
     def write(self, bufs: list[Any], vals: list[Any], start: Any) -> list[Any]:
         return [
             lax.dynamic_update_slice_in_dim(
-                b, v, local_start(halo.scaled(start, self.scale(k)), b.shape[ax]), ax
+                b, v, local_start(scaled(start, self.scale(k)), b.shape[ax]), ax
             )
             for k, (b, v, ax) in enumerate(zip(bufs, vals, self.axes))
         ]
-
-
-def local_start(start: Any, length: int) -> Any:
-    """Where the chunk starting at global position ``start`` begins in a value of ``length``
-    along the axis. A value covering the whole axis: ``start`` itself. A device's share of an
-    axis sharded in equal shares of ``length`` (memsafe.mesh) holds positions ``[d * length,
-    (d + 1) * length)`` and every chunk lies within one share: ``start`` modulo ``length``."""
-    return lax.rem(start, jnp.int32(length))
 
 
 #: Runs a chunk body over the split axis: (body, axis size, chunk, operands, carry, written,
@@ -376,7 +369,10 @@ def run(
 
 @dataclass
 class ChunkEnv:
-    """The values of one chunk body: chunk-shaped region values and values read whole."""
+    """The values of one chunk body: chunk-shaped region values and values read whole. Region
+    values hold the positions the chunk covers (``region.span``, :mod:`memsafe.split.span`):
+    ``start`` and ``n`` are the covered ones, and sinks and written values take the chunk's own
+    through the span."""
 
     graph: Graph
     region: Region
@@ -387,11 +383,6 @@ class ChunkEnv:
     whole: dict[Any, Any]
     carried: dict[int, Any] | None = None  # scans' last values from the chunks before
     carries: dict[int, Any] = field(default_factory=dict)  # this chunk's last values
-    #: Positions the chunk extends by on each side (``region.extend``): ``start`` and ``n``
-    #: are the extended chunk's, sinks and written values take its centre.
-    extend: int = 0
-    #: Whether values of the region have several lengths along the axis (``region.scale``).
-    scaled: bool = False
 
     @classmethod
     def slice_in(
@@ -405,36 +396,19 @@ class ChunkEnv:
         whole: dict[Any, Any],
         carried: dict[int, Any] | None = None,
     ) -> ChunkEnv:
-        """A body's environment with chunk ``[start, start + n)`` of each sliced input, extended
-        by ``region.extend`` on each side (:mod:`memsafe.split.halo`)."""
-        e = region.extend
-        if e:
-            start, n = start - e, n + 2 * e
-        local = {}
-        for v, val in sliced:
-            ax, k = region.axis_of[v], region.scale_of(v)
-            if e:
-                local[v] = halo.read_extended(val, ax, halo.scaled(start, k), n * k)
-            else:
-                first = local_start(halo.scaled(start, k), val.shape[ax])
-                local[v] = lax.dynamic_slice_in_dim(val, first, n * k, ax)
-        scaled = bool(region.scale)
-        return cls(graph, region, peep, start, n, local, whole, carried, extend=e, scaled=scaled)
+        """A body's environment with the positions chunk ``[start, start + n)`` covers of each
+        sliced input (``region.span``)."""
+        span = region.span
+        start, n = span.cover(start, n)
+        local = {
+            v: span.read(val, region.axis_of[v], start, n, span.scale_of(v)) for v, val in sliced
+        }
+        return cls(graph, region, peep, start, n, local, whole, carried)
 
     def written(self, v: Var) -> Any:
-        """The chunk's own positions of region value ``v`` (its centre, on extended chunks)."""
-        value = self.local[v]
-        if not self.extend:  # the chunk itself
-            return value
-        k, e = self.region.scale_of(v), self.extend
-        return halo.centre(value, self.region.axis_of[v], k * e, k * (self.n - 2 * e))
-
-    def _scale(self, i: int) -> int:
-        """Positions of equation ``i``'s split results (else operands) per position of the
-        region's axis."""
-        eqn, m = self.graph.eqns[i], self.region.maps[i]
-        pairs = [*zip(eqn.outvars, getattr(m, "outs", ())), *zip(eqn.invars, m.ins)]
-        return next((self.region.scale_of(a) for a, ax in pairs if ax is not None), 1)
+        """The chunk's own positions of region value ``v``."""
+        span = self.region.span
+        return span.own(self.local[v], self.region.axis_of[v], self.n, span.scale_of(v))
 
     def read(self, atom: Any, ax: int | None) -> Any:
         if isinstance(atom, Literal):
@@ -452,15 +426,10 @@ class ChunkEnv:
 
     def partial(self, i: int) -> Partial:
         """The partial result of sink ``i`` on this chunk."""
-        sink, e = self.region.maps[i], self.extend
+        sink = self.region.maps[i]
         assert isinstance(sink, Sink)
         eqn = self.graph.eqns[i]
-        if self.region.windowed:
-            start, n = (self.start + e, self.n - 2 * e) if e else (self.start, self.n)
-            scales = tuple(self.region.scale_of(a) if is_var(a) else 1 for a in eqn.invars)
-            invals = self.invals(i)
-            return halo.extended_partial(sink.reducer, eqn, invals, sink.ins, scales, start, n, e)
-        return sink.reducer.partial(eqn, self.invals(i), sink.axis, self.start, self.n)
+        return self.region.span.partial(sink, eqn, self.invals(i), self.start, self.n)
 
     def pin(self, i: int) -> None:
         """Hold equation ``i``'s floating-point results behind ``lax.optimization_barrier``.
@@ -489,10 +458,10 @@ class ChunkEnv:
             invals, prev = prev.operands(run, eqn, invals, m), None
         if prev is not None:
             invals = run.feed(eqn, invals, prev)
-        k = self._scale(i) if self.scaled else 1
+        k = self.region.span.scale_for(eqn, m)
         outs = peephole.bind_mapped(
             self.peep, i, eqn, invals, m, self.read, self.local, self.graph.eqns,
-            halo.scaled(self.start, k), self.n * k,
+            scaled(self.start, k), self.n * k,
         )  # fmt: skip
         if run is not None:
             outs, self.carries[i] = run.record(eqn, outs, m, self.n, prev)

@@ -668,9 +668,9 @@ def late_factors(graph: Graph, region: Region, plan: OnlinePlan) -> Group:
 
 def strategy(graph: Graph, region: Region) -> OnlineSplit | None:
     """The online strategy (``memsafe.split.planner.STRATEGIES``): the region as one online loop,
-    or None where that does not apply (regions on extended chunks run as plain staged loops,
-    :mod:`memsafe.split.halo`)."""
-    if region.windowed:
+    or None where that does not apply (regions whose chunks cover other positions than their own,
+    extended ones of :mod:`memsafe.split.halo`, run as plain staged loops)."""
+    if not region.span.plain:
         return None
     try:
         return plan(graph, region)

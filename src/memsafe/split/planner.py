@@ -11,19 +11,19 @@ loop bodies; the split pass (:mod:`memsafe.passes.split`) runs that.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from memsafe import policy
 from memsafe._jax import Var
 from memsafe.graph import Graph, estimate
-from memsafe.primitives import FUSIBLE, WINDOWED
-from memsafe.split import online, recompute, replay
+from memsafe.primitives import FUSIBLE
+from memsafe.split import halo, online, recompute, replay
 from memsafe.split.emit import Split, StagedSplit
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import PLAIN, RuleContext
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, two_chunks
+from memsafe.split.span import Spanning
 
 
 def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]:
@@ -60,6 +60,11 @@ def staged(graph: Graph, region: Region) -> Split:
 #: The strategies tried for each region, in order: the first that applies plans it. The last,
 #: :func:`staged`, applies to every region. Add one with :func:`add_strategy`.
 STRATEGIES: list[Strategy] = [online.strategy, staged]
+#: Spans a region grows on before its plain chunks (:mod:`memsafe.split.span`), in order, on one
+#: device: the first that applies to the program and grows a region that is not plain wins
+#: (:func:`_region`). memsafe.split.halo's extended chunks run several windowed operations in a
+#: row in one loop.
+SPANS: list[Spanning] = [halo.EXTENDED]
 #: Strategies that may take the place of the split planned for a region on one device, in
 #: order, each given the graph and the split so far (memsafe.fused adds its kernels here).
 REPLACING: list[Callable[[Graph, Split], Split]] = []
@@ -94,9 +99,9 @@ def _option(
 ) -> tuple[Split, ChunkPlan]:
     """The split of ``var`` along ``axis`` (sharded over ``mesh``'s devices where given) and
     its chunk (``floor``: see :func:`smallest_chunk`; ``held``: see :func:`_region`); raises
-    SplitFailure. Where the program has windowed operations, the region on extended chunks
-    comes first (:func:`_region`)."""
-    region = _region(graph, var, axis, budget, ctx, windowed=mesh is None, held=held)
+    SplitFailure. On one device, the region on a span of :data:`SPANS` comes first
+    (:func:`_region`)."""
+    region = _region(graph, var, axis, budget, ctx, spans=SPANS if mesh is None else (), held=held)
     split = strategy(graph, region)
     if mesh is not None:
         split = mesh.shard(graph, split)
@@ -117,24 +122,26 @@ def _region(
     axis: int,
     budget: int,
     ctx: RuleContext,
-    windowed: bool,
+    spans: Sequence[Spanning],
     held: int = 0,
 ) -> Region:
-    """The region splitting ``var`` along ``axis``. Where ``windowed`` and the program has
-    windowed operations (convolutions), first the region on extended chunks
-    (:mod:`memsafe.split.halo`), which runs several of them in a row in one loop; the plain
-    region where that fails or needs no extension. Values the region reads or writes whole may
-    take half of ``budget``, or of ``held`` where larger (see :func:`best_split`); values
-    computed outside and read chunk by chunk over half of ``budget`` must then be smaller than
-    ``var`` (``sliced_large`` of :func:`memsafe.split.region.grow`)."""
+    """The region splitting ``var`` along ``axis``: on the first of ``spans`` that applies to
+    the program and grows a region whose span is not plain (extended chunks where the program
+    has convolutions, :mod:`memsafe.split.halo`), else on plain chunks. Values the region reads
+    or writes whole may take half of ``budget``, or of ``held`` where larger (see
+    :func:`best_split`); values computed outside and read chunk by chunk over half of
+    ``budget`` must then be smaller than ``var`` (``sliced_large`` of
+    :func:`memsafe.split.region.grow`)."""
     small, large = max(1, budget // policy.SPLIT.small), max(1, max(budget, held) // 2)
     sliced = max(1, budget // 2) if held > budget else None
-    if windowed and any(e.primitive.name in WINDOWED for e in graph.eqns):
+    for spanning in spans:
+        if not spanning.applies(graph):
+            continue
         try:
-            region = grow(graph, var, axis, small, large, replace(ctx, extended=True), sliced)
+            region = grow(graph, var, axis, small, large, ctx, sliced, spanning)
         except SplitFailure:
-            region = None
-        if region is not None and region.windowed:
+            continue
+        if not region.span.plain:
             return region
     return grow(graph, var, axis, small, large, ctx, sliced)
 

@@ -40,10 +40,11 @@ def cost(graph: Graph, split: Any, chunk: int = 0) -> dict[str, int]:
     loops = plan_loops(graph, region)
     again = [eqns[i] for lp in loops for i in lp.eqns if region.stage[i] < lp.stage]
     flops = jaxpr_flops(again)
-    if region.extend and chunk:  # 2E more positions per chunk, in every loop
+    extend = region.span.extend
+    if extend and chunk:  # 2E more positions per chunk, in every loop
         every = jaxpr_flops(eqns[i] for lp in loops for i in lp.eqns)
-        flops += every * 2 * region.extend * -(-region.size // chunk) // region.size
-    return {"stages": len(loops), "recompute_flops": flops, "extend": region.extend}
+        flops += every * 2 * extend * -(-region.size // chunk) // region.size
+    return {"stages": len(loops), "recompute_flops": flops, "extend": extend}
 
 
 def decides_on_recomputed(graph: Graph, region: Region) -> bool:

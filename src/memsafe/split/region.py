@@ -23,7 +23,6 @@ from memsafe import policy
 from memsafe._jax import JaxprEqn, Var, is_var, source_line
 from memsafe.graph import Graph
 from memsafe.primitives import CHEAP
-from memsafe.split import halo
 from memsafe.split.registry import (
     PLAIN,
     Mapping,
@@ -34,6 +33,7 @@ from memsafe.split.registry import (
     running_along,
 )
 from memsafe.split.sinks import Sink
+from memsafe.split.span import PLAIN_SPAN, Span, Spanning
 
 
 @dataclass
@@ -74,21 +74,9 @@ class Region:
     whole: frozenset[Var]  # outside values used whole
     surviving: tuple[Var, ...]  # region values needed outside: written chunk by chunk
     stage: dict[int, int]  # region equation index -> the loop (stage) that evaluates it
-    #: Positions each chunk extends by on both sides (:mod:`memsafe.split.halo`; 0: none).
-    extend: int = 0
-    #: On extended chunks, values whose axis is a multiple of ``size`` long (a pooling's
-    #: operand): that multiple; every other value's axis is ``size`` long.
-    scale: dict[Var, int] = field(default_factory=dict)
-
-    @property
-    def windowed(self) -> bool:
-        """Whether the region runs on extended chunks or over values of several lengths
-        (:mod:`memsafe.split.halo`)."""
-        return bool(self.extend or self.scale)
-
-    def scale_of(self, v: Var) -> int:
-        """Positions of ``v`` along the axis per position of the region's axis."""
-        return self.scale.get(v, 1)
+    #: What a chunk covers of each value (:mod:`memsafe.split.span`): the chunk itself, unless
+    #: the region grew on a strategy's span (extended chunks, memsafe.split.halo).
+    span: Span = PLAIN_SPAN
 
     @property
     def eqns(self) -> list[int]:
@@ -175,6 +163,7 @@ class _Growth:
     size: int
     small: int
     ctx: RuleContext
+    spanning: Spanning
     maps: dict[int, Mapping | Sink] = field(default_factory=dict)
     axis_of: dict[Var, int] = field(default_factory=dict)
     whole_uses: list[tuple[Var, int]] = field(default_factory=list)
@@ -197,8 +186,8 @@ class _Growth:
             return
         prev = self.axis_of.get(atom)
         if prev is None:
-            if not self.ctx.extended and self.graph.info(atom).shape[ax] != self.size:
-                raise SplitFailure("axis sizes do not match", eqn)  # on extended chunks: add
+            if not self.spanning.mixed_lengths and self.graph.info(atom).shape[ax] != self.size:
+                raise SplitFailure("axis sizes do not match", eqn)  # else: add checks
             self.axis_of[atom] = ax
             self.queue.append(atom)
         elif prev != ax:
@@ -211,11 +200,8 @@ class _Growth:
             if self.maps[index] != m:
                 raise SplitFailure("the axis reaches this operation in two ways", eqn)
             return
-        if self.ctx.extended and isinstance(m, Mapping):
-            if not halo.runs_extended(eqn, m):
-                raise NoRule(f"{eqn.primitive.name} does not run on extended chunks (halos)")
-            if not halo.lengths_agree(eqn, m):
-                raise SplitFailure("axis sizes do not match", eqn)
+        if isinstance(m, Mapping):
+            self.spanning.admit(eqn, m)
         self._check_direction(eqn, m)
         self.maps[index] = m
         for atom, ax in zip(eqn.invars, m.ins):
@@ -305,9 +291,11 @@ def grow(
     large: int,
     ctx: RuleContext = PLAIN,
     sliced_large: int | None = None,
+    spanning: Spanning = PLAIN_SPAN,
 ) -> Region:
-    """The region splitting ``seed`` along ``axis``, its split rules told ``ctx`` (on extended
-    chunks, replays tried); raises :class:`SplitFailure`.
+    """The region splitting ``seed`` along ``axis`` on the span ``spanning`` grows (its own
+    chunks, or a strategy's: :mod:`memsafe.split.span`), its split rules told ``ctx`` as
+    ``spanning`` adjusts it (replays tried, say); raises :class:`SplitFailure`.
 
     Producers of values over ``small`` bytes are pulled into the region even when they are not
     cheap to recompute; values the region reads or writes in full must stay under ``large``.
@@ -324,9 +312,10 @@ def grow(
     those equations left out, where the axis then stops (at most ``policy.SPLIT.max_left_out``).
     """
     left_out: dict[int, SplitFailure] = {}
+    ctx = spanning.context(ctx)
     while True:
         try:
-            return _grow(graph, seed, axis, small, large, left_out, ctx, sliced_large)
+            return _grow(graph, seed, axis, small, large, left_out, ctx, sliced_large, spanning)
         except _ReadsWhole as err:
             if (
                 err.users <= left_out.keys()
@@ -351,9 +340,11 @@ def _grow(
     large: int,
     left_out: dict[int, SplitFailure],
     ctx: RuleContext,
-    sliced_large: int | None = None,
+    sliced_large: int | None,
+    spanning: Spanning,
 ) -> Region:
-    g = _Growth(graph, graph.info(seed).shape[axis], small, ctx, left_out=dict(left_out))
+    n = graph.info(seed).shape[axis]
+    g = _Growth(graph, n, small, ctx, spanning, left_out=dict(left_out))
     g.assign(seed, axis, graph.info(seed).producer or 0)
     g.propagate()
     produced = g.hand_back(large)
@@ -366,13 +357,10 @@ def _grow(
     surviving = _surviving(g, produced, large)
     _check_saves(g, seed, produced, surviving)
     stage = _assign_stages(graph, g.maps, frozenset(produced))
-    size, scale, extend = g.size, {}, 0
-    if ctx.extended:
-        size, scale = halo.scales({v: graph.info(v).shape[ax] for v, ax in g.axis_of.items()})
-        extend = halo.extension(graph.eqns, g.maps, surviving, scale)
+    size, span = spanning.span(graph, g.maps, g.axis_of, surviving, g.size)
     return Region(
         seed, axis, size, g.maps, g.axis_of, frozenset(produced), frozenset(sliced),
-        frozenset(whole), tuple(surviving), stage, extend, scale,
+        frozenset(whole), tuple(surviving), stage, span,
     )  # fmt: skip
 
 

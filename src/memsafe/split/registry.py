@@ -39,17 +39,6 @@ class Mapping:
     ins: tuple[Axis, ...]
     outs: tuple[Axis, ...]
 
-    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
-        """Whether operands and results of these lengths along the axis (None: not split) can
-        run chunk for chunk: all equally long."""
-        return len({n for n in (*ins, *outs) if n is not None}) <= 1
-
-    def wrong_after(self, ins: Sequence[int | None]) -> int:
-        """On extended chunks (:mod:`memsafe.split.halo`): positions at each end of the results
-        that may be wrong, given those of the split operands (None: not split). Each result
-        position reads its own position of each operand."""
-        return max((w for w in ins if w is not None), default=0)
-
 
 class NoRule(Exception):
     """The split axis cannot pass through this equation (the message says why).

@@ -161,7 +161,7 @@ def choose_chunk(graph: Graph, split: Split, budget: int) -> ChunkPlan | None:
     per_unit, fixed = bytes_model(graph, region)
     fixed += split.fixed_bytes(graph)
     lowest = _lowest(graph, region)
-    room = budget - fixed - 2 * region.extend * per_unit  # extended chunks (split.halo)
+    room = budget - fixed - 2 * region.span.extend * per_unit  # 2E more positions a chunk
     if room < per_unit * lowest or share < lowest:
         return None
     chunk = min(share, room // max(per_unit, 1))
