@@ -144,6 +144,8 @@ class PlanTime:
         compiles: each XLA compile, as (what, seconds).
         loaded: loading executables stored by another process (:mod:`memsafe.stored`), not
             compiled again.
+        held: where the original program was not compiled, the bytes it was known to hold at
+            once (:func:`memsafe.graph.held.held_bytes`, over the limit); 0 where it was.
         total: the whole plan, from the call to the verified program.
     """
 
@@ -152,6 +154,7 @@ class PlanTime:
     passes: dict[str, float] = field(default_factory=dict)
     compiles: list[tuple[str, float]] = field(default_factory=list)
     loaded: float = 0.0
+    held: int = 0
     total: float = 0.0
 
     def describe(self) -> str:
@@ -164,6 +167,8 @@ class PlanTime:
             parts.append(f"passes {sum(self.passes.values()):.2f} s ({shown})")
         if self.loaded:
             parts.append(f"executable loaded {self.loaded:.2f} s")
+        if self.held:
+            parts.append(f"original not compiled (holds at least {format_bytes(self.held)})")
         n = len(self.compiles)
         parts.append(f"{n} compile{'s' if n != 1 else ''} {compiled:.2f} s")
         how = _ORIGINS.get(self.origin, self.origin)

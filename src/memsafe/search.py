@@ -4,13 +4,14 @@ the fitting one left much of the room unused)."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from memsafe import _jax, mesh, passes
+from memsafe import _jax, log, mesh, passes
 from memsafe.compiling import (
     Compiled,
     CompileWith,
@@ -24,11 +25,18 @@ from memsafe.compiling import (
 from memsafe.context import PassContext
 from memsafe.errors import MemoryLimitError
 from memsafe.graph import Graph, estimate, inline_calls
+from memsafe.graph.held import held_bytes
 from memsafe.limits import format_bytes
 from memsafe.pipeline import run_passes
 from memsafe.plan import Attempt, Plan, PlanTime
 from memsafe.program import Program
-from memsafe.xla import Footprint, hidden_constant_bytes, loop_options, measuring_options
+from memsafe.xla import (
+    Footprint,
+    contractions_stored,
+    hidden_constant_bytes,
+    loop_options,
+    measuring_options,
+)
 
 
 @dataclass(frozen=True)
@@ -168,6 +176,10 @@ def search(
         if resized is not None:
             return resized
         attempts.roll = True
+    if start is None and on_mesh is None and not donate:
+        skipped = _without_original(attempts, closed, memory_limit, compiler_options, time)
+        if skipped is not None:
+            return skipped
     peak = estimate(Graph(closed)).peak_bytes
     guess = None if on_mesh is not None else speculative_fixed(closed, donate, memory_limit, peak)
     what = (name, "original program", memory_limit)
@@ -187,6 +199,36 @@ def search(
     else:
         fixed = on_mesh.check_fixed(original.footprint, avals, memory_limit, name)
     return attempts.run(plan, fixed, first if guess == fixed else None)
+
+
+def _without_original(
+    attempts: Search,
+    closed: _jax.ClosedJaxpr,
+    memory_limit: int,
+    compiler_options: Mapping[str, Any] | None,
+    time: PlanTime,
+) -> Program | None:
+    """The rewrite, planned without compiling the original program, where the bytes every
+    compile of the original holds (:func:`memsafe.graph.held.held_bytes`: arguments, outputs and
+    the contraction results live together) are already over the limit, and its arguments and
+    outputs fit it; else None (the original is compiled first). The attempts are verified as
+    always; the plan has no ``before`` footprint."""
+    fixed = _fixed_bytes(closed)
+    if fixed > memory_limit or not contractions_stored(compiler_options):
+        return None
+    held = held_bytes(attempts.flat)
+    if held <= memory_limit:
+        return None
+    log.note(
+        logging.INFO,
+        "%s: the original program holds at least %s at once (arguments, outputs, contraction "
+        "results), over the limit of %s: planned without compiling it",
+        attempts.name,
+        format_bytes(held),
+        format_bytes(memory_limit),
+    )
+    time.held = held
+    return attempts.run(Plan(memory_limit=memory_limit, time=time), fixed, None)
 
 
 def _unchanged(
