@@ -127,8 +127,9 @@ def test_held_counts_the_saved_contractions():
 
 
 def test_search_skips_the_original_it_knows_is_over():
-    """Under a limit below the bound, the original is not compiled; the plan fits and gives
-    jax.jit's answers."""
+    """Under a limit below the bound, the original is not compiled while planning (its
+    footprint is measured when the plan's ``before`` is read, and is over the bound); the plan
+    fits and gives jax.jit's answers."""
     import memsafe
 
     fun, args = _mlp_step()
@@ -137,6 +138,8 @@ def test_search_skips_the_original_it_knows_is_over():
     safe = memsafe.jit(fun, memory_limit=limit)
     out = safe(*args)
     plan = safe.plan(*args)
-    assert plan.before is None and plan.time.held == held
+    assert plan.time.held == held and plan.measure_before is not None
+    assert not any("original" in what for what, _ in plan.time.compiles)
     assert plan.after.total <= limit
+    assert plan.before.total >= held and plan.measure_before is None
     assert_like_jit(out, fun, *args)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -182,15 +183,36 @@ _ORIGINS = {
 }
 
 
+class _Before:
+    """:attr:`Plan.before`: the original program's footprint; where the search did not compile
+    the original (it was known not to fit), measured on first read by ``measure_before`` (a
+    compile then, not while planning), and None where that fails."""
+
+    def __get__(self, plan: Plan | None, owner: type | None = None) -> Footprint | None:
+        if plan is None:
+            return None  # the field's default
+        value = plan.__dict__.get("_before")
+        measure = plan.__dict__.get("measure_before")
+        if value is None and measure is not None:
+            plan.__dict__["measure_before"] = None
+            value = plan.__dict__["_before"] = measure()
+        return value
+
+    def __set__(self, plan: Plan, value: Footprint | None) -> None:
+        plan.__dict__["_before"] = value
+
+
 @dataclass
 class Plan:
     """The driver's account of one program (one set of argument shapes).
 
     ``time`` (not compared, not printed) is how long planning took, by phase.
+    ``measure_before`` (not compared, not printed, not stored): where the original program was
+    not compiled while planning, what measures :attr:`before` on first read.
     """
 
     memory_limit: int
-    before: Footprint | None = None
+    before: Footprint | None = _Before()  # type: ignore[assignment]
     after: Footprint | None = None
     fits_unchanged: bool = False
     records: list[Record] = field(default_factory=list)
@@ -202,6 +224,22 @@ class Plan:
     # there, memsafe.search.Hint)
     chunk_scale: float | None = field(default=None, compare=False, repr=False)
     rolled: bool = field(default=True, compare=False, repr=False)
+    measure_before: Callable[[], Footprint | None] | None = field(
+        default=None, compare=False, repr=False
+    )
+
+    def __copy__(self) -> Plan:
+        """A shallow copy that keeps ``measure_before`` (pickling drops it)."""
+        new = Plan.__new__(Plan)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling stores: the fields, without ``measure_before`` (a compile of this
+        process's function; a stored plan's ``before`` is the one measured, or None)."""
+        state = dict(self.__dict__)
+        state["measure_before"] = None
+        return state
 
     @property
     def rules(self) -> list[RuleRecord]:

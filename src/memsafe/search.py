@@ -4,6 +4,7 @@ the fitting one left much of the room unused)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -177,7 +178,9 @@ def search(
             return resized
         attempts.roll = True
     if start is None and on_mesh is None and not donate:
-        skipped = _without_original(attempts, closed, memory_limit, compiler_options, time)
+        skipped = _without_original(
+            attempts, flat_fun, closed, memory_limit, compiler_options, time
+        )
         if skipped is not None:
             return skipped
     peak = estimate(Graph(closed)).peak_bytes
@@ -203,6 +206,7 @@ def search(
 
 def _without_original(
     attempts: Search,
+    flat_fun: Callable[..., Any],
     closed: _jax.ClosedJaxpr,
     memory_limit: int,
     compiler_options: Mapping[str, Any] | None,
@@ -212,7 +216,7 @@ def _without_original(
     compile of the original holds (:func:`memsafe.graph.held.held_bytes`: arguments, outputs and
     the contraction results live together) are already over the limit, and its arguments and
     outputs fit it; else None (the original is compiled first). The attempts are verified as
-    always; the plan has no ``before`` footprint."""
+    always; the plan's ``before`` is measured when first read (``Plan.measure_before``)."""
     fixed = _fixed_bytes(closed)
     if fixed > memory_limit or not contractions_stored(compiler_options):
         return None
@@ -228,7 +232,29 @@ def _without_original(
         format_bytes(memory_limit),
     )
     time.held = held
-    return attempts.run(Plan(memory_limit=memory_limit, time=time), fixed, None)
+    plan = Plan(memory_limit=memory_limit, time=time)
+    plan.measure_before = _measurer(attempts, flat_fun, compiler_options)
+    return attempts.run(plan, fixed, None)
+
+
+def _measurer(
+    search: Search, flat_fun: Callable[..., Any], compiler_options: Mapping[str, Any] | None
+) -> Callable[[], Footprint | None]:
+    """What measures the original program's footprint when a plan's ``before`` is first read
+    (once, for every copy of the plan); None where it does not compile."""
+    what = (search.name, "original program (the plan's before)", search.memory_limit)
+    avals, donate, hidden = search.avals, search.donate, search.hidden
+
+    @functools.cache
+    def measure() -> Footprint | None:
+        try:
+            options = measuring_options(compiler_options)
+            return compile_measured(flat_fun, avals, options, donate, hidden, what).footprint
+        except Exception as err:  # only a report's number is missing
+            log.note(logging.INFO, "%s: the original did not compile (%s)", search.name, err)
+            return None
+
+    return measure
 
 
 def _unchanged(
