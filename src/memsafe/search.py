@@ -403,6 +403,16 @@ class Tried:
     options: Mapping[str, Any] | None  # the compiler options it runs with (see loop_options)
 
 
+@dataclass(frozen=True)
+class _Start:
+    """What the leading scale-free passes made of the program (shared by the attempts)."""
+
+    names: tuple[str, ...]
+    program: _jax.ClosedJaxpr
+    records: tuple
+    blockers: tuple
+
+
 class Search:
     """The passes run at shrinking chunk scales until a compile fits the limit.
 
@@ -429,6 +439,7 @@ class Search:
         self.options, self.hidden, self.out_tree = compiler_options, hidden, out_tree
         self.on_mesh, self.time = on_mesh, time
         self.roll, self.rolled = True, False  # see run
+        self._start: _Start | None = None  # see _scale_free
 
     def attempt(
         self, index: int, scale: float, fixed: int, previous: list | None = None
@@ -442,7 +453,14 @@ class Search:
         )
         sharding = None if self.on_mesh is None else self.on_mesh.sharding()
         ctx.mesh = sharding  # records where the sharded loops want the inputs placed
-        program = run_passes(passes.named_passes(), self.flat, ctx, self.name, self.time.passes)
+        named = passes.named_passes()
+        lead = passes.scale_free_lead()
+        start = self._scale_free(named[:lead], fixed)
+        for record in start.records:
+            ctx.record(record)
+        for blocker in start.blockers:
+            ctx.block(blocker)
+        program = run_passes(named[lead:], start.program, ctx, self.name, self.time.passes)
         retried = {name for name, _ in passes.named_passes(passes.RETRIED_WITHOUT)}
         self.rolled |= any(getattr(r, "pass_name", "") in retried for r in attempt_plan.records)
         if previous is not None and attempt_plan.records == previous:
@@ -459,6 +477,16 @@ class Search:
         return Tried(
             program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what, options
         )
+
+    def _scale_free(self, named: tuple, fixed: int) -> _Start:
+        """The program after the leading passes that do not depend on the attempt
+        (:func:`memsafe.passes.scale_free_lead`), run once per search (for these passes)."""
+        names = tuple(name for name, _ in named)
+        if self._start is None or self._start.names != names:
+            ctx = PassContext(self.memory_limit, fixed + self.hidden, Plan(self.memory_limit))
+            program = run_passes(named, self.flat, ctx, self.name, self.time.passes)
+            self._start = _Start(names, program, tuple(ctx.plan.records), tuple(ctx.blockers))
+        return self._start
 
     def attempt_or_none(self, fixed: int) -> Tried | None:
         """The first attempt, or None where it fails (raised again, if the original does not
