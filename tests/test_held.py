@@ -143,3 +143,24 @@ def test_search_skips_the_original_it_knows_is_over():
     assert plan.after.total <= limit
     assert plan.before.total >= held and plan.measure_before is None
     assert_like_jit(out, fun, *args)
+
+
+def test_held_leaves_out_products_xla_may_fold():
+    """A product of a broadcast (seen through a reshape and a conversion) is not counted: XLA
+    may rewrite it into a reduction; nor one under ``min_extent`` (a matrix-vector product)."""
+
+    def of_broadcast(v, w):
+        x = jnp.broadcast_to(v, (1024, 256)).reshape(1024, 256).astype(jnp.float32)
+        return jnp.sum(jnp.tanh(x @ w))
+
+    def matvec(x, w):
+        return jnp.sum(jnp.tanh(w @ x) * 2.0)
+
+    for fun, args in (
+        (of_broadcast, (jnp.ones((256,), jnp.float16), jnp.ones((256, 256)))),
+        (matvec, (jnp.ones((256,)), jnp.ones((4096, 256)))),
+    ):
+        flat, avals = _flat(fun, *args)
+        closed, _ = _jax.make_closed_jaxpr(flat, avals)
+        fixed = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars) + 4
+        assert held_bytes(inline_calls(closed)) == fixed, fun.__name__

@@ -69,11 +69,12 @@ def held_bytes(closed: ClosedJaxpr, policy: HeldPolicy = HELD) -> int:
     fixed = sum(nbytes_of_aval(v.aval) for v in jaxpr.invars)
     fixed += sum(nbytes_of_aval(v.aval) for v in outputs if v in producer)
     users = _users(eqns, alive)
+    inputs = set(jaxpr.invars)
     roots = [
         i
         for i in alive
         if eqns[i].primitive.name == "dot_general"
-        and _counted(eqns[i], producer, eqns, policy)
+        and _counted(eqns[i], producer, eqns, inputs, policy)
         and not _reaches_output(eqns[i].outvars[0], eqns, users, outputs)
     ]
     counted = _closures(eqns, alive, roots, users)
@@ -150,16 +151,25 @@ def _alive(closed: ClosedJaxpr, producer: dict[Var, int]) -> list[int]:
     return alive[::-1]
 
 
-def _counted(eqn: Any, producer: dict[Var, int], eqns: Any, policy: HeldPolicy) -> bool:
-    """Whether XLA surely writes this contraction's result to a buffer of its own."""
+def _counted(
+    eqn: Any, producer: dict[Var, int], eqns: Any, inputs: set[Var], policy: HeldPolicy
+) -> bool:
+    """Whether XLA surely writes this contraction's result to a buffer of its own: not a
+    product XLA may fold away (of a broadcast or iota, looking through conversions and layout
+    changes, or of two constants) or rewrite into fusible code (``policy.min_extent``)."""
     (contract_l, contract_r), (batch_l, batch_r) = eqn.params["dimension_numbers"]
     lhs, rhs = eqn.invars
+    sources = []
     for operand in (lhs, rhs):
         if isinstance(operand, Literal) or not hasattr(operand.aval, "shape"):
             return False
-        made = producer.get(operand)
+        source = _source(operand, producer, eqns, policy.generated)
+        made = producer.get(source)
         if made is not None and eqns[made].primitive.name in policy.generated:
             return False
+        sources.append(source)
+    if all(producer.get(v) is None and v not in inputs for v in sources):
+        return False  # constants both: XLA may fold the product
     contracted = _size(lhs.aval.shape, contract_l)
     free_l = _size(lhs.aval.shape, range(len(lhs.aval.shape))) // max(
         1, contracted * _size(lhs.aval.shape, batch_l)
@@ -168,6 +178,21 @@ def _counted(eqn: Any, producer: dict[Var, int], eqns: Any, policy: HeldPolicy) 
         1, _size(rhs.aval.shape, contract_r) * _size(rhs.aval.shape, batch_r)
     )
     return min(contracted, free_l, free_r) >= policy.min_extent
+
+
+def _source(var: Var, producer: dict[Var, int], eqns: Any, stop: frozenset[str]) -> Var:
+    """``var`` traced back through fusible operations of one operand (a conversion, a reshape,
+    a transpose), up to one in ``stop``: the value whose elements it carries."""
+    while True:
+        made = producer.get(var)
+        if made is None:
+            return var
+        eqn = eqns[made]
+        operands = [v for v in eqn.invars if isinstance(v, Var)]
+        name = eqn.primitive.name
+        if name in stop or name not in FUSIBLE or len(operands) != 1 or len(eqn.invars) != 1:
+            return var
+        var = operands[0]
 
 
 def _size(shape: tuple[int, ...], axes: Any) -> int:
