@@ -276,3 +276,26 @@ def test_batched_variants_end_one_axis_above_their_form():
             kept = rule.variants_for(every, without)
             mine = [v for v in kept if v.label.split(" batched")[0] == form.label]
             assert mine == [form], (rule.name, form.label)
+
+
+def test_batched_variants_end_at_their_forms_operation():
+    """Rule.variants_for, given the (operation, rank) pairs of the program's values, traces a
+    form's batched variants only where a value of the form's root operation has one more axis:
+    exact only because each batched variant's root is that operation (``jax.vmap`` keeps it)
+    and a variant matches only values of its root's operation and rank."""
+    from memsafe.rules.pattern import required_ops
+
+    for rule in builtin_rules():
+        variants = rule.variants
+        forms = [v for v in variants if " batched " not in v.label]
+        for v in variants:
+            form = forms[int(v.label.split()[1])]
+            assert v.root.node.op == form.root.node.op, (rule.name, v.label)
+        every = set().union(*map(required_ops, variants))
+        ends = {(v.root.node.op, v.root.rank) for v in variants}
+        assert rule.variants_for(every, None, ends) == variants
+        for form in forms:
+            without = ends - {(form.root.node.op, form.root.rank + 1)}
+            kept = rule.variants_for(every, None, without)
+            mine = [v for v in kept if v.label.split(" batched")[0] == form.label]
+            assert mine == [form], (rule.name, form.label)

@@ -19,6 +19,7 @@ The cache holds the :data:`MAX_ENTRIES` most recently used programs; :func:`clea
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import hashlib
 import sys
@@ -145,8 +146,8 @@ class ProgramCache:
 
 def fresh(program: Any) -> Any:
     """A shallow copy of ``program`` with its own plan (records and attempts lists copied)."""
-    plan = program.plan
-    plan = dataclasses.replace(plan, records=list(plan.records), attempts=list(plan.attempts))
+    plan = copy.copy(program.plan)  # (not dataclasses.replace: it would read a lazy ``before``)
+    plan.records, plan.attempts = list(plan.records), list(plan.attempts)
     return dataclasses.replace(program, plan=plan)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -144,6 +145,8 @@ class PlanTime:
         compiles: each XLA compile, as (what, seconds).
         loaded: loading executables stored by another process (:mod:`memsafe.stored`), not
             compiled again.
+        held: where the original program was not compiled, the bytes it was known to hold at
+            once (:func:`memsafe.graph.held.held_bytes`, over the limit); 0 where it was.
         total: the whole plan, from the call to the verified program.
     """
 
@@ -152,6 +155,7 @@ class PlanTime:
     passes: dict[str, float] = field(default_factory=dict)
     compiles: list[tuple[str, float]] = field(default_factory=list)
     loaded: float = 0.0
+    held: int = 0
     total: float = 0.0
 
     def describe(self) -> str:
@@ -164,6 +168,8 @@ class PlanTime:
             parts.append(f"passes {sum(self.passes.values()):.2f} s ({shown})")
         if self.loaded:
             parts.append(f"executable loaded {self.loaded:.2f} s")
+        if self.held:
+            parts.append(f"original not compiled (holds at least {format_bytes(self.held)})")
         n = len(self.compiles)
         parts.append(f"{n} compile{'s' if n != 1 else ''} {compiled:.2f} s")
         how = _ORIGINS.get(self.origin, self.origin)
@@ -177,15 +183,36 @@ _ORIGINS = {
 }
 
 
+class _Before:
+    """:attr:`Plan.before`: the original program's footprint; where the search did not compile
+    the original (it was known not to fit), measured on first read by ``measure_before`` (a
+    compile then, not while planning), and None where that fails."""
+
+    def __get__(self, plan: Plan | None, owner: type | None = None) -> Footprint | None:
+        if plan is None:
+            return None  # the field's default
+        value = plan.__dict__.get("_before")
+        measure = plan.__dict__.get("measure_before")
+        if value is None and measure is not None:
+            plan.__dict__["measure_before"] = None
+            value = plan.__dict__["_before"] = measure()
+        return value
+
+    def __set__(self, plan: Plan, value: Footprint | None) -> None:
+        plan.__dict__["_before"] = value
+
+
 @dataclass
 class Plan:
     """The driver's account of one program (one set of argument shapes).
 
     ``time`` (not compared, not printed) is how long planning took, by phase.
+    ``measure_before`` (not compared, not printed, not stored): where the original program was
+    not compiled while planning, what measures :attr:`before` on first read.
     """
 
     memory_limit: int
-    before: Footprint | None = None
+    before: Footprint | None = _Before()  # type: ignore[assignment]
     after: Footprint | None = None
     fits_unchanged: bool = False
     records: list[Record] = field(default_factory=list)
@@ -197,6 +224,22 @@ class Plan:
     # there, memsafe.search.Hint)
     chunk_scale: float | None = field(default=None, compare=False, repr=False)
     rolled: bool = field(default=True, compare=False, repr=False)
+    measure_before: Callable[[], Footprint | None] | None = field(
+        default=None, compare=False, repr=False
+    )
+
+    def __copy__(self) -> Plan:
+        """A shallow copy that keeps ``measure_before`` (pickling drops it)."""
+        new = Plan.__new__(Plan)
+        new.__dict__.update(self.__dict__)
+        return new
+
+    def __getstate__(self) -> dict[str, Any]:
+        """What pickling stores: the fields, without ``measure_before`` (a compile of this
+        process's function; a stored plan's ``before`` is the one measured, or None)."""
+        state = dict(self.__dict__)
+        state["measure_before"] = None
+        return state
 
     @property
     def rules(self) -> list[RuleRecord]:

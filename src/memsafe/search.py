@@ -4,13 +4,15 @@ the fitting one left much of the room unused)."""
 
 from __future__ import annotations
 
+import functools
+import logging
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax
 
-from memsafe import _jax, mesh, passes, policy
+from memsafe import _jax, log, mesh, passes, policy
 from memsafe.compiling import (
     Compiled,
     CompileWith,
@@ -24,11 +26,18 @@ from memsafe.compiling import (
 from memsafe.context import PassContext
 from memsafe.errors import MemoryLimitError
 from memsafe.graph import Graph, estimate, inline_calls
+from memsafe.graph.held import held_bytes
 from memsafe.limits import format_bytes
 from memsafe.pipeline import run_passes
 from memsafe.plan import Attempt, Plan, PlanTime
 from memsafe.program import Program
-from memsafe.xla import Footprint, hidden_constant_bytes, loop_options, measuring_options
+from memsafe.xla import (
+    Footprint,
+    contractions_stored,
+    hidden_constant_bytes,
+    loop_options,
+    measuring_options,
+)
 
 
 @dataclass(frozen=True)
@@ -168,6 +177,12 @@ def search(
         if resized is not None:
             return resized
         attempts.roll = True
+    if start is None and on_mesh is None and not donate:
+        skipped = _without_original(
+            attempts, flat_fun, closed, memory_limit, compiler_options, time
+        )
+        if skipped is not None:
+            return skipped
     peak = estimate(Graph(closed)).peak_bytes
     guess = None if on_mesh is not None else speculative_fixed(closed, donate, memory_limit, peak)
     what = (name, "original program", memory_limit)
@@ -187,6 +202,59 @@ def search(
     else:
         fixed = on_mesh.check_fixed(original.footprint, avals, memory_limit, name)
     return attempts.run(plan, fixed, first if guess == fixed else None)
+
+
+def _without_original(
+    attempts: Search,
+    flat_fun: Callable[..., Any],
+    closed: _jax.ClosedJaxpr,
+    memory_limit: int,
+    compiler_options: Mapping[str, Any] | None,
+    time: PlanTime,
+) -> Program | None:
+    """The rewrite, planned without compiling the original program, where the bytes every
+    compile of the original holds (:func:`memsafe.graph.held.held_bytes`: arguments, outputs and
+    the contraction results live together) are already over the limit, and its arguments and
+    outputs fit it; else None (the original is compiled first). The attempts are verified as
+    always; the plan's ``before`` is measured when first read (``Plan.measure_before``)."""
+    fixed = _fixed_bytes(closed)
+    if fixed > memory_limit or not contractions_stored(compiler_options):
+        return None
+    held = held_bytes(attempts.flat)
+    if held <= memory_limit:
+        return None
+    log.note(
+        logging.INFO,
+        "%s: the original program holds at least %s at once (arguments, outputs, contraction "
+        "results), over the limit of %s: planned without compiling it",
+        attempts.name,
+        format_bytes(held),
+        format_bytes(memory_limit),
+    )
+    time.held = held
+    plan = Plan(memory_limit=memory_limit, time=time)
+    plan.measure_before = _measurer(attempts, flat_fun, compiler_options)
+    return attempts.run(plan, fixed, None)
+
+
+def _measurer(
+    search: Search, flat_fun: Callable[..., Any], compiler_options: Mapping[str, Any] | None
+) -> Callable[[], Footprint | None]:
+    """What measures the original program's footprint when a plan's ``before`` is first read
+    (once, for every copy of the plan); None where it does not compile."""
+    what = (search.name, "original program (the plan's before)", search.memory_limit)
+    avals, donate, hidden = search.avals, search.donate, search.hidden
+
+    @functools.cache
+    def measure() -> Footprint | None:
+        try:
+            options = measuring_options(compiler_options)
+            return compile_measured(flat_fun, avals, options, donate, hidden, what).footprint
+        except Exception as err:  # only a report's number is missing
+            log.note(logging.INFO, "%s: the original did not compile (%s)", search.name, err)
+            return None
+
+    return measure
 
 
 def _unchanged(
@@ -338,6 +406,16 @@ class Tried:
     options: Mapping[str, Any] | None  # the compiler options it runs with (see loop_options)
 
 
+@dataclass(frozen=True)
+class _Start:
+    """What the leading scale-free passes made of the program (shared by the attempts)."""
+
+    names: tuple[str, ...]
+    program: _jax.ClosedJaxpr
+    records: tuple
+    blockers: tuple
+
+
 class Search:
     """The passes run at shrinking chunk scales until a compile fits the limit.
 
@@ -364,6 +442,7 @@ class Search:
         self.options, self.hidden, self.out_tree = compiler_options, hidden, out_tree
         self.on_mesh, self.time = on_mesh, time
         self.roll, self.rolled = True, False  # see run
+        self._start: _Start | None = None  # see _scale_free
 
     def attempt(
         self, index: int, scale: float, fixed: int, previous: list | None = None
@@ -377,7 +456,14 @@ class Search:
         )
         sharding = None if self.on_mesh is None else self.on_mesh.sharding()
         ctx.mesh = sharding  # records where the sharded loops want the inputs placed
-        program = run_passes(passes.named_passes(), self.flat, ctx, self.name, self.time.passes)
+        named = passes.named_passes()
+        lead = passes.scale_free_lead()
+        start = self._scale_free(named[:lead], fixed)
+        for record in start.records:
+            ctx.record(record)
+        for blocker in start.blockers:
+            ctx.block(blocker)
+        program = run_passes(named[lead:], start.program, ctx, self.name, self.time.passes)
         retried = {name for name, _ in passes.named_passes(passes.RETRIED_WITHOUT)}
         self.rolled |= any(getattr(r, "pass_name", "") in retried for r in attempt_plan.records)
         if previous is not None and attempt_plan.records == previous:
@@ -394,6 +480,16 @@ class Search:
         return Tried(
             program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what, options
         )
+
+    def _scale_free(self, named: tuple, fixed: int) -> _Start:
+        """The program after the leading passes that do not depend on the attempt
+        (:func:`memsafe.passes.scale_free_lead`), run once per search (for these passes)."""
+        names = tuple(name for name, _ in named)
+        if self._start is None or self._start.names != names:
+            ctx = PassContext(self.memory_limit, fixed + self.hidden, Plan(self.memory_limit))
+            program = run_passes(named, self.flat, ctx, self.name, self.time.passes)
+            self._start = _Start(names, program, tuple(ctx.plan.records), tuple(ctx.blockers))
+        return self._start
 
     def attempt_or_none(self, fixed: int) -> Tried | None:
         """The first attempt, or None where it fails (raised again, if the original does not

@@ -95,6 +95,17 @@ def loop_options(user: Mapping[str, Any] | None, dtypes: Iterable[Any]) -> dict[
     return {**(LOOP_OPTIONS if narrow else {}), **dict(user or {})}
 
 
+def contractions_stored(user: Mapping[str, Any] | None = None) -> bool:
+    """Whether XLA, compiling with :func:`merged_options` of ``user`` on the default backend,
+    writes every large contraction's result to a buffer of its own (what
+    :func:`memsafe.graph.held.held_bytes` counts on): the CPU backend with YNNPACK fusions off,
+    where a dot is a library call (measured on jax 0.10.2). Not assumed elsewhere: YNNPACK
+    fuses dots with their consumers, a GPU can fuse an attention's two dots (cuDNN)."""
+    if jax.default_backend() != "cpu":
+        return False
+    return merged_options(user).get("xla_cpu_experimental_ynn_fusion_type") == ""
+
+
 def measuring_options(user: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """:func:`merged_options` for a compile whose program may exceed the limit: on a GPU with
     the autotuner off, so that compiling allocates nothing of the program's size."""

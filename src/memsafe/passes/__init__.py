@@ -71,6 +71,25 @@ def named_passes(pipeline: Sequence[Pass] | None = None) -> tuple[tuple[str, Rew
     return tuple((pass_name(module), module.run) for module in chosen)
 
 
+def scale_free_lead(pipeline: Sequence[Pass] | None = None) -> int:
+    """How many passes at the head of a pipeline declare ``SCALE_FREE`` (see :class:`Pass`):
+    the driver runs them once per search, not once per attempt.
+
+    Args:
+        pipeline: :data:`PIPELINE` (as it is when called) by default.
+
+    Returns:
+        The number of leading passes whose result does not depend on the attempt.
+    """
+    chosen = PIPELINE if pipeline is None else pipeline
+    lead = 0
+    for module in chosen:
+        if not getattr(module, "SCALE_FREE", False):
+            break
+        lead += 1
+    return lead
+
+
 def inserted(new: Pass, *, before: str, pipeline: Sequence[Pass] | None = None) -> tuple[Pass, ...]:
     """A pipeline with one more pass: how a pass from outside memsafe joins the driver's.
 
@@ -105,4 +124,5 @@ __all__ = [
     "inserted",
     "named_passes",
     "pass_name",
+    "scale_free_lead",
 ]

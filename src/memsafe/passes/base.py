@@ -12,7 +12,13 @@ from memsafe.context import PassContext
 class Pass(Protocol):
     """A rewriting pass: a module of :mod:`memsafe.passes` (or any object with these two
     attributes). It is recorded and reported under its name, the last component of
-    ``__name__`` (:func:`memsafe.passes.pass_name`); no pass imports another."""
+    ``__name__`` (:func:`memsafe.passes.pass_name`); no pass imports another.
+
+    A pass whose result depends only on its program (not on the context's limit, budget, chunk
+    scale or roll setting; it only records) may say so with a module attribute
+    ``SCALE_FREE = True``: the leading such passes of the pipeline run once per search, their
+    program and records shared by every attempt (:func:`memsafe.passes.scale_free_lead`).
+    """
 
     __name__: str
 

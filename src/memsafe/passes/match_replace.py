@@ -10,6 +10,10 @@ from memsafe.graph import inline_calls
 from memsafe.rewrite.match import apply_rules
 from memsafe.rules.registry import active_rules, builtin_rewrites
 
+#: Its result does not depend on the attempt (the active rules and the program alone decide
+#: what it rewrites): run once per search (:class:`memsafe.passes.base.Pass`).
+SCALE_FREE = True
+
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """The pipeline entry point: rewrite with the active rules, recording each rewrite.

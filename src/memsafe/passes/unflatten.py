@@ -48,6 +48,11 @@ class Flat:
         return reshape_groups(self.shape, out_shape)
 
 
+#: Its result does not depend on the attempt (the program alone decides what it rewrites):
+#: run once per search (:class:`memsafe.passes.base.Pass`).
+SCALE_FREE = True
+
+
 def reshape_groups(src: Sequence[int], dst: Sequence[int]) -> list[Group] | None:
     """The blocks of a row-major reshape ``src -> dst``: (source axes, result axes) pairs whose
     sizes multiply to the same number, smallest blocks first. None for empty arrays."""

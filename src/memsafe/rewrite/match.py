@@ -26,14 +26,15 @@ from memsafe.rules.pattern import Match, Rule, Variant
 
 
 def _variants_by_op(
-    rules: Sequence[Rule], ops: set[str], ranks: set[int]
+    rules: Sequence[Rule], ops: set[str], ends: set[tuple[str, int]]
 ) -> dict[str, list[Variant]]:
     """The variants of ``rules`` that can match in a program with the operations ``ops`` at
-    values of the ranks ``ranks``, by their root's operation, largest first (then in the rules'
-    order)."""
+    values of the (operation, rank) pairs ``ends``, by their root's operation, largest first
+    (then in the rules' order)."""
+    ranks = {rank for _, rank in ends}
     ordered: list[tuple[int, int, Variant]] = []
     for r, rule in enumerate(rules):
-        for variant in rule.variants_for(ops, ranks):
+        for variant in rule.variants_for(ops, ranks, ends):
             ordered.append((-variant.size, r, variant))
     ordered.sort(key=lambda t: (t[0], t[1]))
     by_op: dict[str, list[Variant]] = {}
@@ -58,7 +59,8 @@ def find_matches(
         and isinstance(eqn.outvars[0], Var)
         and hasattr(eqn.outvars[0].aval, "shape")
     ]
-    by_op = _variants_by_op(rules, {node.op for node in ir.nodes}, {ir.view(v).rank for v in roots})
+    ends = {(ir.view(v).node.op, ir.view(v).rank) for v in roots}
+    by_op = _variants_by_op(rules, {node.op for node in ir.nodes}, ends)
     claimed: set[int] = set()
     found: list[tuple[Match, RuleRecord]] = []
     eqns = graph.eqns

@@ -113,14 +113,38 @@ class Variant:
     ir: IR = field(init=False)
     root: View = field(init=False)
     inputs: list[Node] = field(init=False)
-    syms: dict[int, dict[tuple, sym.SizeExpr]] = field(init=False)
     size: int = field(init=False)
     sizes: dict[str, int] = field(init=False)  # the sizes it was traced at
 
     def __post_init__(self) -> None:
+        """Traced at one set of sizes (its operations, :func:`required_ops`); the second trace,
+        which finds how its parameters follow the sizes (:attr:`syms`), runs on first use, or
+        now where the rule checks its replacement (a user's rule, refused when first traced)."""
         sizes_a = sym.assign(self.specs, sym.PRIMES_A)
+        self.ir, self.root, self.inputs = self._trace(sizes_a)
+        self.size = len(self.ir.nodes)
+        self.sizes = sizes_a
+        self._syms: dict[int, dict[tuple, sym.SizeExpr]] | None = None
+        if self.rule.check_replacement:
+            self._syms = self._solve_syms()
+            self.check_not_self_matching()
+
+    @property
+    def syms(self) -> dict[int, dict[tuple, sym.SizeExpr]]:
+        """Per pattern node, its size-dependent parameters as expressions of the sizes (traced
+        at a second set of sizes on first use: a form a program cannot match costs one trace).
+
+        Raises:
+            ValueError: the pattern's structure, or a parameter, follows the sizes in a way
+                memsafe cannot express.
+        """
+        if self._syms is None:
+            self._syms = self._solve_syms()
+        return self._syms
+
+    def _solve_syms(self) -> dict[int, dict[tuple, sym.SizeExpr]]:
+        sizes_a, ir_a = self.sizes, self.ir
         sizes_b = sym.assign(self.specs, sym.PRIMES_B)
-        ir_a, root_a, inputs_a = self._trace(sizes_a)
         ir_b, _, _ = self._trace(sizes_b)
         if len(ir_a.nodes) != len(ir_b.nodes) or any(
             a.op != b.op for a, b in zip(ir_a.nodes, ir_b.nodes)
@@ -129,7 +153,7 @@ class Variant:
                 f"rule {self.rule.name!r} ({self.label}): the pattern's structure changes with "
                 "its sizes; give each independent dimension its own name in `shapes`"
             )
-        self.syms = {}
+        syms: dict[int, dict[tuple, sym.SizeExpr]] = {}
         for a, b in zip(ir_a.nodes, ir_b.nodes):
             leaves_b = dict(numeric_leaves(b.params))
             found: dict[tuple, sym.SizeExpr] = {}
@@ -145,12 +169,8 @@ class Variant:
                     )
                 found[path] = expr
             if found:
-                self.syms[a.uid] = found
-        self.ir, self.root, self.inputs = ir_a, root_a, inputs_a
-        self.size = len(ir_a.nodes)
-        self.sizes = sizes_a
-        if self.rule.check_replacement:
-            self.check_not_self_matching()
+                syms[a.uid] = found
+        return syms
 
     def check_not_self_matching(self) -> None:
         """Raise ValueError if the pattern matches (part of) the replacement, which would be
@@ -578,7 +598,10 @@ class Rule:
         return self._variants
 
     def variants_for(
-        self, ops: Collection[str], ranks: Collection[int] | None = None
+        self,
+        ops: Collection[str],
+        ranks: Collection[int] | None = None,
+        ends: Collection[tuple[str, int]] | None = None,
     ) -> list[Variant]:
         """The variants that can match in a program whose canonical operations (``IR`` node
         ops) are ``ops``, in the order of :attr:`variants`: each form whose operations (those a
@@ -590,13 +613,18 @@ class Rule:
         (``jax.vmap`` adds one axis to the pattern's result, and a variant matches only a value
         of its root's rank, :meth:`Variant.match`). Only those variants are traced: a program
         without a rule's operations, or without values of a batched result's rank, does not pay
-        for tracing its batched forms."""
+        for tracing its batched forms. With ``ends``, the (operation, rank) of those values, a
+        form's batched variants are kept only where ``ends`` holds its root's operation at one
+        more axis (a batched variant's root is its form's root operation, batched: the same
+        test checks it): an MLP's gradient has rank-3 values, but none a rule's root makes."""
         out = []
         for i in range(len(self.patterns)):
             form = self._form(i, False)
             if not required_ops(form[0]) <= set(ops):
                 continue
-            batched = self.batched and (ranks is None or form[0].root.rank + 1 in ranks)
+            root = form[0].root
+            batched = self.batched and (ranks is None or root.rank + 1 in ranks)
+            batched = batched and (ends is None or (root.node.op, root.rank + 1) in ends)
             out.extend(self._form(i, True) if batched else form)
         return out
 
