@@ -15,10 +15,12 @@ from typing import Any
 
 from memsafe import policy
 from memsafe._jax import (
+    CUSTOM_DIFF_PRIMITIVES,
     LOOP_BODIES,
     ClosedJaxpr,
     JaxprEqn,
     Var,
+    inner_jaxpr,
     nbytes_of_aval,
     programs,
     source_line,
@@ -121,14 +123,20 @@ def _largest_inside(eqn: JaxprEqn) -> int:
 @functools.lru_cache(maxsize=256)
 def _largest_made(jaxpr: Any, own: bool) -> int:
     """Bytes of the largest value ``jaxpr``'s equations make (with ``own``; not those in the
-    calls among them) and the loops replayed per chunk in it make, calls looked through."""
+    calls among them) and the loops replayed per chunk in it make, calls looked through. With
+    ``own`` (a loop's body, split as a program of its own: its loops are split in turn) the
+    loops nested in it and its custom-derivative calls count whole: a Sinkhorn solver's cost
+    matrix is made in the ``scan`` of inner iterations inside its ``while`` loop."""
     largest = 0
     for eqn in jaxpr.eqns:
         if own:
             largest = max([largest, *(nbytes_of_aval(v.aval) for v in eqn.outvars)])
         if eqn.primitive.name in LOOP_BODIES:
-            replayed = (b for b in programs(eqn) if replay.made(b))
-            largest = max([largest, *(_largest_made(b.jaxpr, True) for b in replayed)])
+            nested = [b for b in programs(eqn) if own or replay.made(b)]
+            largest = max([largest, *(_largest_made(b.jaxpr, True) for b in nested)])
+        elif own and eqn.primitive.name in CUSTOM_DIFF_PRIMITIVES:
+            inner = inner_jaxpr(eqn)
+            largest = max(largest, 0 if inner is None else _largest_made(inner.jaxpr, True))
         elif sub := bodies(eqn):  # a chunk body: what its split sized, but for replays
             largest = max(largest, _largest_made(sub[0].jaxpr, False))
     return largest
