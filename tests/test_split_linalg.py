@@ -240,3 +240,20 @@ def test_platform_dependent_code_is_resolved_when_inlining():
         _close(safe(*args), jax.jit(_platform_scores)(*args))
         plan = safe.plan(*args)
         assert plan.splits and plan.after.total <= limit, plan
+
+
+def test_a_rule_form_traced_in_one_precision_matches_programs_in_the_other(monkeypatch):
+    """A rule's form is traced at its second sizes on first use, perhaps in another test under
+    ``jax.enable_x64``: the second trace is made in the precision of the first (the suite's
+    order once traced ``diag_of_product`` in float32 and again under x64, and refused its
+    "structure changing with its sizes")."""
+    from memsafe.rules.linalg import DIAG
+
+    monkeypatch.setattr(DIAG, "_forms", {})
+    monkeypatch.setattr(DIAG, "_variants", None)
+    rng = np.random.default_rng(4)
+    x, y = rng.standard_normal((2000, 4)) * 0.3, rng.standard_normal((1500, 4)) * 0.3
+    v = rng.standard_normal((1500, 2))
+    args = tuple(jnp.asarray(a, jnp.float32) for a in (x, y, v))
+    memsafe.jit(_platform_scores, memory_limit=_limit(_platform_scores, args))(*args)
+    test_platform_dependent_code_is_resolved_when_inlining()

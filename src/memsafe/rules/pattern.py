@@ -121,6 +121,9 @@ class Variant:
         which finds how its parameters follow the sizes (:attr:`syms`), runs on first use, or
         now where the rule checks its replacement (a user's rule, refused when first traced)."""
         sizes_a = sym.assign(self.specs, sym.PRIMES_A)
+        # the second trace runs later, perhaps under another precision (jax.enable_x64),
+        # where a pattern may trace to other operations: it is made under this one
+        self._x64 = bool(jax.config.jax_enable_x64)
         self.ir, self.root, self.inputs = self._trace(sizes_a)
         self.size = len(self.ir.nodes)
         self.sizes = sizes_a
@@ -145,7 +148,8 @@ class Variant:
     def _solve_syms(self) -> dict[int, dict[tuple, sym.SizeExpr]]:
         sizes_a, ir_a = self.sizes, self.ir
         sizes_b = sym.assign(self.specs, sym.PRIMES_B)
-        ir_b, _, _ = self._trace(sizes_b)
+        with jax.enable_x64(self._x64):
+            ir_b, _, _ = self._trace(sizes_b)
         if len(ir_a.nodes) != len(ir_b.nodes) or any(
             a.op != b.op for a, b in zip(ir_a.nodes, ir_b.nodes)
         ):
