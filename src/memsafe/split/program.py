@@ -30,8 +30,9 @@ from memsafe.graph.bodies import bodies, with_bodies
 from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, SplitRecord
 from memsafe.rewrite import invariants
-from memsafe.split import recompute, replay
-from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
+from memsafe.split import recompute
+from memsafe.split.body import makes_whole
+from memsafe.split.emit import Split, StagedSplit, emit, planned_loop, unwrapped
 from memsafe.split.planner import absorbed, best_split, candidates
 from memsafe.split.region import Region
 from memsafe.split.registry import PLAIN, NoRule, axis_map
@@ -127,7 +128,7 @@ def _largest_made(jaxpr: Any, own: bool) -> int:
         if own:
             largest = max([largest, *(nbytes_of_aval(v.aval) for v in eqn.outvars)])
         if eqn.primitive.name in LOOP_BODIES:
-            replayed = (b for b in programs(eqn) if replay.made(b))
+            replayed = (b for b in programs(eqn) if makes_whole(b))
             largest = max([largest, *(_largest_made(b.jaxpr, True) for b in replayed)])
         elif sub := bodies(eqn):  # a chunk body: what its split sized, but for replays
             largest = max(largest, _largest_made(sub[0].jaxpr, False))
@@ -319,7 +320,7 @@ def _record(graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var]) -> 
         sinks.append("output")
     if split.label is not None:
         sinks.append(split.label)
-    tiled = tiled_selection(graph, split, chunk.chunk)
+    tiled = planned_loop(graph, split, chunk.chunk)
     if tiled is not None:
         sinks.append(tiled.describe())
     return SplitRecord(

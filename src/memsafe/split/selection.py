@@ -30,6 +30,9 @@ A loop qualifies where the operand has two axes, the split one last; where its o
 rows) maps through every equation computing it (:func:`memsafe.split.body.reach`); and where
 nothing computing it depends on positions along the split axis (an ``iota``), since the
 candidates are positions gathered per row.
+
+:func:`plan` is a loop strategy (``memsafe.split.emit.LoopStrategy``), an entry of the planner's
+``LOOPS``; :class:`FusedTopK` is the ``LoopPlan`` it returns.
 """
 
 from __future__ import annotations
