@@ -359,7 +359,7 @@ class Sharded:
 
 @dataclass(frozen=True)
 class ShardedRun:
-    """A chunk-loop runner (memsafe.split.loop.DevicesRunner) over the devices of a mesh:
+    """A chunk-loop runner (memsafe.split.devices.DevicesRunner) over the devices of a mesh:
     manual over the layout's manual axes, its batch axes left to XLA's partitioner."""
 
     layout: mesh_layout.Layout

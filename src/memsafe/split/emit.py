@@ -21,6 +21,7 @@ from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, evaluate
 from memsafe.split import loop as chunk_loop
 from memsafe.split import peephole
+from memsafe.split.devices import DevicesRunner
 from memsafe.split.loop import ChunkEnv, Fold, Written
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping
@@ -114,7 +115,7 @@ class LoopPlan(Protocol):
 
     def run(self, operands: list[Any], runner: chunk_loop.Runner) -> list[Any]:
         """The loop's outputs from its operands (sliced, then whole), its iterations run by
-        ``runner`` (on a mesh, a ``memsafe.split.loop.DevicesRunner``)."""
+        ``runner`` (on a mesh, a ``memsafe.split.devices.DevicesRunner``)."""
         ...
 
 
@@ -173,7 +174,7 @@ def _loop_group(
     or as the first of ``strategies`` that applies runs it. With ``same``, the values are
     computed as in every other loop of the region (no peephole moves, no loop strategies), and
     the results of the equations in ``pinned`` held behind a barrier (:meth:`ChunkEnv.pin`)."""
-    sharded = isinstance(runner, chunk_loop.DevicesRunner)
+    sharded = isinstance(runner, DevicesRunner)
     plain = region.span.plain  # peephole moves and loop strategies assume a chunk is its own
     other = (runner is chunk_loop.run or sharded) and not same and plain
     devices = runner.devices if sharded else 1

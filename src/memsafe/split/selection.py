@@ -50,9 +50,9 @@ from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import body as body_split
 from memsafe.split import peephole, sinks, speed, topk
+from memsafe.split.devices import DevicesRunner
 from memsafe.split.loop import (
     ChunkEnv,
-    DevicesRunner,
     Fold,
     Runner,
     Written,
