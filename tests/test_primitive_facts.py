@@ -7,14 +7,17 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax import lax
 
 import memsafe  # noqa: F401  (loads every split rule)
 from memsafe import primitives
+from memsafe.graph import Graph
 from memsafe.passes import hoist
 from memsafe.primitives import DERIVED, TABLE, Facts, Kind, declare, facts
 from memsafe.rewrite import invariants
-from memsafe.split.registry import SPLIT_RULES, rule_of
+from memsafe.split import replay
+from memsafe.split.registry import PLAIN, SPLIT_RULES, NoRule, axis_map, rule_of
 
 
 def test_every_primitive_with_a_split_rule_has_a_table_row():
@@ -106,3 +109,50 @@ def test_every_linear_fact_holds_of_its_primitive():
                 *second, **eqn.params
             )
             np.testing.assert_allclose(summed, whole, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+def test_the_additions_add_their_two_operands():
+    """``Facts.adds`` (how memsafe.split.replay finds the steps of a carry that only
+    accumulates): each such primitive, met in a sum and in a gradient's sum of cotangents,
+    bound on two arrays gives their sum."""
+    x = jnp.arange(6.0).reshape(2, 3)
+    sums = jax.make_jaxpr(lambda a, b: a + b)(x, x)
+    cotangents = jax.make_jaxpr(jax.grad(lambda a: jnp.sum(jnp.sin(a) * a)))(x)
+    found = {
+        e.primitive.name: e.primitive
+        for closed in (sums, cotangents)
+        for e in closed.jaxpr.eqns
+        if e.primitive.name in primitives.ADDS
+    }
+    assert set(found) == set(primitives.ADDS) and found
+    a, b = jnp.asarray([1.5, -2.0, np.inf]), jnp.asarray([0.25, 4.0, 1.0])
+    for name, prim in found.items():
+        np.testing.assert_array_equal(prim.bind(a, b), a + b, err_msg=name)
+
+
+def _accumulating(c):
+    """A loop whose carry ``acc`` only adds each iteration's term; its other carries are sums
+    over the whole term, so no axis of ``acc`` passes through the body."""
+
+    def step(carry, _):
+        acc, u, v = carry
+        t = jnp.tanh(c + u[:, None] - v[None, :])
+        return (acc + t, u + jnp.mean(t, 1), v + jnp.mean(t, 0)), None
+
+    init = (jnp.zeros_like(c), jnp.zeros(c.shape[0]), jnp.zeros(c.shape[1]))
+    return lax.scan(step, init, None, length=2)[0][0]
+
+
+def test_the_loops_that_replay_map_an_accumulator_carry_so_only_while_replays_are_tried():
+    """``Facts.replays`` (where the planner retries with replays, memsafe.split.replay): the
+    rule of each such loop maps a carry its body only adds to as a replay per chunk of it, in
+    the retry's context alone."""
+    closed = jax.make_jaxpr(_accumulating)(jnp.ones((6, 5), jnp.float32))
+    (loop,) = [e for e in closed.jaxpr.eqns if e.primitive.name in primitives.REPLAYS]
+    assert list(primitives.REPLAYS) == [loop.primitive.name]
+    assert replay.REPLAYING.applies(Graph(closed))
+    assert not replay.REPLAYING.applies(Graph(jax.make_jaxpr(jnp.tanh)(jnp.ones(3))))
+    with pytest.raises(NoRule):
+        axis_map(loop, ("out", 0), 0, PLAIN)
+    replayed = axis_map(loop, ("out", 0), 0, replay.REPLAYING.context(PLAIN))
+    assert isinstance(replayed, replay.Replay) and replayed.outs[0] == 0

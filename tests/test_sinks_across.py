@@ -56,3 +56,20 @@ def test_reducers_combine_partials_across_devices():
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().endswith("ok")
+
+
+def test_sums_combine_by_psum_and_the_others_in_device_order():
+    """The devices decide, not the reducers: a monoid whose fold adds (sums, contractions, a
+    kernel gradient's taps) combines every device's partial at once by ``psum``, whose cost
+    memsafe.mesh counts as the result and one reduced copy; max and min (``pmax`` and ``pmin``
+    drop NaN on the CPU), products and every other reducer are gathered and folded in device
+    order."""
+    from jax import lax
+
+    from memsafe.split import devices, sinks
+    from memsafe.split.prims.conv import TAPS, HaloTaps
+
+    for reducer in (sinks.SUM, sinks.DOT, TAPS, HaloTaps()):
+        assert devices.collective(reducer) is lax.psum, reducer
+    for reducer in (sinks.MAX, sinks.MIN, sinks.PROD, sinks.ARGMAX, sinks.TOP_K, sinks.XOR):
+        assert devices.collective(reducer) is None, reducer

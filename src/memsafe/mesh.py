@@ -5,7 +5,7 @@ one device, but the region's loop runs inside ``jax.shard_map``: the values it s
 axis are sharded over the mesh (each device holds ``size // devices`` positions), the values it
 reads whole are replicated, each device runs the ordinary chunk loop over its share (chunks
 chosen from the per-device budget), and the sinks' running results are combined across devices
-by :func:`combine` (sums and contractions with their reducer's collective, ``psum``; max, min,
+by :func:`combine` (sums and contractions with ``psum``, memsafe.split.devices; max, min,
 argmax, argmin, top-k and picks gathered and folded in device order, so ties and NaN keep the
 one-device answer; online-softmax accumulators rescaled to the merged maxima; a loop body's
 sums over the axis, such as a scan over layers accumulating parameter gradients over the batch,
@@ -45,7 +45,7 @@ from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
 from memsafe.limits import format_bytes
 from memsafe.split import loop as chunk_loop
-from memsafe.split.devices import combine_partials
+from memsafe.split.devices import collective, combine_partials
 from memsafe.split.emit import Split
 from memsafe.split.loop import Body, Carry, Fold, Written
 from memsafe.split.region import SplitFailure
@@ -345,7 +345,7 @@ class Sharded:
         total = self.inner.fixed_bytes(graph)
         for i, sink in self.region.sinks.items():
             outs = sum(graph.info(o).bytes for o in eqns[i].outvars)
-            reduced = getattr(sink.reducer, "collective", None) is not None
+            reduced = collective(sink.reducer) is not None
             total += 2 * outs if reduced else 2 * self.devices * outs
         return total
 
@@ -359,7 +359,7 @@ class Sharded:
 
 @dataclass(frozen=True)
 class ShardedRun:
-    """A chunk-loop runner (memsafe.split.loop.DevicesRunner) over the devices of a mesh:
+    """A chunk-loop runner (memsafe.split.devices.DevicesRunner) over the devices of a mesh:
     manual over the layout's manual axes, its batch axes left to XLA's partitioner."""
 
     layout: mesh_layout.Layout

@@ -96,6 +96,10 @@ class Facts:
             that axis runs on extended chunks (``memsafe.split.halo``).
         linear: the operands it is linear in where its ``scaling`` does not say so (products,
             contractions, selections, concatenations and the linear layout ops; None: none).
+        adds: it adds its two operands (``a + b``): a running sum's step
+            (``memsafe.split.replay`` recognises a carry that only accumulates by it).
+        replays: a loop its split rule may run once per chunk of a carry that only
+            accumulates, where no other split of a value exists (``memsafe.split.replay``).
     """
 
     kind: Kind
@@ -112,6 +116,8 @@ class Facts:
     custom_diff: bool = False
     windowed: bool = False
     linear: Linear | None = None
+    adds: bool = False
+    replays: bool = False
 
 
 def _elementwise(**facts: object) -> Facts:
@@ -134,8 +140,10 @@ _MATH_CHEAP = _elementwise(cheap=True)
 
 TABLE: dict[str, Facts] = {
     # arithmetic
-    "add": _elementwise(cheap=True, fold=True, commutative=True, scaling=Scaling.SAME),
-    "add_any": _elementwise(cheap=True, fold=True, commutative=True, scaling=Scaling.SAME),
+    "add": _elementwise(cheap=True, fold=True, commutative=True, scaling=Scaling.SAME, adds=True),
+    "add_any": _elementwise(
+        cheap=True, fold=True, commutative=True, scaling=Scaling.SAME, adds=True
+    ),
     "sub": _elementwise(cheap=True, fold=True, scaling=Scaling.SAME),
     "mul": _elementwise(cheap=True, fold=True, commutative=True, linear=Linear((0, 1), False)),
     "div": _elementwise(cheap=True, fold=True, linear=Linear((0,), False)),
@@ -286,7 +294,6 @@ TABLE: dict[str, Facts] = {
             "random_bits",
             "optimization_barrier",
             "cond",
-            "scan",
             "while",
             # equinox's own: a primitive under vmap, a select on a scalar predicate
             "vprim",
@@ -294,6 +301,7 @@ TABLE: dict[str, Facts] = {
         ],
         Facts(Kind.OTHER),
     ),
+    "scan": Facts(Kind.OTHER, replays=True),
     # calls: a sub-jaxpr wrapped (custom_vmap_call: a memsafe function called inside a trace,
     # memsafe.batching)
     **dict.fromkeys(
@@ -425,6 +433,10 @@ REMATS = Names(lambda f: f.remat)
 CUSTOM_DIFF = Names(lambda f: f.custom_diff)
 #: Operations reading overlapping windows of an axis.
 WINDOWED = Names(lambda f: f.windowed)
+#: Additions of two operands (a running sum's step).
+ADDS = Names(lambda f: f.adds)
+#: Loops whose split rule may replay them per chunk of an accumulator carry.
+REPLAYS = Names(lambda f: f.replays)
 
 #: Every set derived from the table (:func:`declare` keeps each true).
 DERIVED = {
@@ -441,6 +453,8 @@ DERIVED = {
     "REMATS": REMATS,
     "CUSTOM_DIFF": CUSTOM_DIFF,
     "WINDOWED": WINDOWED,
+    "ADDS": ADDS,
+    "REPLAYS": REPLAYS,
 }
 
 

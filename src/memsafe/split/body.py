@@ -17,6 +17,7 @@ on chunk-shaped operands.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -33,6 +34,24 @@ from memsafe.split import registry, sinks
 from memsafe.split.linear import Role, keeps_sums
 from memsafe.split.registry import Mapping, NoRule
 from memsafe.split.sinks import Sink
+
+#: The jaxprs of loop bodies a split rule re-traced per chunk whose iterations still make values
+#: as large as the loop's own (memsafe.split.replay's: the term added to an accumulator's chunk).
+_MAKES_WHOLE: weakref.WeakSet = weakref.WeakSet()
+
+
+def mark_makes_whole(body: ClosedJaxpr) -> None:
+    """Say that ``body``, a loop body a split rule made, still makes its large values whole in
+    each iteration: the split pass splits inside it wherever it sits (:func:`makes_whole`)."""
+    _MAKES_WHOLE.add(body.jaxpr)
+
+
+def makes_whole(body: ClosedJaxpr) -> bool:
+    """Whether ``body`` is a loop body a split rule made that still makes its large values
+    whole (:func:`mark_makes_whole`): in a chunk loop's body, or in its first or last chunk
+    under ``jax.checkpoint``, the split pass splits inside it."""
+    return body.jaxpr in _MAKES_WHOLE
+
 
 #: Where the axis sits in each body value that carries it.
 Axes = dict[Var, int]

@@ -2,7 +2,9 @@
 
 A staged region runs one loop per stage (memsafe.split.loop drives each); the loops replace the
 region's equations as groups of the graph interpreter (memsafe.graph.interpret), which runs them
-in a dependency order that keeps the original program order wherever it can.
+in a dependency order that keeps the original program order wherever it can. A loop may run
+another way than chunk by chunk: the split's loop strategies (:class:`LoopStrategy`, the
+planner's ``LOOPS``; memsafe.split.selection's ``top_k`` in tiles) are asked first.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from memsafe._jax import ClosedJaxpr, Var, is_var, make_closed_jaxpr
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, evaluate
 from memsafe.split import loop as chunk_loop
-from memsafe.split import peephole, selection
+from memsafe.split import peephole
+from memsafe.split.devices import DevicesRunner
 from memsafe.split.loop import ChunkEnv, Fold, Written
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping
@@ -95,16 +98,64 @@ def unwrapped(split: Any) -> Any:
     return split
 
 
-def tiled_selection(graph: Graph, split: Split, chunk: int) -> selection.FusedTopK | None:
-    """The loop of ``split`` that runs its ``top_k`` in tiles (memsafe.split.selection), if any:
-    a staged split, on one device or sharded over a mesh (memsafe.mesh)."""
+class LoopPlan(Protocol):
+    """One loop of a staged split as a loop strategy runs it (:class:`LoopStrategy`)."""
+
+    #: Positions of the axis each of its iterations covers (shown as the split's chunk).
+    step: int
+
+    @property
+    def loops(self) -> int:
+        """Iterations it runs (on each device)."""
+        ...
+
+    def describe(self) -> str:
+        """What the plan says of the loop, beside its sinks."""
+        ...
+
+    def run(self, operands: list[Any], runner: chunk_loop.Runner) -> list[Any]:
+        """The loop's outputs from its operands (sliced, then whole), its iterations run by
+        ``runner`` (on a mesh, a ``memsafe.split.devices.DevicesRunner``)."""
+        ...
+
+
+class LoopStrategy(Protocol):
+    """Another way to run one loop of a staged split than chunk by chunk: its :class:`LoopPlan`
+    for ``loop`` (a stage of ``region``) at ``chunk`` on each of ``devices`` sharing the axis,
+    or None where it does not apply. Asked only where the loop computes its values as it likes
+    (not ``StagedSplit.same``) on plain chunks; it may be asked several times for one loop."""
+
+    def __call__(
+        self, graph: Graph, region: Region, loop: Loop, chunk: int, devices: int
+    ) -> LoopPlan | None: ...
+
+
+def _loop_plan(
+    graph: Graph,
+    region: Region,
+    loop: Loop,
+    chunk: int,
+    devices: int,
+    strategies: tuple[LoopStrategy, ...],
+) -> LoopPlan | None:
+    """The first of ``strategies`` that plans ``loop``, or None."""
+    for strategy in strategies:
+        planned = strategy(graph, region, loop, chunk, devices)
+        if planned is not None:
+            return planned
+    return None
+
+
+def planned_loop(graph: Graph, split: Split, chunk: int) -> LoopPlan | None:
+    """The loop of ``split`` a loop strategy runs (memsafe.split.selection's ``top_k`` in
+    tiles), if any: a staged split, on one device or sharded over a mesh (memsafe.mesh)."""
     inner = unwrapped(split)
     if not isinstance(inner, StagedSplit) or inner.same:
         return None
     for lp in plan_loops(graph, split.region):
-        fused = selection.plan(graph, split.region, lp, chunk, split.devices)
-        if fused is not None:
-            return fused
+        planned = _loop_plan(graph, split.region, lp, chunk, split.devices, inner.loop_strategies)
+        if planned is not None:
+            return planned
     return None
 
 
@@ -117,18 +168,19 @@ def _loop_group(
     runner: chunk_loop.Runner,
     same: bool = False,
     pinned: frozenset[int] = frozenset(),
+    strategies: tuple[LoopStrategy, ...] = (),
 ):
-    """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``
-    (a lone ``top_k`` along the axis: in tiles, memsafe.split.selection). With ``same``, the
-    values are computed as in every other loop of the region (no peephole moves, no tiles), and
+    """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``,
+    or as the first of ``strategies`` that applies runs it. With ``same``, the values are
+    computed as in every other loop of the region (no peephole moves, no loop strategies), and
     the results of the equations in ``pinned`` held behind a barrier (:meth:`ChunkEnv.pin`)."""
-    sharded = isinstance(runner, chunk_loop.DevicesRunner)
-    plain = region.span.plain  # peephole moves and tiles assume a chunk is its own positions
-    tiled = (runner is chunk_loop.run or sharded) and not same and plain
+    sharded = isinstance(runner, DevicesRunner)
+    plain = region.span.plain  # peephole moves and loop strategies assume a chunk is its own
+    other = (runner is chunk_loop.run or sharded) and not same and plain
     devices = runner.devices if sharded else 1
-    fused = selection.plan(graph, region, loop, chunk, devices) if tiled else None
-    if fused is not None:
-        return loop.group(dead, functools.partial(fused.run, runner=runner))
+    planned = _loop_plan(graph, region, loop, chunk, devices, strategies) if other else None
+    if planned is not None:
+        return loop.group(dead, functools.partial(planned.run, runner=runner))
     eqns = graph.eqns
     moved = loop.eqns if plain and not same else ()  # () plans none
     peep = peephole.plan(graph, region, moved, chunk)
@@ -197,6 +249,9 @@ class StagedSplit(OneDevice):
     #: Equations whose results a comparison reads, computed alone in every loop that evaluates
     #: them (:meth:`ChunkEnv.pin`, :func:`memsafe.split.recompute.pinned`).
     pinned: frozenset[int] = frozenset()
+    #: Other ways to run a loop than chunk by chunk, tried in order for each loop at its chunk
+    #: unless ``same`` (the planner's ``LOOPS``: memsafe.split.selection's ``top_k`` in tiles).
+    loop_strategies: tuple[LoopStrategy, ...] = ()
     #: Weight of the loop's iterations when choosing between axes.
     cost_weight: ClassVar[float] = 1.0
     #: Name added to the split's record (None: nothing to add).
@@ -217,7 +272,7 @@ class StagedSplit(OneDevice):
         return [
             _loop_group(
                 graph, self.region, lp, chunk, dead if k == 0 else frozenset(), runner,
-                self.same, self.pinned,
+                self.same, self.pinned, self.loop_strategies,
             )
             for k, lp in enumerate(loops)
         ]  # fmt: skip

@@ -181,37 +181,9 @@ class Written:
 
 #: Runs a chunk body over the split axis: (body, axis size, chunk, operands, carry, written,
 #: the split axis of each operand or None where it is read whole) -> (sink results, buffers).
-#: :func:`run` runs it on one device; memsafe.mesh shards the axis over devices.
+#: :func:`run` runs it on one device; memsafe.mesh shards the axis over devices
+#: (``memsafe.split.devices.DevicesRunner``).
 Runner = Callable[..., tuple[list[Any], list[Any]]]
-
-
-@runtime_checkable
-class DevicesRunner(Protocol):
-    """A :data:`Runner` over the devices of a mesh (memsafe.mesh.ShardedRun) that also runs any
-    computation over each device's share of the axis."""
-
-    @property
-    def devices(self) -> int:
-        """Devices sharing the axis, each over an equal share."""
-        ...
-
-    def __call__(
-        self, body: Body, size: int, chunk: int, operands: list[Any], carry: Carry,
-        written: Written, axes: Sequence[int | None] = (),
-    ) -> tuple[list[Any], list[Any]]: ...  # fmt: skip
-
-    def each(
-        self,
-        local: Callable[[list[Any], Any], Any],
-        size: int,
-        operands: list[Any],
-        axes: Sequence[int | None],
-        carry: Carry,
-    ) -> Any:
-        """``local(operands on this device, origin)``, a state of ``carry``, on every device
-        over its share of positions ``[0, size)`` (``size`` a multiple of :attr:`devices`),
-        combined across devices (``memsafe.mesh.combine``)."""
-        ...
 
 
 def operand_axes(

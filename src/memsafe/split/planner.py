@@ -5,8 +5,10 @@ first), every axis is tried: the region that axis allows is grown (:mod:`memsafe
 it is planned (:func:`strategy`: one online loop for staged max-shifted exp-sums,
 :mod:`memsafe.split.online`, else one loop per stage), its chunk chosen from the budget
 (:mod:`memsafe.split.size`), and the option with the fewest loop iterations wins
-(:func:`cheapest_split`). :mod:`memsafe.split.program` runs this over a whole program and its
-loop bodies; the split pass (:mod:`memsafe.passes.split`) runs that.
+(:func:`cheapest_split`). Where no axis splits, the retries of :data:`RETRIES` grow the regions
+again in their own rule context (:mod:`memsafe.split.replay`: loops replayed per chunk of an
+accumulator). :mod:`memsafe.split.program` runs this over a whole program and its loop bodies;
+the split pass (:mod:`memsafe.passes.split`) runs that.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from memsafe import policy
 from memsafe._jax import Var
 from memsafe.graph import Graph, estimate
 from memsafe.primitives import FUSIBLE
-from memsafe.split import halo, online, recompute, replay
-from memsafe.split.emit import Split, StagedSplit
+from memsafe.split import halo, online, recompute, replay, selection
+from memsafe.split.emit import LoopStrategy, Split, StagedSplit
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import PLAIN, RuleContext
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, two_chunks
@@ -51,9 +53,10 @@ class Strategy(Protocol):
 
 def staged(graph: Graph, region: Region) -> Split:
     """One loop per stage, computing the values its later loops recompute and compare the same
-    way in every loop (:mod:`memsafe.split.recompute`): every region runs so."""
+    way in every loop (:mod:`memsafe.split.recompute`): every region runs so. Where no loop
+    compares, each loop may run as one of :data:`LOOPS` runs it."""
     if not recompute.decides_on_recomputed(graph, region):
-        return StagedSplit(region)
+        return StagedSplit(region, loop_strategies=tuple(LOOPS))
     return StagedSplit(region, same=True, pinned=recompute.pinned(graph, region))
 
 
@@ -65,6 +68,29 @@ STRATEGIES: list[Strategy] = [online.strategy, staged]
 #: (:func:`_region`). memsafe.split.halo's extended chunks run several windowed operations in a
 #: row in one loop.
 SPANS: list[Spanning] = [halo.EXTENDED]
+#: Other ways to run one loop of a staged split than chunk by chunk, asked in order for each
+#: loop at its chunk (``memsafe.split.emit.LoopStrategy``); memsafe.split.selection runs a loop
+#: whose only work is a ``top_k`` along the axis in tiles of its operand, never stored.
+LOOPS: list[LoopStrategy] = [selection.plan]
+
+
+class Retry(Protocol):
+    """A rule context the planner grows a value's regions in again where no axis of it splits
+    in the plain one (:func:`best_split`): its splits may cost more (a replay runs a loop once
+    per chunk), so they are tried only then."""
+
+    def applies(self, graph: Graph) -> bool:
+        """Whether retrying may split anything of ``graph`` (a loop that may replay, say)."""
+        ...
+
+    def context(self, ctx: RuleContext) -> RuleContext:
+        """What the split rules are told in the retry, from ``ctx``."""
+        ...
+
+
+#: The retries :func:`best_split` tries in order where no axis of a value splits:
+#: memsafe.split.replay's replays loops that only accumulate into a carry per chunk of it.
+RETRIES: list[Retry] = [replay.REPLAYING]
 #: Strategies that may take the place of the split planned for a region on one device, in
 #: order, each given the graph and the split so far (memsafe.fused adds its kernels here).
 REPLACING: list[Callable[[Graph, Split], Split]] = []
@@ -149,11 +175,11 @@ def _region(
 def best_split(
     graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0, room: int = 0
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
-    """:func:`cheapest_split`; where no axis splits, the same with loops replayed per chunk of
-    an accumulator (:mod:`memsafe.split.replay`: their work once per chunk), then, where the
-    ``room`` for temporaries is larger than the (chunk-scaled) ``budget``, the same with values
-    held whole beside the loop measured against the room; the first failures where none
-    splits.
+    """:func:`cheapest_split`; where no axis splits, the same in each retry of :data:`RETRIES`
+    that applies (loops replayed per chunk of an accumulator, :mod:`memsafe.split.replay`:
+    their work once per chunk), then, where the ``room`` for temporaries is larger than the
+    (chunk-scaled) ``budget``, the same with values held whole beside the loop measured against
+    the room; the first failures where none splits.
 
     A smaller chunk scale shrinks the chunks; a value the loop reads or writes whole (a
     segment sum's node-sized accumulator) is as large at any scale. Measured against the
@@ -163,11 +189,11 @@ def best_split(
     got = cheapest_split(graph, var, budget, mesh, floor)
     if not isinstance(got, list):
         return got
-    if any(e.primitive.name in replay.REPLAYABLE for e in graph.eqns):
-        replaying = RuleContext(replaying=True)
-        replayed = cheapest_split(graph, var, budget, mesh, floor, replaying)
-        if not isinstance(replayed, list):
-            return replayed
+    for retry in RETRIES:
+        if retry.applies(graph):
+            retried = cheapest_split(graph, var, budget, mesh, floor, retry.context(PLAIN))
+            if not isinstance(retried, list):
+                return retried
     if room > budget:
         held = cheapest_split(graph, var, budget, mesh, floor, held=room)
         if not isinstance(held, list):

@@ -32,8 +32,9 @@ from memsafe.graph.bodies import bodies, with_bodies
 from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, SplitRecord
 from memsafe.rewrite import invariants
-from memsafe.split import recompute, replay
-from memsafe.split.emit import Split, StagedSplit, emit, tiled_selection, unwrapped
+from memsafe.split import recompute
+from memsafe.split.body import makes_whole
+from memsafe.split.emit import Split, StagedSplit, emit, planned_loop, unwrapped
 from memsafe.split.planner import absorbed, best_split, candidates
 from memsafe.split.region import Region
 from memsafe.split.registry import PLAIN, NoRule, axis_map
@@ -132,7 +133,7 @@ def _largest_made(jaxpr: Any, own: bool) -> int:
         if own:
             largest = max([largest, *(nbytes_of_aval(v.aval) for v in eqn.outvars)])
         if eqn.primitive.name in LOOP_BODIES:
-            nested = [b for b in programs(eqn) if own or replay.made(b)]
+            nested = [b for b in programs(eqn) if own or makes_whole(b)]
             largest = max([largest, *(_largest_made(b.jaxpr, True) for b in nested)])
         elif own and eqn.primitive.name in CUSTOM_DIFF_PRIMITIVES:
             inner = inner_jaxpr(eqn)
@@ -327,7 +328,7 @@ def _record(graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var]) -> 
         sinks.append("output")
     if split.label is not None:
         sinks.append(split.label)
-    tiled = tiled_selection(graph, split, chunk.chunk)
+    tiled = planned_loop(graph, split, chunk.chunk)
     if tiled is not None:
         sinks.append(tiled.describe())
     return SplitRecord(

@@ -13,34 +13,49 @@ results are exactly the loop's: the chunk's sums are the same additions in the s
 is the loop's once per chunk, so a replay is only tried where no other split of a value exists
 (``RuleContext.replaying``). The term is still made whole in each iteration; a split of the body
 (the pass's next level) chunks it there.
+
+The planner knows replays only as an entry of its retries (:data:`REPLAYING`, in
+``memsafe.split.planner.RETRIES``): the loops that may replay are those whose primitive's facts
+say so (``memsafe.primitives.REPLAYS``), their rule (``memsafe.split.prims.loops``) maps them as
+a :class:`Replay` while its context says replays are tried, and an accumulator's additions are
+those the facts name (``memsafe.primitives.ADDS``).
 """
 
 from __future__ import annotations
 
-import weakref
+from dataclasses import replace
 from typing import Any
 
 import jax
 from jax import lax
 
 from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Var, bind_eqn
+from memsafe.graph import Graph
 from memsafe.graph.interpret import evaluate
-from memsafe.split.registry import Mapping
-
-#: Primitives that add the iteration's term to the accumulator.
-ADDS = ("add", "add_any")
-
-#: Primitives whose split rule may replay them (``memsafe.split.prims.loops``).
-REPLAYABLE = ("scan",)
-
-#: The bodies of loops replayed per chunk (their jaxprs), for the split pass to split inside.
-_MADE: weakref.WeakSet = weakref.WeakSet()
+from memsafe.primitives import ADDS, REPLAYS
+from memsafe.split import body as body_split
+from memsafe.split.registry import Mapping, RuleContext
 
 
-def made(body: ClosedJaxpr) -> bool:
-    """Whether ``body`` is the body of a loop replayed per chunk (:func:`chunk_body`): its term
-    is made whole in each iteration, so the split pass splits inside it wherever it sits."""
-    return body.jaxpr in _MADE
+class Replaying:
+    """The planner's retry with replays (``memsafe.split.planner.Retry``): where no axis of a
+    value splits, the value's axes are tried again with loops that only accumulate into a carry
+    replayed per chunk of it."""
+
+    def applies(self, graph: Graph) -> bool:
+        """Whether ``graph`` holds a loop that may replay."""
+        return any(e.primitive.name in REPLAYS for e in graph.eqns)
+
+    def context(self, ctx: RuleContext) -> RuleContext:
+        """``ctx`` with replays tried."""
+        return replace(ctx, replaying=True)
+
+    def __repr__(self) -> str:
+        return "REPLAYING"
+
+
+#: The retry with replays: the planner's entry (``memsafe.split.planner.RETRIES``).
+REPLAYING = Replaying()
 
 
 class Replay(Mapping):
@@ -102,5 +117,5 @@ def chunk_body(body: ClosedJaxpr, position: int, result: int, axis: int, size: i
     chunked[position] = jax.ShapeDtypeStruct(tuple(shape), avals[position].dtype)
     start = jax.ShapeDtypeStruct((), jax.numpy.int32)
     new = jax.make_jaxpr(run)(start, *chunked)
-    _MADE.add(new.jaxpr)
+    body_split.mark_makes_whole(new)  # the term is whole: the split pass splits inside
     return new

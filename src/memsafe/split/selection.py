@@ -30,6 +30,9 @@ A loop qualifies where the operand has two axes, the split one last; where its o
 rows) maps through every equation computing it (:func:`memsafe.split.body.reach`); and where
 nothing computing it depends on positions along the split axis (an ``iota``), since the
 candidates are positions gathered per row.
+
+:func:`plan` is a loop strategy (``memsafe.split.emit.LoopStrategy``), an entry of the planner's
+``LOOPS``; :class:`FusedTopK` is the ``LoopPlan`` it returns.
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import body as body_split
 from memsafe.split import peephole, sinks, speed, topk
+from memsafe.split.devices import DevicesRunner
 from memsafe.split.loop import (
     ChunkEnv,
-    DevicesRunner,
     Fold,
     Runner,
     Written,

@@ -6,8 +6,9 @@ running one (the monoid), the finished value, its sizing (the smallest chunk it 
 bytes it holds beyond its operands) and whether its accumulator can be rescaled by a factor
 (online softmax). What a strategy needs beyond that is a small protocol the reducer may implement,
 kept with the strategy: reading a window of an extended chunk (``memsafe.split.halo.Windowed``),
-a collective of its own across devices (``memsafe.mesh.Collective``), a partial of a piece of a
-concatenation (``memsafe.passes.distribute.Pieced``).
+a partial of a piece of a concatenation (``memsafe.passes.distribute.Pieced``). Across devices
+(``memsafe.split.devices``), partials combine by a collective where the monoid's fold has one
+(a sum's ``psum``), else in device order: a reducer knows nothing of devices.
 
 Partials are folded left to right, so ties keep the earlier (lower) index as
 ``argmax``/``argmin``/``top_k`` do on the whole axis. No identity elements are needed: the first
@@ -79,14 +80,10 @@ class Reducer:
 
 class Monoid(Reducer):
     """A sink whose chunk result is the equation's own result, folded elementwise by ``op``
-    (sums, contractions, max, min, products, logical and bitwise reductions). ``collective``:
-    the cross-device collective that folds the partials of several devices at once (``lax.psum``
-    for sums; None: gathered and folded in device order, ``memsafe.mesh``)."""
+    (sums, contractions, max, min, products, logical and bitwise reductions)."""
 
-    def __init__(
-        self, name: str, op: Any, *, rescalable: bool = False, collective: Any = None
-    ) -> None:
-        self.name, self.op, self.rescalable, self.collective = name, op, rescalable, collective
+    def __init__(self, name: str, op: Any, *, rescalable: bool = False) -> None:
+        self.name, self.op, self.rescalable = name, op, rescalable
 
     def fold(self, eqn: JaxprEqn, acc: Partial, new: Partial) -> Partial:
         return tuple(self.op(a, b) for a, b in zip(acc, new))
@@ -286,9 +283,8 @@ def additive_identity(dtype: Any) -> Any:
     return jnp.asarray(-0.0 if jnp.issubdtype(dtype, jnp.inexact) else 0, dtype)
 
 
-SUM = Monoid("sum", lax.add, rescalable=True, collective=lax.psum)
-DOT = Monoid("dot", lax.add, rescalable=True, collective=lax.psum)  # a contraction's partials
-# max and min gather and fold across devices: lax.pmax and lax.pmin drop NaN on the CPU
+SUM = Monoid("sum", lax.add, rescalable=True)
+DOT = Monoid("dot", lax.add, rescalable=True)  # a contraction's partials
 MAX, MIN, PROD = Monoid("max", lax.max), Monoid("min", lax.min), Monoid("prod", lax.mul)
 AND, OR = Monoid("and", lax.bitwise_and), Monoid("or", lax.bitwise_or)
 XOR = Monoid("xor", lax.bitwise_xor)

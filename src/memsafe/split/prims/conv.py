@@ -119,7 +119,7 @@ class KernelTaps(sinks.Monoid):
     axis of its cotangent."""
 
     def __init__(self) -> None:
-        super().__init__("conv taps", lax.add, rescalable=True, collective=lax.psum)
+        super().__init__("conv taps", lax.add, rescalable=True)
 
     def partial(self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int):
         lhs_spec, rhs_spec, out_spec = _specs(eqn)
@@ -140,7 +140,7 @@ class HaloTaps(sinks.Monoid):
     filled with zeros outside the axis; summed over chunks (see :class:`KernelTaps`)."""
 
     def __init__(self) -> None:
-        super().__init__("conv taps (halo)", lax.add, rescalable=True, collective=lax.psum)
+        super().__init__("conv taps (halo)", lax.add, rescalable=True)
 
     def _taps(self, eqn: JaxprEqn, axis: int) -> tuple[int, Window]:
         """(spatial dimension, the window of taps over every output) of the sink along
