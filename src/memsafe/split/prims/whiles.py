@@ -405,7 +405,8 @@ class Same(Running):
         return loop_body.summed_finals(carried)
 
     def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
-        return _split_of(mapping, eqn).counter is None and not _shares(eqn, mapping)
+        # a masked loop's carries without the axis run per chunk (none where every carry has it)
+        return _split_of(mapping, eqn).counter in (None, -1) and not _shares(eqn, mapping)
 
 
 @dataclass(frozen=True)
