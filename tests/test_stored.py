@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -169,15 +170,21 @@ def test_an_entry_that_does_not_load_is_planned_anew(store, caplog):
     want = np.asarray(memsafe.jit(_kernel_sum, memory_limit=LIMIT)(x, y, v))
     (path,) = store.glob("*.plan")
     plan_store.save(path.stem, b"not a pickle", {})  # a well-formed entry, a bad payload
-    cache.clear()
-    f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
-    with caplog.at_level(logging.INFO, logger="memsafe"):
-        got = np.asarray(f(x, y, v))
-    messages = [r.getMessage() for r in caplog.records]
+    _, got, messages = _planned_again(x, y, v, caplog)
     assert any("did not load" in m for m in messages), messages
     assert any("planned in" in m for m in messages), messages
     np.testing.assert_array_equal(got, want)
     assert plan_store.load(path.stem).payload != b"not a pickle"  # stored again
+
+
+def _planned_again(x: Any, y: Any, v: Any, caplog: Any) -> tuple[Any, np.ndarray, list[str]]:
+    """A fresh memsafe function of the kernel sum after the in-memory cache is cleared, its
+    result on ``(x, y, v)`` and the messages it logged meanwhile."""
+    cache.clear()
+    f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
+    with caplog.at_level(logging.INFO, logger="memsafe"):
+        got = np.asarray(f(x, y, v))
+    return f, got, [r.getMessage() for r in caplog.records]
 
 
 def _stored(path: Path) -> dict:
@@ -221,11 +228,7 @@ def test_an_executable_that_does_not_load_compiles_the_stored_program(store, cap
     payload = _stored(path)
     assert isinstance(payload["executable"], bytes)
     _restore(path, {**payload, "executable": spoil(payload["executable"])})
-    cache.clear()
-    f = memsafe.jit(_kernel_sum, memory_limit=LIMIT)
-    with caplog.at_level(logging.INFO, logger="memsafe"):
-        got = np.asarray(f(x, y, v))
-    messages = [r.getMessage() for r in caplog.records]
+    f, got, messages = _planned_again(x, y, v, caplog)
     assert any("stored executable did not load" in m for m in messages), messages
     assert any("loaded from the plan store" in m for m in messages), messages
     np.testing.assert_array_equal(got, want)

@@ -380,10 +380,10 @@ class Same(Running):
         return None in mapping.outs
 
     def keeping(self, eqn: JaxprEqn, mapping: Mapping, live: frozenset[int]) -> Running | None:
-        counter = _split_of(mapping, eqn).counter
-        if counter is not None:  # a masked loop: no sums (refused), counters run per chunk
-            return Furthest(live, counter) if live else None
-        shares = _shares(eqn, mapping)
+        split = _split_of(mapping, eqn)
+        if split.counter is not None:  # a masked loop: no sums (refused), counters run per chunk
+            return Furthest(live, split.counter) if live else None
+        shares = _summed(split)
         return Same(live, shares) if live or shares else None
 
     def feed(self, eqn: JaxprEqn, invals: list[Any], carried: Any) -> list[Any]:
@@ -406,7 +406,8 @@ class Same(Running):
 
     def same_inside(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         # a masked loop's carries without the axis run per chunk (none where every carry has it)
-        return _split_of(mapping, eqn).counter in (None, -1) and not _shares(eqn, mapping)
+        split = _split_of(mapping, eqn)
+        return split.counter in (None, -1) and not _summed(split)
 
 
 @dataclass(frozen=True)
@@ -452,7 +453,11 @@ def _shares_of(carried: Any) -> frozenset[int]:
 
 def _shares(eqn: JaxprEqn, m: Mapping) -> frozenset[int]:
     """Positions of the carries the body of a loop mapped as ``m`` sums over the axis into."""
-    split = _split_of(m, eqn)
+    return _summed(_split_of(m, eqn))
+
+
+def _summed(split: _Split) -> frozenset[int]:
+    """Positions of the carries the body of ``split`` sums over the axis into."""
     return frozenset(split.body_got.result_shares(split.body.jaxpr))
 
 
