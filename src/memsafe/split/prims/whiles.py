@@ -184,7 +184,7 @@ def _masked(
             raise err
         anys[e.outvars[0]] = mask
     (pred,) = cj.outvars
-    leaves = _conjuncts(cj, pred)
+    leaves = _conjuncts(_producers(cj), pred)
     masks = {anys[v] for v in leaves if v in anys}
     position = {v: k for k, v in enumerate(cj.invars)}
     others = [v for v in leaves if v not in anys]
@@ -194,16 +194,17 @@ def _masked(
         raise err
     (mask,) = masks
     k = position[mask] - c
-    ins, outs = bj.invars[b:], bj.outvars
-    if not _only_off(bj, outs[k], ins[k]):
+    ins, outs, producer = bj.invars[b:], bj.outvars, _producers(bj)
+    if not _only_off(producer, outs[k], ins[k]):
         raise err
     for j in carried:
-        if j != k and outs[j] is not ins[j] and not _kept_where_off(bj, outs[j], ins[j], ins[k]):
+        changed = j != k and outs[j] is not ins[j]
+        if changed and not _kept_where_off(producer, outs[j], ins[j], ins[k]):
             raise NoRule(
                 f"while: the loop stops on any of {_describe(eqn, k)}, but the body changes "
                 f"{_describe(eqn, j)} where that mask is off"
             )
-    counter = _counter(bj, b, n, carried)
+    counter = _counter(bj, producer, b, n, carried)
     if counter is None:
         j = next(j for j in range(n) if j not in carried)
         raise NoRule(
@@ -218,9 +219,9 @@ def _producers(jaxpr: Any) -> dict[Any, JaxprEqn]:
     return {o: e for e in jaxpr.eqns for o in e.outvars}
 
 
-def _conjuncts(jaxpr: Any, var: Any) -> list[Any]:
-    """The values ``var`` is the conjunction of (through ``and`` and conversions to bool)."""
-    producer = _producers(jaxpr)
+def _conjuncts(producer: dict[Any, JaxprEqn], var: Any) -> list[Any]:
+    """The values ``var`` is the conjunction of (through ``and`` and conversions to bool), each
+    value's equation in ``producer``."""
     out, stack = [], [var]
     while stack:
         v = stack.pop()
@@ -238,16 +239,15 @@ def _conjuncts(jaxpr: Any, var: Any) -> list[Any]:
     return out
 
 
-def _only_off(jaxpr: Any, out: Any, mask: Any) -> bool:
+def _only_off(producer: dict[Any, JaxprEqn], out: Any, mask: Any) -> bool:
     """Whether the body's new mask ``out`` is off wherever the old one, ``mask``, is: the mask
     itself, or ``mask & ...``."""
-    return out is mask or mask in _conjuncts(jaxpr, out)
+    return out is mask or mask in _conjuncts(producer, out)
 
 
-def _kept_where_off(jaxpr: Any, out: Any, old: Any, mask: Any) -> bool:
+def _kept_where_off(producer: dict[Any, JaxprEqn], out: Any, old: Any, mask: Any) -> bool:
     """Whether ``out`` is ``old`` wherever ``mask`` is off: ``select_n(m, old, new)`` with ``m``
     the mask, broadcast."""
-    producer = _producers(jaxpr)
     e = producer.get(out) if is_var(out) else None
     if e is None or e.primitive.name != "select_n" or len(e.invars) != 3 or e.invars[1] is not old:
         return False
@@ -260,12 +260,13 @@ def _kept_where_off(jaxpr: Any, out: Any, old: Any, mask: Any) -> bool:
     return m is mask
 
 
-def _counter(jaxpr: Any, b: int, n: int, carried: dict[int, int]) -> int | None:
+def _counter(
+    jaxpr: Any, producer: dict[Any, JaxprEqn], b: int, n: int, carried: dict[int, int]
+) -> int | None:
     """The carry the body adds a positive constant to (the iteration counter) among those
     without the axis: -1 where every carry has the axis, None where none is a counter."""
     if len(carried) == n:
         return -1
-    producer = _producers(jaxpr)
     for j in range(n):
         if j in carried:
             continue
