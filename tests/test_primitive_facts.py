@@ -4,16 +4,18 @@ facts for one it knows how to split (issue 40)."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
 
-import memsafe  # noqa: F401  (loads every split rule)
+import memsafe  # (loads every split rule)
 from memsafe import primitives
 from memsafe.graph import Graph
-from memsafe.passes import hoist
 from memsafe.primitives import DERIVED, TABLE, Facts, Kind, declare, facts
 from memsafe.rewrite import invariants
 from memsafe.split import replay
@@ -47,9 +49,9 @@ def test_a_declared_primitive_joins_and_leaves_every_derived_set():
     try:
         assert facts("toy_op") == row and rule_of("toy_op") is rule_of("add")
         joined = {name for name, names in DERIVED.items() if "toy_op" in names}
-        assert joined == {"ELEMENTWISE", "FUSIBLE", "CHEAP", "COMMUTATIVE", "FOLDS"}
+        assert joined == {"ELEMENTWISE", "FUSIBLE", "CHEAP", "COMMUTATIVE", "FOLDS", "SHAPE_FREE"}
         # sets other modules build from them follow too
-        assert "toy_op" in hoist.POINTWISE and "toy_op" in invariants.UNHELD
+        assert "toy_op" in invariants.UNHELD
         assert declare("toy_op", Facts(Kind.REDUCTION, monoid="sum")) == row
         assert "toy_op" in primitives.REDUCTIONS and "toy_op" not in primitives.ELEMENTWISE
         assert rule_of("toy_op") is rule_of("reduce_sum")
@@ -57,7 +59,7 @@ def test_a_declared_primitive_joins_and_leaves_every_derived_set():
         declare("toy_op", None)
     assert "toy_op" not in TABLE and rule_of("toy_op") is None
     assert not any("toy_op" in names for names in DERIVED.values())
-    assert "toy_op" not in hoist.POINTWISE and "toy_op" not in invariants.UNHELD
+    assert "toy_op" not in invariants.UNHELD
 
 
 def _programs():
@@ -156,3 +158,56 @@ def test_the_loops_that_replay_map_an_accumulator_carry_so_only_while_replays_ar
         axis_map(loop, ("out", 0), 0, PLAIN)
     replayed = axis_map(loop, ("out", 0), 0, replay.REPLAYING.context(PLAIN))
     assert isinstance(replayed, replay.Replay) and replayed.outs[0] == 0
+
+
+#: Modules that may hold module-level collections of primitive names, and why: the rest read
+#: the table's derived sets (issue 40: facts about primitives in one place).
+_NAMES_ALLOWED = {
+    "primitives.py": "the table itself",
+    "_jax.py": "the module touching JAX internals: the parameters holding sub-programs",
+    "split/prims/": "split rules, registered by the names they are rules of",
+    "split/sinks.py": "sinks, registered by the names they reduce for",
+    "rewrite/generators.py": "rewrite functions by the unary they invert",
+    "fused/reduce.py": "reducer names (max, and), not primitives",
+    "inspect/findings.py": "XLA's HLO opcodes, not jaxpr primitives",
+}
+
+
+def _primitive_names(node, names):
+    """The primitive names a collection literal (or ``frozenset(...)`` of one) holds; a dict of
+    functions (a registry of rules by primitive) holds none."""
+    if isinstance(node, ast.Call) and node.args:
+        return _primitive_names(node.args[0], names)
+    if isinstance(node, ast.Dict):
+        rules = (ast.Name, ast.Lambda, ast.Attribute)
+        elts = [] if all(isinstance(v, rules) for v in node.values) else node.keys
+    elif isinstance(node, (ast.Tuple, ast.Set, ast.List)):
+        elts = node.elts
+    else:
+        return []
+    return [e.value for e in elts if isinstance(e, ast.Constant) and e.value in names]
+
+
+def test_no_other_module_holds_a_set_of_primitive_names():
+    names = set(TABLE) | set(SPLIT_RULES)
+    src = pathlib.Path(memsafe.__file__).parent
+    found = []
+    for path in sorted(src.rglob("*.py")):
+        rel = path.relative_to(src).as_posix()
+        if any(rel.startswith(allowed) for allowed in _NAMES_ALLOWED):
+            continue
+        tree = ast.parse(path.read_text())
+        scopes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef))]
+        for stmt in (s for scope in scopes for s in scope.body):
+            if isinstance(stmt, (ast.Assign, ast.AnnAssign)) and stmt.value is not None:
+                held = [_primitive_names(n, names) for n in ast.walk(stmt.value)]
+                if any(len(h) > 1 for h in held):
+                    found.append(f"{rel}:{stmt.lineno}")
+    assert found == []
+
+
+def test_the_check_finds_a_set_of_primitive_names():
+    tree = ast.parse('LOOPS = ("scan", "while")\nRULES = {"scan": f, "while": g}')
+    names = {"scan", "while"}
+    assert _primitive_names(tree.body[0].value, names) == ["scan", "while"]
+    assert _primitive_names(tree.body[1].value, names) == []

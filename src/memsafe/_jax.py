@@ -309,6 +309,12 @@ def programs(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...]:
     return held if isinstance(held, tuple) else (held,)
 
 
+def trip_programs(eqn: JaxprEqn) -> tuple[ClosedJaxpr, ...]:
+    """The programs a loop runs on each trip: its body, and a ``while``'s condition."""
+    cond = eqn.params.get("cond_jaxpr")
+    return programs(eqn) + ((cond,) if cond is not None else ())
+
+
 def jaxprs_in_params(eqn: JaxprEqn) -> Iterator[Jaxpr]:
     """The jaxprs among ``eqn``'s parameters (a call's body, a loop's, a cond's branches)."""
     from jax._src import core

@@ -13,6 +13,7 @@ primitive itself.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Callable, Iterable, Iterator, Set
 from dataclasses import dataclass
 from typing import Any
@@ -100,6 +101,16 @@ class Facts:
             (``memsafe.split.replay`` recognises a carry that only accumulates by it).
         replays: a loop its split rule may run once per chunk of a carry that only
             accumulates, where no other split of a value exists (``memsafe.split.replay``).
+        control: control flow running programs of its own: ``"loop"`` (a body run again and
+            again: ``scan``, ``while``) or ``"branch"`` (one of several: ``cond``); None: none.
+        shape_free: its parameters name axes or dtypes, never lengths: it binds unchanged on
+            a tile of its operands (elementwise primitives and reductions are so by kind).
+        shape_param: the parameter holding its result's shape, where one does (a tile's shape
+            is written there).
+        broadcasts: its result repeats its operand along new axes: a contraction with it may
+            fold into a reduction.
+        flops: its floating-point work from its equation's shapes, where its kind does not say
+            it (``memsafe.flops``: contractions, convolutions).
     """
 
     kind: Kind
@@ -118,6 +129,29 @@ class Facts:
     linear: Linear | None = None
     adds: bool = False
     replays: bool = False
+    control: str | None = None
+    shape_free: bool = False
+    shape_param: str | None = None
+    broadcasts: bool = False
+    flops: Callable[[Any], int] | None = None
+
+
+def _elements(atom: Any) -> int:
+    return math.prod(getattr(getattr(atom, "aval", None), "shape", ()))
+
+
+def _contraction_flops(eqn: Any) -> int:
+    """Two flops per multiply-add: per result element, the contracted length."""
+    (contract, _), _ = eqn.params["dimension_numbers"]
+    lhs = eqn.invars[0].aval.shape
+    return 2 * _elements(eqn.outvars[0]) * math.prod(lhs[d] for d in contract)
+
+
+def _conv_flops(eqn: Any) -> int:
+    """Two flops per output element and kernel tap over one group's input features."""
+    kernel = eqn.invars[1].aval.shape
+    out_features = kernel[eqn.params["dimension_numbers"].rhs_spec[0]]
+    return 2 * _elements(eqn.outvars[0]) * math.prod(kernel) // max(1, out_features)
 
 
 def _elementwise(**facts: object) -> Facts:
@@ -229,11 +263,11 @@ TABLE: dict[str, Facts] = {
     "copy_p": _elementwise(cheap=True, scaling=Scaling.COMMUTES),
     "bitcast_convert_type": Facts(Kind.LAYOUT, fusible=True),
     # layout
-    "broadcast_in_dim": _layout(scaling=Scaling.LAYOUT),
-    "reshape": _layout(scaling=Scaling.LAYOUT),
-    "squeeze": _layout(scaling=Scaling.LAYOUT),
+    "broadcast_in_dim": _layout(scaling=Scaling.LAYOUT, shape_param="shape", broadcasts=True),
+    "reshape": _layout(scaling=Scaling.LAYOUT, shape_param="new_sizes"),
+    "squeeze": _layout(scaling=Scaling.LAYOUT, shape_free=True),
     "expand_dims": _layout(scaling=Scaling.LAYOUT),
-    "transpose": Facts(Kind.LAYOUT, cheap=True, scaling=Scaling.LAYOUT),
+    "transpose": Facts(Kind.LAYOUT, cheap=True, scaling=Scaling.LAYOUT, shape_free=True),
     **dict.fromkeys(["slice", "rev"], _layout(linear=_FIRST)),
     "pad": _layout(linear=Linear((0,), zero=(1,))),
     "concatenate": _layout(linear=Linear(slice(None))),
@@ -257,9 +291,9 @@ TABLE: dict[str, Facts] = {
     # layout ops whose results are pieces of their operand
     **dict.fromkeys(["split", "unstack"], _layout()),
     # windows: XLA stores their results
+    "conv_general_dilated": Facts(Kind.OTHER, windowed=True, flops=_conv_flops),
     **dict.fromkeys(
         [
-            "conv_general_dilated",
             "reduce_window",
             "reduce_window_max",
             "reduce_window_min",
@@ -268,7 +302,9 @@ TABLE: dict[str, Facts] = {
         Facts(Kind.OTHER, windowed=True),
     ),
     # contractions, gathers and scatters: XLA stores their results
-    "dot_general": Facts(Kind.OTHER, linear=Linear((0, 1), False)),
+    "dot_general": Facts(
+        Kind.OTHER, linear=Linear((0, 1), False), shape_free=True, flops=_contraction_flops
+    ),
     "dynamic_update_slice": Facts(Kind.OTHER, linear=Linear(slice(0, 2))),
     **dict.fromkeys(
         [
@@ -293,15 +329,15 @@ TABLE: dict[str, Facts] = {
         [
             "random_bits",
             "optimization_barrier",
-            "cond",
-            "while",
             # equinox's own: a primitive under vmap, a select on a scalar predicate
             "vprim",
             "select_if_vmap",
         ],
         Facts(Kind.OTHER),
     ),
-    "scan": Facts(Kind.OTHER, replays=True),
+    "scan": Facts(Kind.OTHER, replays=True, control="loop"),
+    "while": Facts(Kind.OTHER, control="loop"),
+    "cond": Facts(Kind.OTHER, control="branch"),
     # calls: a sub-jaxpr wrapped (custom_vmap_call: a memsafe function called inside a trace,
     # memsafe.batching)
     **dict.fromkeys(
@@ -437,6 +473,16 @@ WINDOWED = Names(lambda f: f.windowed)
 ADDS = Names(lambda f: f.adds)
 #: Loops whose split rule may replay them per chunk of an accumulator carry.
 REPLAYS = Names(lambda f: f.replays)
+#: Loops over a body (``scan``, ``while``).
+LOOPS = Names(lambda f: f.control == "loop")
+#: Control flow: loops and branches.
+CONTROL = Names(lambda f: f.control is not None)
+#: Primitives bound unchanged on tiles of their operands (their parameters hold no length).
+SHAPE_FREE = Names(lambda f: f.shape_free or f.kind in (Kind.ELEMENTWISE, Kind.REDUCTION))
+#: Primitives that make a value from parameters (``iota``).
+GENERATORS = Names(lambda f: f.kind is Kind.GENERATOR)
+#: Primitives whose result repeats an operand along new axes (broadcasts).
+BROADCASTS = Names(lambda f: f.broadcasts)
 
 #: Every set derived from the table (:func:`declare` keeps each true).
 DERIVED = {
@@ -455,6 +501,11 @@ DERIVED = {
     "WINDOWED": WINDOWED,
     "ADDS": ADDS,
     "REPLAYS": REPLAYS,
+    "LOOPS": LOOPS,
+    "CONTROL": CONTROL,
+    "SHAPE_FREE": SHAPE_FREE,
+    "GENERATORS": GENERATORS,
+    "BROADCASTS": BROADCASTS,
 }
 
 

@@ -14,18 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
-from memsafe.primitives import Kind, facts
-
-#: Primitives bound unchanged on tiles, beside every elementwise primitive and reduction of
-#: :data:`memsafe.primitives.TABLE`: their parameters name axes, never lengths.
-SHAPE_FREE = frozenset(
-    {
-        "dot_general", "transpose", "squeeze", "convert_element_type", "argmax", "argmin",
-        "select_n", "reduce_precision", "copy", "copy_p", "stop_gradient", "integer_pow",
-    }
-)  # fmt: skip
-#: Primitives whose parameters hold the result's shape: the tile's shape is written in.
-SHAPED = {"broadcast_in_dim": "shape", "reshape": "new_sizes"}
+from memsafe.primitives import SHAPE_FREE, facts
 
 
 class NotFused(Exception):
@@ -35,9 +24,7 @@ class NotFused(Exception):
 def tileable(eqn: JaxprEqn) -> bool:
     """Whether :func:`bind_tile` evaluates ``eqn``."""
     name = eqn.primitive.name
-    if name in SHAPE_FREE or name in SHAPED:
-        return True
-    return facts(name).kind in (Kind.ELEMENTWISE, Kind.REDUCTION)
+    return name in SHAPE_FREE or facts(name).shape_param is not None
 
 
 def tile_shape(shape: tuple[int, ...], sizes: Mapping[int, int]) -> tuple[int, ...]:
@@ -51,8 +38,9 @@ def bind_tile(eqn: JaxprEqn, invals: list[Any], shapes: list[tuple[int, ...]]) -
     name = eqn.primitive.name
     if not tileable(eqn):
         raise NotFused(f"{name} is not evaluated on tiles")
-    if name in SHAPED:
-        params: dict[str, Any] = {SHAPED[name]: tuple(shapes[0])}
+    shape_param = facts(name).shape_param
+    if shape_param is not None:
+        params: dict[str, Any] = {shape_param: tuple(shapes[0])}
         if name == "reshape":
             params["dimensions"] = None
         outs = bind_eqn_with(eqn, invals, **params)

@@ -20,11 +20,12 @@ where the bound alone is over the limit (:mod:`memsafe.search`).
 
 from __future__ import annotations
 
+from collections.abc import Set
 from dataclasses import dataclass
 from typing import Any
 
 from memsafe._jax import ClosedJaxpr, Literal, Var, nbytes_of_aval
-from memsafe.primitives import ELEMENTWISE, FUSIBLE
+from memsafe.primitives import BROADCASTS, ELEMENTWISE, FUSIBLE, GENERATORS
 
 __all__ = ["HELD", "HeldPolicy", "held_bytes"]
 
@@ -42,7 +43,7 @@ class HeldPolicy:
     """
 
     min_extent: int = 16
-    generated: frozenset[str] = frozenset({"broadcast_in_dim", "iota"})
+    generated: Set[str] = BROADCASTS | GENERATORS
 
 
 #: The policy the search uses.
@@ -180,7 +181,7 @@ def _counted(
     return min(contracted, free_l, free_r) >= policy.min_extent
 
 
-def _source(var: Var, producer: dict[Var, int], eqns: Any, stop: frozenset[str]) -> Var:
+def _source(var: Var, producer: dict[Var, int], eqns: Any, stop: Set[str]) -> Var:
     """``var`` traced back through fusible operations of one operand (a conversion, a reshape,
     a transpose), up to one in ``stop``: the value whose elements it carries."""
     while True:

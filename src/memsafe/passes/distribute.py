@@ -25,6 +25,7 @@ eighth of the temporary budget are distributed: smaller ones fit as they are.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -106,10 +107,15 @@ def _pieces_of(
     return (values, sizes) if len(values) > 1 else None
 
 
-def _pad_operands(eqn: JaxprEqn, invals: list[Any], held: list) -> list[tuple[Any, Any]]:
+def _concatenate(eqn: JaxprEqn, invals: list[Any], held: list) -> tuple[int, list] | None:
+    return eqn.params["dimension"], list(zip(invals, held))
+
+
+def _pad(eqn: JaxprEqn, invals: list[Any], held: list) -> tuple[int, list] | None:
     """A pad along one axis as the operands of a concatenation: fill, operand, fill."""
     axis = _padded_axis(eqn)
-    assert axis is not None
+    if axis is None:
+        return None
     (x, fill), (lo, hi, _) = invals, eqn.params["padding_config"][axis]
 
     def filled(n: int) -> tuple[Any, None]:
@@ -117,7 +123,23 @@ def _pad_operands(eqn: JaxprEqn, invals: list[Any], held: list) -> list[tuple[An
         shape[axis] = n
         return jnp.broadcast_to(jnp.asarray(fill, x.dtype), tuple(shape)), None
 
-    return [filled(lo), (x, held[0]), filled(hi)]
+    return axis, [filled(lo), (x, held[0]), filled(hi)]
+
+
+def _stack(eqn: JaxprEqn, invals: list[Any], held: list) -> tuple[int, list] | None:
+    if len(invals) < 2:
+        return None
+    axis = eqn.params["axis"]
+    return axis, [(lax.expand_dims(v, (axis,)), None) for v in invals]
+
+
+#: The primitives whose result joins pieces along an axis, by primitive: (the axis, the pieces as
+#: (value, its own pieces or None)), or None where the equation does not join along one axis.
+JOINS: dict[str, Callable[[JaxprEqn, list[Any], list], tuple[int, list] | None]] = {
+    "concatenate": _concatenate,
+    "pad": _pad,
+    "stack": _stack,
+}
 
 
 def _within_one_piece(eqn: JaxprEqn, pieces: Pieces) -> Any | None:
@@ -200,17 +222,11 @@ class _Distribute:
         self, index: int, eqn: JaxprEqn, invals: list[Any], held: list
     ) -> list[Any] | None:
         """A concatenation, a pad along one axis or a stack, held as its pieces."""
-        name = eqn.primitive.name
-        if name == "concatenate":
-            axis, operands = eqn.params["dimension"], list(zip(invals, held))
-        elif name == "pad" and _padded_axis(eqn) is not None:
-            axis = _padded_axis(eqn)
-            operands = _pad_operands(eqn, invals, held)
-        elif name == "stack" and len(invals) > 1:
-            axis = eqn.params["axis"]
-            operands = [(lax.expand_dims(v, (axis,)), None) for v in invals]
-        else:
+        join = JOINS.get(eqn.primitive.name)
+        joined = None if join is None else join(eqn, invals, held)
+        if joined is None:
             return None
+        axis, operands = joined
         found = _pieces_of(operands, axis)
         if found is None:
             return None
@@ -291,7 +307,7 @@ class _Distribute:
 
 
 def _touches(closed: ClosedJaxpr) -> bool:
-    return any(e.primitive.name in ("concatenate", "pad", "stack") for e in closed.jaxpr.eqns)
+    return any(e.primitive.name in JOINS for e in closed.jaxpr.eqns)
 
 
 def distribute(

@@ -1,24 +1,25 @@
 """Hoist: windows of large computed values move above the operations that computed them.
 
 ``jnp.flip(x @ y.T, 0)``, ``(x @ y.T)[1:]`` and ``lax.dynamic_slice_in_dim(s, i, n, 1)`` select
-positions along one axis of a value computed whole. A split region follows one axis from the
-chunk's start, so it stopped at such a window of a computed value: the window's chunk reads the
-value's chunk at other positions. Where each position of a value along the axis depends only on
-the same position of its operands (elementwise operations, broadcasts, transposes, reductions
-and scans over other axes, a matmul's free and batch axes: the split rules' mappings), the window
-commutes with the operation, which then runs on windowed operands. Applied up the chain, the
-window reaches program arguments or small values, which the split rules read by index
-arithmetic. The same elements go through the same operations; discarded positions are no longer
-computed.
+positions along one axis of a value computed whole. A split region follows one axis from the chunk's
+start, so it stopped at such a window of a computed value: the window's chunk reads the value's
+chunk at other positions. Where each position of a value along the axis depends only on the same
+position of its operands (elementwise operations, broadcasts, transposes, reductions and scans over
+other axes, a matmul's free and batch axes: the equations whose split rule calls them positional,
+``memsafe.split.registry.positional``), the window commutes with the operation, which then runs on
+windowed operands. Applied up the chain, the window reaches program arguments or small values, which
+the split rules read by index arithmetic. The same elements go through the same operations;
+discarded positions are no longer computed.
 
-The window moves above a cone of values larger than an eighth of the temporary budget (smaller
-ones fit as they are, and take the window where the cone reads them), and only where nothing but
-the cone reads those values (otherwise they would be computed twice) and the window would not
-stay on a large one. Loop bodies and cond branches are rewritten the same way.
+The window moves above a cone of values larger than an eighth of the temporary budget (smaller ones
+fit as they are, and take the window where the cone reads them), and only where nothing but the cone
+reads those values (otherwise they would be computed twice) and the window would not stay on a large
+one. Loop bodies and cond branches are rewritten the same way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,26 +42,8 @@ from memsafe.context import PassContext
 from memsafe.graph.bodies import runs_any, with_bodies
 from memsafe.graph.interpret import evaluate
 from memsafe.plan import PassRecord
-from memsafe.primitives import CUMULATIVE, ELEMENTWISE, REDUCTIONS
 from memsafe.split import registry
 from memsafe.split.registry import Mapping, NoRule
-
-#: Primitives selecting positions along an axis (:func:`window_of`).
-WINDOWS = frozenset({"slice", "rev", "dynamic_slice"})
-
-#: Primitives whose result at a position along a mapped axis reads only that position of the
-#: operands that carry the axis (their split rules' mappings say where). Windows, pads and
-#: concatenations are among them along their other axes; along their own, their rules create the
-#: axis (no operand carries it) and the window stays. A union of the table's live sets: it follows
-#: ``memsafe.primitives.declare``.
-POINTWISE = (
-    ELEMENTWISE
-    | REDUCTIONS
-    | CUMULATIVE
-    | WINDOWS
-    | {"broadcast_in_dim", "transpose", "reshape", "squeeze", "expand_dims", "dot_general"}
-    | {"pad", "concatenate", "sort", "stack"}
-)
 
 
 class Window:
@@ -119,26 +102,45 @@ def _only(axes: list[int]) -> int | None:
     return axes[0] if len(axes) == 1 else None
 
 
+def _slice(eqn: JaxprEqn, invals: list[Any]) -> tuple[int, Window] | None:
+    p, full = eqn.params, eqn.invars[0].aval.shape
+    strides = p["strides"] or (1,) * len(full)
+    cut = zip(p["start_indices"], p["limit_indices"], strides)
+    axis = _only([a for a, (s, e, k) in enumerate(cut) if (s, e, k) != (0, full[a], 1)])
+    if axis is None:
+        return None
+    return axis, Strided(p["start_indices"][axis], p["limit_indices"][axis], strides[axis])
+
+
+def _rev(eqn: JaxprEqn, invals: list[Any]) -> tuple[int, Window] | None:
+    full = eqn.invars[0].aval.shape
+    axis = _only([a for a in eqn.params["dimensions"] if full[a] > 1])
+    return None if axis is None else (axis, Reversed())
+
+
+def _dynamic_slice(eqn: JaxprEqn, invals: list[Any]) -> tuple[int, Window] | None:
+    full = eqn.invars[0].aval.shape
+    if len(invals) != 1 + len(full):
+        return None
+    axis = _only([a for a, n in enumerate(eqn.params["slice_sizes"]) if n != full[a]])
+    return (
+        None if axis is None else (axis, Dynamic(invals[1 + axis], eqn.params["slice_sizes"][axis]))
+    )
+
+
+#: The window each primitive selecting positions along an axis selects, by primitive (None:
+#: not along exactly one axis).
+WINDOWS: dict[str, Callable[[JaxprEqn, list[Any]], tuple[int, Window] | None]] = {
+    "slice": _slice,
+    "rev": _rev,
+    "dynamic_slice": _dynamic_slice,
+}
+
+
 def window_of(eqn: JaxprEqn, invals: list[Any]) -> tuple[int, Window] | None:
     """(axis, window) when ``eqn`` selects positions along exactly one axis, else None."""
-    name, p = eqn.primitive.name, eqn.params
-    if name not in WINDOWS:
-        return None
-    full = eqn.invars[0].aval.shape
-    if name == "slice":
-        strides = p["strides"] or (1,) * len(full)
-        cut = zip(p["start_indices"], p["limit_indices"], strides)
-        axis = _only([a for a, (s, e, k) in enumerate(cut) if (s, e, k) != (0, full[a], 1)])
-        if axis is None:
-            return None
-        return axis, Strided(p["start_indices"][axis], p["limit_indices"][axis], strides[axis])
-    if name == "rev":
-        axis = _only([a for a in p["dimensions"] if full[a] > 1])
-        return None if axis is None else (axis, Reversed())
-    if name == "dynamic_slice" and len(invals) == 1 + len(full):
-        axis = _only([a for a, n in enumerate(p["slice_sizes"]) if n != full[a]])
-        return None if axis is None else (axis, Dynamic(invals[1 + axis], p["slice_sizes"][axis]))
-    return None
+    found = WINDOWS.get(eqn.primitive.name)
+    return None if found is None else found(eqn, invals)
 
 
 class _Hoist:
@@ -184,13 +186,13 @@ class _Hoist:
     def _mapping(self, eqn: JaxprEqn, axis: int) -> Mapping | None:
         """How ``axis`` of the result of ``eqn`` maps onto its operands, where the window
         commutes with ``eqn`` (a pointwise mapping that some operand carries, or a broadcast)."""
-        if eqn.primitive.name not in POINTWISE or len(eqn.outvars) != 1:
+        if len(eqn.outvars) != 1 or registry.rule_of(eqn.primitive.name) is None:
             return None
         try:
             m = registry.axis_map(eqn, ("out", 0), axis, registry.PLAIN)
         except NoRule:
             return None
-        if not isinstance(m, Mapping) or registry.running_along(eqn, m) is not None:
+        if not isinstance(m, Mapping) or not registry.positional(eqn, m):
             return None
         # an axis a broadcast creates holds the same values at every position: the window is
         # the broadcast at the window's length
@@ -269,4 +271,4 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     return new
 
 
-__all__ = ["POINTWISE", "Window", "hoist", "run", "window_of"]
+__all__ = ["WINDOWS", "Window", "hoist", "run", "window_of"]

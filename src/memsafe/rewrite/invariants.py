@@ -29,7 +29,7 @@ from memsafe._jax import (
 )
 from memsafe.graph import Graph, evaluate, evaluate_eqns, inline_calls, retrace
 from memsafe.plan import PassRecord
-from memsafe.primitives import FUSIBLE, REDUCTIONS
+from memsafe.primitives import CONTROL, FUSIBLE, LOOPS, REDUCTIONS
 
 #: Primitives recomputed inside every loop iteration: those XLA fuses into their consumer (not
 #: :data:`memsafe.primitives.CHEAP`, which says what a split region recomputes per chunk).
@@ -339,7 +339,7 @@ def transform(
     plans: dict[int, LoopPlan] = {}
     removed: set[tuple[int, int]] = set()
     for i, eqn in enumerate(eqns):
-        loops = ("scan", "while", "cond") if moving.conds else ("scan", "while")
+        loops = CONTROL if moving.conds else LOOPS
         if eqn.primitive.name not in loops or moving.skip(eqn):
             continue
         plan = _plan_loop(graph, eqn, records, depth, moving)
