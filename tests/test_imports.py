@@ -129,3 +129,46 @@ def test_every_module_imports_in_a_fresh_interpreter():
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+#: The split core: what every strategy builds on (memsafe.split.strategies' docstring).
+SPLIT_CORE = (
+    "memsafe.split.region",
+    "memsafe.split.loop",
+    "memsafe.split.registry",
+    "memsafe.split.sinks",
+    "memsafe.split.size",
+    "memsafe.split.span",
+    "memsafe.split.body",
+    "memsafe.split.emit",
+    "memsafe.split.peephole",
+    "memsafe.split.linear",
+    "memsafe.split.indices",
+    "memsafe.split.topk",
+    "memsafe.split.speed",
+)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_the_split_core_imports_no_strategy():
+    """The split core imports nothing from memsafe.split.strategies, directly or through another
+    module: a strategy plugs into it through its protocols and the planner's tables."""
+    graph = _graph()
+    assert all(m in graph for m in SPLIT_CORE), set(SPLIT_CORE) - set(graph)
+    assert "memsafe.split.strategies.halo" in graph["memsafe.split.planner"]  # the graph is read
+    found = {
+        core: sorted(m for m in _reachable(graph, core) if m.startswith("memsafe.split.strategies"))
+        for core in SPLIT_CORE
+    }
+    assert not any(found.values()), {k: v for k, v in found.items() if v}

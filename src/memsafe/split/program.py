@@ -32,13 +32,14 @@ from memsafe.graph.bodies import bodies, with_bodies
 from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, SplitRecord
 from memsafe.rewrite import invariants
-from memsafe.split import recompute
 from memsafe.split.body import makes_whole
-from memsafe.split.emit import Split, StagedSplit, emit, planned_loop, unwrapped
+from memsafe.split.emit import Split, emit, unwrapped
 from memsafe.split.planner import absorbed, best_split, candidates
 from memsafe.split.region import Region
 from memsafe.split.registry import PLAIN, NoRule, axis_map
 from memsafe.split.size import ChunkPlan, speed_cap
+from memsafe.split.strategies import recompute
+from memsafe.split.strategies.staged import StagedSplit, planned_loop
 
 
 def _describe(graph: Graph, var: Var) -> str:
