@@ -129,12 +129,12 @@ class LoopStrategy(Protocol):
 
 
 class OneDevice:
-    """What a split on one device says of devices (memsafe.split.strategies.sharded.mesh wraps a
-    split to shard it): one device, no mesh axes, and the whole axis as that device's share."""
+    """What a split on one device says of devices: one device, and the whole axis as that
+    device's share (memsafe.split.strategies.sharded wraps a split to shard it, and says more:
+    the mesh axes the plan records)."""
 
     region: Region
     devices: ClassVar[int] = 1
-    mesh_axes: ClassVar[tuple[str, ...]] = ()
 
     @property
     def share(self) -> int:
@@ -150,13 +150,14 @@ class Split(Protocol):
     label: ClassVar[str | None]
 
     @property
-    def devices(self) -> int: ...
+    def devices(self) -> int:
+        """Devices sharing the axis, each looping over an equal share of it."""
+        ...
 
     @property
-    def mesh_axes(self) -> tuple[str, ...]: ...
-
-    @property
-    def share(self) -> int: ...
+    def share(self) -> int:
+        """Length of the axis each device runs in chunks."""
+        ...
 
     def fixed_bytes(self, graph: Graph) -> int: ...
 

@@ -14,7 +14,7 @@ the split pass (:mod:`memsafe.passes.split`) runs that.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from memsafe import policy
 from memsafe._jax import Var
@@ -75,6 +75,17 @@ SPANS: list[Spanning] = [halo.EXTENDED]
 LOOPS: list[LoopStrategy] = [selection.plan]
 
 
+class Sharder(Protocol):
+    """What the planner knows of a mesh (the ``mesh`` of :func:`best_split`: a
+    ``memsafe.split.strategies.sharded.mesh.Sharding``): it wraps each split planned on one
+    device to run sharded over its devices. Spans (:data:`SPANS`) and :data:`REPLACING` apply
+    on one device only."""
+
+    def shard(self, graph: Graph, split: Split) -> Split:
+        """``split`` sharded over the devices; raises SplitFailure where it cannot be."""
+        ...
+
+
 class Retry(Protocol):
     """A rule context the planner grows a value's regions in again where no axis of it splits
     in the plain one (:func:`best_split`): its splits may cost more (a replay runs a loop once
@@ -121,7 +132,7 @@ def _option(
     var: Var,
     axis: int,
     budget: int,
-    mesh: Any = None,
+    mesh: Sharder | None = None,
     floor: int = 0,
     ctx: RuleContext = PLAIN,
     held: int = 0,
@@ -176,7 +187,7 @@ def _region(
 
 
 def best_split(
-    graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0, room: int = 0
+    graph: Graph, var: Var, budget: int, mesh: Sharder | None = None, floor: int = 0, room: int = 0
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """:func:`cheapest_split`; where no axis splits, the same in each retry of :data:`RETRIES`
     that applies (loops replayed per chunk of an accumulator,
@@ -208,7 +219,7 @@ def cheapest_split(
     graph: Graph,
     var: Var,
     budget: int,
-    mesh: Any = None,
+    mesh: Sharder | None = None,
     floor: int = 0,
     ctx: RuleContext = PLAIN,
     held: int = 0,

@@ -341,7 +341,8 @@ def _record(graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var]) -> 
         loops=chunk.iterations if tiled is None else tiled.loops,
         devices=chunk.devices,
         share=chunk.share,
-        mesh_axes=split.mesh_axes,
+        # a sharded split's mesh axes (memsafe.split.strategies.sharded); none on one device
+        mesh_axes=getattr(split, "mesh_axes", ()),
         batch_mesh_axes=getattr(split, "batch_mesh_axes", ()),
         floored=chunk.floored,
         ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
