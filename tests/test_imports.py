@@ -172,3 +172,25 @@ def test_the_split_core_imports_no_strategy():
         for core in SPLIT_CORE
     }
     assert not any(found.values()), {k: v for k, v in found.items() if v}
+
+
+#: What the split rules still import of the strategies (docs/contributing.md): windowed
+#: operations map the axis as a halo on extended chunks, the scan's rule maps a loop as a replay
+#: while replays are tried, a scatter's carry combines across devices.
+PRIMS_NAMING_STRATEGIES = {
+    "memsafe.split.prims.conv": {"memsafe.split.strategies.halo"},
+    "memsafe.split.prims.pool": {"memsafe.split.strategies.halo"},
+    "memsafe.split.prims.loops": {"memsafe.split.strategies.replay"},
+    "memsafe.split.prims.gather": {"memsafe.split.strategies.sharded.devices"},
+}
+
+
+def test_the_split_rules_name_no_other_strategy():
+    """No rule module imports a strategy beyond :data:`PRIMS_NAMING_STRATEGIES` (a new one is
+    a door cut into the core: give the rule what it needs through its ``RuleContext``)."""
+    found = {
+        name: {m for m in imported if m.startswith("memsafe.split.strategies")}
+        for name, imported in _graph().items()
+        if name.startswith("memsafe.split.prims")
+    }
+    assert {k: v for k, v in found.items() if v} == PRIMS_NAMING_STRATEGIES
