@@ -1,5 +1,5 @@
 """plan() states what a staged split costs: its stages and the flops later stages recompute
-(memsafe.split.recompute), priced by memsafe.flops."""
+(memsafe.split.strategies.recompute), priced by memsafe.flops."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ from jax import lax
 from memsafe.flops import eqn_flops, jaxpr_flops
 from memsafe.graph import Graph, inline_calls
 from memsafe.plan import Plan, SplitRecord
-from memsafe.split import recompute
-from memsafe.split.emit import StagedSplit
 from memsafe.split.planner import strategy
 from memsafe.split.region import grow
+from memsafe.split.strategies import recompute
+from memsafe.split.strategies.staged import StagedSplit
 
 
 def _eqns(fun, *args):

@@ -30,10 +30,10 @@ from memsafe.graph import retrace
 from memsafe.plan import PassRecord
 from memsafe.primitives import Facts, Kind, declare
 from memsafe.split import planner
-from memsafe.split.emit import StagedSplit
-from memsafe.split.halo import Extended
 from memsafe.split.registry import SPLIT_RULES, Mapping, NoRule, positional, split_rule
 from memsafe.split.sinks import Reducer, Sink
+from memsafe.split.strategies.halo import Extended
+from memsafe.split.strategies.staged import StagedSplit
 from memsafe.xla import Footprint, memsafe_jit
 from tests.agree import assert_like_jit
 

@@ -1,5 +1,5 @@
 """Halos across layers: stride-1 convolutions in a row run in one region on extended chunks
-(memsafe.split.halo), forward and gradient, against jax.jit, with NaN and infinities."""
+(memsafe.split.strategies.halo), forward and gradient, against jax.jit, with NaN and infinities."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import memsafe
 from memsafe import primitives
 from memsafe.graph import Graph, inline_calls
 from memsafe.primitives import Facts, Kind
-from memsafe.split import halo
 from memsafe.split.emit import emit
 from memsafe.split.planner import strategy
 from memsafe.split.region import SplitFailure, grow
+from memsafe.split.strategies import halo
 from memsafe.xla import memsafe_jit
 from tests.budget import examples
 from tests.fuzz.accuracy import check

@@ -129,3 +129,68 @@ def test_every_module_imports_in_a_fresh_interpreter():
         check=False,
     )
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+#: The split core: what every strategy builds on (memsafe.split.strategies' docstring).
+SPLIT_CORE = (
+    "memsafe.split.region",
+    "memsafe.split.loop",
+    "memsafe.split.registry",
+    "memsafe.split.sinks",
+    "memsafe.split.size",
+    "memsafe.split.span",
+    "memsafe.split.body",
+    "memsafe.split.emit",
+    "memsafe.split.peephole",
+    "memsafe.split.linear",
+    "memsafe.split.indices",
+    "memsafe.split.topk",
+    "memsafe.split.speed",
+)
+
+
+def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
+    """The modules ``start`` imports, directly or through others."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for m in graph.get(todo.pop(), ()):
+            if m not in seen:
+                seen.add(m)
+                todo.append(m)
+    return seen
+
+
+def test_the_split_core_imports_no_strategy():
+    """The split core imports nothing from memsafe.split.strategies, directly or through another
+    module: a strategy plugs into it through its protocols and the planner's tables."""
+    graph = _graph()
+    assert all(m in graph for m in SPLIT_CORE), set(SPLIT_CORE) - set(graph)
+    assert "memsafe.split.strategies.halo" in graph["memsafe.split.planner"]  # the graph is read
+    found = {
+        core: sorted(m for m in _reachable(graph, core) if m.startswith("memsafe.split.strategies"))
+        for core in SPLIT_CORE
+    }
+    assert not any(found.values()), {k: v for k, v in found.items() if v}
+
+
+#: What the split rules still import of the strategies (docs/contributing.md): windowed
+#: operations map the axis as a halo on extended chunks, the scan's rule maps a loop as a replay
+#: while replays are tried, a scatter's carry combines across devices.
+PRIMS_NAMING_STRATEGIES = {
+    "memsafe.split.prims.conv": {"memsafe.split.strategies.halo"},
+    "memsafe.split.prims.pool": {"memsafe.split.strategies.halo"},
+    "memsafe.split.prims.loops": {"memsafe.split.strategies.replay"},
+    "memsafe.split.prims.gather": {"memsafe.split.strategies.sharded.devices"},
+}
+
+
+def test_the_split_rules_name_no_other_strategy():
+    """No rule module imports a strategy beyond :data:`PRIMS_NAMING_STRATEGIES` (a new one is
+    a door cut into the core: give the rule what it needs through its ``RuleContext``)."""
+    found = {
+        name: {m for m in imported if m.startswith("memsafe.split.strategies")}
+        for name, imported in _graph().items()
+        if name.startswith("memsafe.split.prims")
+    }
+    assert {k: v for k, v in found.items() if v} == PRIMS_NAMING_STRATEGIES

@@ -69,7 +69,8 @@ def test_sgpr_bound_and_gradient_with_data_points_sharded():
 @pytest.mark.slow
 def test_two_axis_mesh_splits_queries_and_database():
     """A 2 x 4 mesh: the loop over the queries on one mesh axis, the database split over the
-    other, under a limit the 8 devices as one axis do not meet (memsafe.mesh_layout)."""
+    other, under a limit the 8 devices as one axis do not meet
+    (memsafe.split.strategies.sharded.layout)."""
     out = run_checks("mesh_2d")
     assert "queries over q, database over d" in out
 

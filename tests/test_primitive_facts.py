@@ -18,8 +18,8 @@ from memsafe import primitives
 from memsafe.graph import Graph
 from memsafe.primitives import DERIVED, TABLE, Facts, Kind, declare, facts
 from memsafe.rewrite import invariants
-from memsafe.split import replay
 from memsafe.split.registry import PLAIN, SPLIT_RULES, NoRule, axis_map, rule_of
+from memsafe.split.strategies import replay
 
 
 def test_every_primitive_with_a_split_rule_has_a_table_row():
@@ -114,7 +114,7 @@ def test_every_linear_fact_holds_of_its_primitive():
 
 
 def test_the_additions_add_their_two_operands():
-    """``Facts.adds`` (how memsafe.split.replay finds the steps of a carry that only
+    """``Facts.adds`` (how memsafe.split.strategies.replay finds the steps of a carry that only
     accumulates): each such primitive, met in a sum and in a gradient's sum of cotangents,
     bound on two arrays gives their sum."""
     x = jnp.arange(6.0).reshape(2, 3)
@@ -146,8 +146,8 @@ def _accumulating(c):
 
 
 def test_the_loops_that_replay_map_an_accumulator_carry_so_only_while_replays_are_tried():
-    """``Facts.replays`` (where the planner retries with replays, memsafe.split.replay): the
-    rule of each such loop maps a carry its body only adds to as a replay per chunk of it, in
+    """``Facts.replays`` (where the planner retries with replays, memsafe.split.strategies.replay):
+    the rule of each such loop maps a carry its body only adds to as a replay per chunk of it, in
     the retry's context alone."""
     closed = jax.make_jaxpr(_accumulating)(jnp.ones((6, 5), jnp.float32))
     (loop,) = [e for e in closed.jaxpr.eqns if e.primitive.name in primitives.REPLAYS]

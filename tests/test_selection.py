@@ -1,5 +1,6 @@
-"""A lone top_k along the split axis runs in tiles (memsafe.split.selection): the same answers as
-jax.jit, NaN, infinities and ties included, and the old path where it does not qualify."""
+"""A lone top_k along the split axis runs in tiles (memsafe.split.strategies.selection): the same
+answers as jax.jit, NaN, infinities and ties included, and the old path where it does not
+qualify."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 from jax import lax
 
 import memsafe
-from memsafe.split.selection import block_length
+from memsafe.split.strategies.selection import block_length
 from tests.agree import assert_like_jit
 from tests.budget import examples
 
@@ -177,7 +178,7 @@ def test_tiles_store_less_than_chunks():
 def test_each_split_plans_its_tiles_once(monkeypatch):
     """The split pass asks for the tiled form to emit the split and again to record it: the
     second answer is the first one kept, not planned again."""
-    from memsafe.split import selection
+    from memsafe.split.strategies import selection
 
     calls = []
     original = selection._cone  # built once per planning of the tiles

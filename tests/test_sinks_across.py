@@ -13,7 +13,8 @@ SCRIPT = textwrap.dedent(
     import jax, jax.numpy as jnp, numpy as np
     from jax import lax
     from jax.sharding import Mesh, PartitionSpec as P
-    from memsafe.split import devices, sinks
+    from memsafe.split import sinks
+    from memsafe.split.strategies.sharded import devices
 
     mesh = Mesh(np.array(jax.devices()[:4]), ("d",))
     rng = np.random.default_rng(0)
@@ -61,13 +62,14 @@ def test_reducers_combine_partials_across_devices():
 def test_sums_combine_by_psum_and_the_others_in_device_order():
     """The devices decide, not the reducers: a monoid whose fold adds (sums, contractions, a
     kernel gradient's taps) combines every device's partial at once by ``psum``, whose cost
-    memsafe.mesh counts as the result and one reduced copy; max and min (``pmax`` and ``pmin``
-    drop NaN on the CPU), products and every other reducer are gathered and folded in device
-    order."""
+    memsafe.split.strategies.sharded.mesh counts as the result and one reduced copy; max and min
+    (``pmax`` and ``pmin`` drop NaN on the CPU), products and every other reducer are gathered and
+    folded in device order."""
     from jax import lax
 
-    from memsafe.split import devices, sinks
+    from memsafe.split import sinks
     from memsafe.split.prims.conv import TAPS, HaloTaps
+    from memsafe.split.strategies.sharded import devices
 
     for reducer in (sinks.SUM, sinks.DOT, TAPS, HaloTaps()):
         assert devices.collective(reducer) is lax.psum, reducer

@@ -1,8 +1,9 @@
-"""Staged splits whose later loops compare values they recompute (``memsafe.split.recompute``):
-the gradient of a maximum compares each value with the maximum the first loop found, so every
-loop must compute those values alike. Such a split runs without peephole moves or tiles, and
-the split pass does not split its loops' bodies again (fuzz seed 716: a second loop's body,
-split along a contraction, summed in another order and matched no value to the minimum)."""
+"""Staged splits whose later loops compare values they recompute
+(``memsafe.split.strategies.recompute``): the gradient of a maximum compares each value with the
+maximum the first loop found, so every loop must compute those values alike. Such a split runs
+without peephole moves or tiles, and the split pass does not split its loops' bodies again (fuzz
+seed 716: a second loop's body, split along a contraction, summed in another order and matched no
+value to the minimum)."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from memsafe.context import PassContext
 from memsafe.graph import Graph
 from memsafe.graph.interpret import inline_calls
 from memsafe.plan import Plan
-from memsafe.split import planner, program, recompute
-from memsafe.split.emit import StagedSplit
+from memsafe.split import planner, program
 from memsafe.split.region import grow
+from memsafe.split.strategies import recompute
+from memsafe.split.strategies.staged import StagedSplit
 from memsafe.xla import memsafe_jit
 
 

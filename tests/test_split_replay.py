@@ -1,6 +1,6 @@
-"""Loops replayed per chunk of an accumulator (memsafe.split.replay): a backward loop that sums a
-large invariant's cotangent over its iterations, whose other carries are sums over the whole
-term, runs once per chunk of that sum, exactly, where nothing else splits it."""
+"""Loops replayed per chunk of an accumulator (memsafe.split.strategies.replay): a backward loop
+that sums a large invariant's cotangent over its iterations, whose other carries are sums over the
+whole term, runs once per chunk of that sum, exactly, where nothing else splits it."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from jax import lax
 import memsafe
 from examples import sinkhorn
 from memsafe.graph.interpret import inline_calls
-from memsafe.split import replay
+from memsafe.split.strategies import replay
 from tests.agree import assert_like_jit
 from tests.limits import limit_between
 

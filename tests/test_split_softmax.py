@@ -13,8 +13,9 @@ from jax.scipy.special import logsumexp
 import memsafe
 from memsafe._jax import jaxpr_as_fun
 from memsafe.graph import Graph, inline_calls
-from memsafe.split import online, planner
+from memsafe.split import planner
 from memsafe.split.region import grow
+from memsafe.split.strategies import online
 
 
 def _data(*shapes, seed=0, scale=1.0):
@@ -255,7 +256,8 @@ def test_online_loop_emits_one_scan():
     args = _attention_args(lq=8, lk=1000)
     closed = inline_calls(jax.make_jaxpr(attention)(*args))
     graph, region = _region_along(attention, args, 2, closed)
-    from memsafe.split.emit import StagedSplit, emit
+    from memsafe.split.emit import emit
+    from memsafe.split.strategies.staged import StagedSplit
 
     splits = (StagedSplit(region), online.plan(graph, region))
     scans = [str(emit(closed, graph, s, 96).jaxpr).count("scan[") for s in splits]

@@ -1,5 +1,5 @@
-"""The tiled top-k selection (:mod:`memsafe.split.selection`) against the stored chunk, on one
-device or a mesh: the same L2 kNN under the same limit, planned once with the tiled selection
+"""The tiled top-k selection (:mod:`memsafe.split.strategies.selection`) against the stored chunk,
+on one device or a mesh: the same L2 kNN under the same limit, planned once with the tiled selection
 and once without it, timed in one process.
 
     python -m tools.gpu_selection                       # 10k x 1M x 64, k=10, 1 GiB
@@ -27,7 +27,7 @@ from typing import Any
 @contextmanager
 def _without_tiles():
     """memsafe plans every loop as if no top_k could run in tiles."""
-    from memsafe.split import selection
+    from memsafe.split.strategies import selection
 
     saved = selection.plan
     selection.plan = lambda *args, **kwargs: None

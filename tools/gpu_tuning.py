@@ -136,7 +136,7 @@ def tile_width(n: int, m: int, limit: int, rounds: int, tiles: dict[str, int]) -
     import jax
 
     from examples import knn as ex
-    from memsafe.split import selection
+    from memsafe.split.strategies import selection
 
     x, y = (jax.device_put(a) for a in ex.make_inputs(n, m, 64))
     fun = functools.partial(ex.FUNCTIONS["l2_expanded"], k=10)

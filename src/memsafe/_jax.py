@@ -86,7 +86,8 @@ def _bind_params(eqn: JaxprEqn) -> tuple[Sequence[Any], dict[str, Any]]:
 def eqn_context(eqn: JaxprEqn) -> Iterator[None]:
     """Trace code under ``eqn``'s source location, so rewritten code keeps the user's lines.
     The mesh in context stays the current one: an equation re-bound inside ``shard_map``
-    (memsafe.mesh) sees the manual mesh of the devices' shares, not the one it was traced in."""
+    (memsafe.split.strategies.sharded.mesh) sees the manual mesh of the devices' shares, not the one
+    it was traced in."""
     from jax._src import mesh as mesh_lib
     from jax._src import source_info_util
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, cache, log, mesh, stored
+from memsafe import _jax, cache, log, stored
 from memsafe.batching import planning
 from memsafe.errors import MemoryLimitError
 from memsafe.fused import policy
@@ -22,6 +22,7 @@ from memsafe.progress import display as progress_display
 from memsafe.progress import enabled as progress_enabled
 from memsafe.rules.registry import registered_rules
 from memsafe.search import Hint, search
+from memsafe.split.strategies.sharded import mesh
 from memsafe.xla import memsafe_jit, merged_options
 
 
@@ -69,11 +70,12 @@ def build_program(
     algebraically rewritten forward), shrinking chunks until a compile fits. ``compiler_options``
     are the user's, merged with memsafe's (see ``xla.merged_options``). With ``on_mesh`` the
     limit is per device, ``avals`` carry the arguments' placement for the original program, and
-    the split axes are sharded over the mesh (memsafe.mesh). A program traced the same under the
-    same settings before, by any memsafe function, is reused (:mod:`memsafe.cache`), and one
-    another process planned is loaded where the plan store is on (:mod:`memsafe.stored`); a
-    ``hint`` from the plan at other shapes shortens the search (:class:`memsafe.search.Hint`).
-    Raises :class:`MemoryLimitError` when no rewrite brings the footprint under the limit."""
+    the split axes are sharded over the mesh (memsafe.split.strategies.sharded.mesh). A program
+    traced the same under the same settings before, by any memsafe function, is reused
+    (:mod:`memsafe.cache`), and one another process planned is loaded where the plan store is on
+    (:mod:`memsafe.stored`); a ``hint`` from the plan at other shapes shortens the search
+    (:class:`memsafe.search.Hint`). Raises :class:`MemoryLimitError` when no rewrite brings the
+    footprint under the limit."""
     watch = log.Stopwatch()
     closed, out_tree = trace(flat_fun, avals, name)
     start = None if rewrite_from is None else trace(rewrite_from, avals, name)[0]

@@ -20,8 +20,8 @@ class PassContext:
     a verified compile still exceeds the limit, so size-choosing passes pick smaller pieces.
     ``keep_custom_derivatives``: rewrites keep the custom derivative rules their replacements
     carry (the program is to be differentiated); otherwise only their primal computation is kept.
-    ``mesh``: where set (a :class:`memsafe.mesh.Sharding`), the split pass shards the axis of
-    each top-level region over its devices, and the limit is per device.
+    ``mesh``: where set (a :class:`memsafe.split.strategies.sharded.mesh.Sharding`), the split pass
+    shards the axis of each top-level region over its devices, and the limit is per device.
     ``roll``: whether the roll pass may turn repeated blocks into scans (the driver plans the
     program as written again, without, when no rolled attempt fits).
     """

@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, build, mesh, stages
+from memsafe import _jax, build, stages
 from memsafe.arguments import ArgSpec, Call
 from memsafe.backward import Backward, backward_program
 from memsafe.batching import BatchedProgram
@@ -23,6 +23,7 @@ from memsafe.limits import format_bytes, parse_limit
 from memsafe.plan import Plan
 from memsafe.program import Program
 from memsafe.search import Hint
+from memsafe.split.strategies.sharded import mesh
 
 
 class MemsafeFunction:
@@ -93,7 +94,8 @@ class MemsafeFunction:
         return program, call
 
     def _on_mesh(self, flat: Sequence[Any]) -> mesh.MeshPlan | None:
-        """The mesh this call runs on (memsafe.mesh.resolve), None for one device."""
+        """The mesh this call runs on (memsafe.split.strategies.sharded.mesh.resolve), None for one
+        device."""
         found = mesh.resolve(self.mesh, flat)
         return None if found is None else mesh.MeshPlan(found)
 
@@ -306,9 +308,9 @@ def jit(
         progress: show a one-line progress display on stderr for plans longer than about two
             seconds; None (default) reads the environment variable ``MEMSAFE_PROGRESS=1``.
         mesh: a ``jax.sharding.Mesh`` to run on, with ``memory_limit`` per device: the split
-            axes are sharded over its devices (memsafe.mesh). None (default): the mesh set
-            with ``jax.set_mesh``, else the one the arguments' ``NamedSharding`` carry, else
-            one device.
+            axes are sharded over its devices (memsafe.split.strategies.sharded.mesh). None
+            (default): the mesh set with ``jax.set_mesh``, else the one the arguments'
+            ``NamedSharding`` carry, else one device.
 
     Returns:
         A :class:`MemsafeFunction` (or, without ``fun``, a decorator making one).

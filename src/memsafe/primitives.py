@@ -94,13 +94,14 @@ class Facts:
             (``custom_jvp``/``custom_vjp``): memsafe differentiates the original function, so
             its primal body is exact for a forward program.
         windowed: it reads overlapping windows of an axis (convolutions, pooling): a split along
-            that axis runs on extended chunks (``memsafe.split.halo``).
+            that axis runs on extended chunks (``memsafe.split.strategies.halo``).
         linear: the operands it is linear in where its ``scaling`` does not say so (products,
             contractions, selections, concatenations and the linear layout ops; None: none).
         adds: it adds its two operands (``a + b``): a running sum's step
-            (``memsafe.split.replay`` recognises a carry that only accumulates by it).
+            (``memsafe.split.strategies.replay`` recognises a carry that only accumulates by it).
         replays: a loop its split rule may run once per chunk of a carry that only
-            accumulates, where no other split of a value exists (``memsafe.split.replay``).
+            accumulates, where no other split of a value exists
+            (``memsafe.split.strategies.replay``).
         control: control flow running programs of its own: ``"loop"`` (a body run again and
             again: ``scan``, ``while``) or ``"branch"`` (one of several: ``cond``); None: none.
         shape_free: its parameters name axes or dtypes, never lengths: it binds unchanged on

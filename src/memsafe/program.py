@@ -8,8 +8,9 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, mesh, tuning
+from memsafe import _jax, tuning
 from memsafe.plan import Plan
+from memsafe.split.strategies.sharded import mesh
 
 
 @dataclass(frozen=True)

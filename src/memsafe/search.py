@@ -12,7 +12,7 @@ from typing import Any
 
 import jax
 
-from memsafe import _jax, log, mesh, passes, policy
+from memsafe import _jax, log, passes, policy
 from memsafe.compiling import (
     Compiled,
     CompileWith,
@@ -31,6 +31,7 @@ from memsafe.limits import format_bytes
 from memsafe.pipeline import run_passes
 from memsafe.plan import Attempt, Plan, PlanTime
 from memsafe.program import Program
+from memsafe.split.strategies.sharded import mesh
 from memsafe.xla import (
     Footprint,
     contractions_stored,

@@ -2,9 +2,10 @@
 axis, each tile's sink partials folded into the running ones by the sinks' reducers.
 
 :class:`StagedBody` runs a region of one stage (every sink folded alone); :class:`OnlineBody` a
-region that :mod:`memsafe.split.online` merged into one loop (the running maxima fold first,
-the shifts are recomputed from them on the program's rows, and the other accumulators are
-rescaled by its :class:`memsafe.split.online.Rescale` carry), as attention and log-sum-exp rows.
+region that :mod:`memsafe.split.strategies.online` merged into one loop (the running maxima fold
+first, the shifts are recomputed from them on the program's rows, and the other accumulators are
+rescaled by its :class:`memsafe.split.strategies.online.Rescale` carry), as attention and
+log-sum-exp rows.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from memsafe.fused import reduce
 from memsafe.fused.kernel import Layout, stream
 from memsafe.fused.tile import bind_tile
 from memsafe.graph import Graph
-from memsafe.split.online import OnlinePlan, Rescale
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping
 from memsafe.split.sinks import Sink
+from memsafe.split.strategies.online import OnlinePlan, Rescale
 
 
 def _read(env: dict[Var, Any], atom: Any) -> Any:

@@ -30,10 +30,11 @@ from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
 from memsafe.split import loop as chunk_loop
 from memsafe.split import planner
-from memsafe.split.emit import OneDevice, StagedSplit, plan_loops
-from memsafe.split.online import OnlinePlan, OnlineSplit, late_factors, raw_key
+from memsafe.split.emit import OneDevice, plan_loops
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping
+from memsafe.split.strategies.online import OnlinePlan, OnlineSplit, late_factors, raw_key
+from memsafe.split.strategies.staged import StagedSplit
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ class Kernel:
         eqns: the equations it evaluates (program indices).
         inputs: the values it reads.
         gives: what its group defines: sinks' results (an online region's deferred sinks: their
-            unfinished accumulators, by :func:`memsafe.split.online.raw_key`).
+            unfinished accumulators, by :func:`memsafe.split.strategies.online.raw_key`).
         run: the kernel, operands (``inputs`` order) -> results (``gives`` order).
         tiles: rows by columns of each program's tile.
     """

@@ -7,7 +7,7 @@ the ``pad`` fills with that identity (0 for sums, -inf for max, +inf for min) an
 padding crops, the two are one ``reduce_window`` whose padding is the sum of both and whose
 base dilation is the pad's interior plus one. The padded value is never stored, and the split
 pass sees one windowed operation over the cotangent, which halos can split
-(:mod:`memsafe.split.halo`) where they could not read through the ``pad``.
+(:mod:`memsafe.split.strategies.halo`) where they could not read through the ``pad``.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ from memsafe.split.registry import Mapping, NoRule
 from memsafe.split.sinks import Sink
 
 #: The jaxprs of loop bodies a split rule re-traced per chunk whose iterations still make values
-#: as large as the loop's own (memsafe.split.replay's: the term added to an accumulator's chunk).
+#: as large as the loop's own (memsafe.split.strategies.replay's: the term added to an accumulator's
+#: chunk).
 _MAKES_WHOLE: weakref.WeakSet = weakref.WeakSet()
 
 

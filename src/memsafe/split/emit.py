@@ -1,15 +1,16 @@
-"""Emitting a split region as sequential loops, and re-tracing the program around them.
+"""The ``Split`` protocol, and the program re-traced with a split's loops as interpreter groups.
 
-A staged region runs one loop per stage (memsafe.split.loop drives each); the loops replace the
-region's equations as groups of the graph interpreter (memsafe.graph.interpret), which runs them
-in a dependency order that keeps the original program order wherever it can. A loop may run
-another way than chunk by chunk: the split's loop strategies (:class:`LoopStrategy`, the
-planner's ``LOOPS``; memsafe.split.selection's ``top_k`` in tiles) are asked first.
+A split (a strategy's answer for a region: memsafe.split.strategies' staged, online, sharded
+splits) gives the groups of the graph interpreter (memsafe.graph.interpret) that run its region
+in chunks; :func:`emit` re-traces the program through them, in a dependency order that keeps the
+original program order wherever it can. :func:`plan_loops` reads a region's stages as loops
+(:class:`Loop`), and :class:`LoopStrategy` is the protocol of the other ways a staged loop may
+run than chunk by chunk (the planner's ``LOOPS``: memsafe.split.strategies.selection's ``top_k``
+in tiles); the staged split itself is memsafe.split.strategies.staged.
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -20,9 +21,6 @@ from memsafe._jax import ClosedJaxpr, Var, is_var, make_closed_jaxpr
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group, evaluate
 from memsafe.split import loop as chunk_loop
-from memsafe.split import peephole
-from memsafe.split.devices import DevicesRunner
-from memsafe.split.loop import ChunkEnv, Fold, Written
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping
 from memsafe.split.sinks import Sink
@@ -115,7 +113,7 @@ class LoopPlan(Protocol):
 
     def run(self, operands: list[Any], runner: chunk_loop.Runner) -> list[Any]:
         """The loop's outputs from its operands (sliced, then whole), its iterations run by
-        ``runner`` (on a mesh, a ``memsafe.split.devices.DevicesRunner``)."""
+        ``runner`` (on a mesh, a ``memsafe.split.loop.DevicesRunner``)."""
         ...
 
 
@@ -130,107 +128,13 @@ class LoopStrategy(Protocol):
     ) -> LoopPlan | None: ...
 
 
-def _loop_plan(
-    graph: Graph,
-    region: Region,
-    loop: Loop,
-    chunk: int,
-    devices: int,
-    strategies: tuple[LoopStrategy, ...],
-) -> LoopPlan | None:
-    """The first of ``strategies`` that plans ``loop``, or None."""
-    for strategy in strategies:
-        planned = strategy(graph, region, loop, chunk, devices)
-        if planned is not None:
-            return planned
-    return None
-
-
-def planned_loop(graph: Graph, split: Split, chunk: int) -> LoopPlan | None:
-    """The loop of ``split`` a loop strategy runs (memsafe.split.selection's ``top_k`` in
-    tiles), if any: a staged split, on one device or sharded over a mesh (memsafe.mesh)."""
-    inner = unwrapped(split)
-    if not isinstance(inner, StagedSplit) or inner.same:
-        return None
-    for lp in plan_loops(graph, split.region):
-        planned = _loop_plan(graph, split.region, lp, chunk, split.devices, inner.loop_strategies)
-        if planned is not None:
-            return planned
-    return None
-
-
-def _loop_group(
-    graph: Graph,
-    region: Region,
-    loop: Loop,
-    chunk: int,
-    dead: frozenset[int],
-    runner: chunk_loop.Runner,
-    same: bool = False,
-    pinned: frozenset[int] = frozenset(),
-    strategies: tuple[LoopStrategy, ...] = (),
-):
-    """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``,
-    or as the first of ``strategies`` that applies runs it. With ``same``, the values are
-    computed as in every other loop of the region (no peephole moves, no loop strategies), and
-    the results of the equations in ``pinned`` held behind a barrier (:meth:`ChunkEnv.pin`)."""
-    sharded = isinstance(runner, DevicesRunner)
-    plain = region.span.plain  # peephole moves and loop strategies assume a chunk is its own
-    other = (runner is chunk_loop.run or sharded) and not same and plain
-    devices = runner.devices if sharded else 1
-    planned = _loop_plan(graph, region, loop, chunk, devices, strategies) if other else None
-    if planned is not None:
-        return loop.group(dead, functools.partial(planned.run, runner=runner))
-    eqns = graph.eqns
-    moved = loop.eqns if plain and not same else ()  # () plans none
-    peep = peephole.plan(graph, region, moved, chunk)
-    kept = {i: run for i in loop.eqns if (run := region.running(graph, i)) is not None}
-    running = tuple(kept)
-    reverse = any(run.reverse(eqns[i]) for i, run in kept.items())
-    finals = tuple(
-        (k, eqns[i], run, region.after_loop_positions(graph, i))
-        for k, (i, run) in enumerate(kept.items())
-        if i in loop.threads
-    )
-    carry = Fold(
-        tuple((eqns[i], region.maps[i]) for i in loop.sinks), running, reverse, finals,
-        tuple((eqns[i], run) for i, run in kept.items()),
-    )  # fmt: skip
-    written = Written.of(loop.surviving, region.axis_of, region.span.scale_of)
-    n_sliced = len(loop.sliced)
-
-    def body(start: Any, n: int, ops: list[Any], fed: Any) -> tuple[list, list]:
-        whole = dict(zip(loop.whole, ops[n_sliced:]))
-        sliced = list(zip(loop.sliced, ops[:n_sliced]))
-        env = ChunkEnv.slice_in(graph, region, peep, start, n, sliced, whole, fed)
-        parts = []
-        for i in loop.eqns:
-            if i in peep.skip:
-                continue
-            if not isinstance(region.maps[i], Sink):
-                env.bind(i)
-                if i in pinned:
-                    env.pin(i)
-            elif i in loop.sinks:
-                parts.append(env.partial(i))
-        return (parts, [env.carries[i] for i in running]), [env.written(v) for v in loop.surviving]
-
-    axes = chunk_loop.operand_axes(region.axis_of, loop.sliced, loop.whole)
-
-    def run_loop(operands: list[Any]) -> list[Any]:
-        results, bufs = runner(body, region.size, chunk, operands, carry, written, axes)
-        return results + bufs
-
-    return loop.group(dead, run_loop)
-
-
 class OneDevice:
-    """What a split on one device says of devices (memsafe.mesh wraps a split to shard it):
-    one device, no mesh axes, and the whole axis as that device's share."""
+    """What a split on one device says of devices: one device, and the whole axis as that
+    device's share (memsafe.split.strategies.sharded wraps a split to shard it, and says more:
+    the mesh axes the plan records)."""
 
     region: Region
     devices: ClassVar[int] = 1
-    mesh_axes: ClassVar[tuple[str, ...]] = ()
 
     @property
     def share(self) -> int:
@@ -238,61 +142,22 @@ class OneDevice:
         return self.region.size
 
 
-@dataclass(frozen=True)
-class StagedSplit(OneDevice):
-    """A region run as one loop per stage, each recomputing what it needs from the leaves."""
-
-    region: Region
-    #: Its later loops compare values they recompute: every loop computes them the same way
-    #: (no peephole moves, no tiles; :mod:`memsafe.split.recompute`).
-    same: bool = False
-    #: Equations whose results a comparison reads, computed alone in every loop that evaluates
-    #: them (:meth:`ChunkEnv.pin`, :func:`memsafe.split.recompute.pinned`).
-    pinned: frozenset[int] = frozenset()
-    #: Other ways to run a loop than chunk by chunk, tried in order for each loop at its chunk
-    #: unless ``same`` (the planner's ``LOOPS``: memsafe.split.selection's ``top_k`` in tiles).
-    loop_strategies: tuple[LoopStrategy, ...] = ()
-    #: Weight of the loop's iterations when choosing between axes.
-    cost_weight: ClassVar[float] = 1.0
-    #: Name added to the split's record (None: nothing to add).
-    label: ClassVar[str | None] = None
-
-    def fixed_bytes(self, graph: Graph) -> int:
-        """Bytes the loops carry beyond the sinks' accumulators."""
-        return 0
-
-    def groups(
-        self, graph: Graph, chunk: int, runner: chunk_loop.Runner = chunk_loop.run
-    ) -> list[Group]:
-        """The interpreter groups running the region in chunks of ``chunk``, each loop run by
-        ``runner``."""
-        loops = plan_loops(graph, self.region)
-        covered = frozenset().union(*(lp.eqns for lp in loops))
-        dead = frozenset(self.region.maps) - covered
-        return [
-            _loop_group(
-                graph, self.region, lp, chunk, dead if k == 0 else frozenset(), runner,
-                self.same, self.pinned, self.loop_strategies,
-            )
-            for k, lp in enumerate(loops)
-        ]  # fmt: skip
-
-
 class Split(Protocol):
-    """How a region runs: a staged split or an online one (memsafe.split.online)."""
+    """How a region runs: a staged split or an online one (memsafe.split.strategies.online)."""
 
     region: Region
     cost_weight: ClassVar[float]
     label: ClassVar[str | None]
 
     @property
-    def devices(self) -> int: ...
+    def devices(self) -> int:
+        """Devices sharing the axis, each looping over an equal share of it."""
+        ...
 
     @property
-    def mesh_axes(self) -> tuple[str, ...]: ...
-
-    @property
-    def share(self) -> int: ...
+    def share(self) -> int:
+        """Length of the axis each device runs in chunks."""
+        ...
 
     def fixed_bytes(self, graph: Graph) -> int: ...
 

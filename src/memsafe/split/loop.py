@@ -10,8 +10,8 @@ not store every chunk's intermediates. Values the region hands back along the ax
 into full buffers with ``dynamic_update_slice``.
 
 What the loop carries between chunks is a :class:`Carry`: :class:`Fold` folds each sink's
-partials with its reducer; the online-softmax carry (``memsafe.split.online``) also keeps running
-maxima the body reads and rescales its accumulators.
+partials with its reducer; the online-softmax carry (``memsafe.split.strategies.online``) also keeps
+running maxima the body reads and rescales its accumulators.
 """
 
 from __future__ import annotations
@@ -124,7 +124,8 @@ class Fold(Carry):
 class Opening(Protocol):
     """What a runner hands a running equation in place of a carried value on a chunk that opens
     a run of chunks of its own (a device's first chunk, where the loop runs over devices:
-    ``memsafe.mesh``): the operands that chunk reads, and nothing carried into it."""
+    ``memsafe.split.strategies.sharded.mesh``): the operands that chunk reads, and nothing carried
+    into it."""
 
     def operands(
         self, run: Running, eqn: JaxprEqn, invals: list[Any], mapping: Mapping
@@ -181,9 +182,39 @@ class Written:
 
 #: Runs a chunk body over the split axis: (body, axis size, chunk, operands, carry, written,
 #: the split axis of each operand or None where it is read whole) -> (sink results, buffers).
-#: :func:`run` runs it on one device; memsafe.mesh shards the axis over devices
-#: (``memsafe.split.devices.DevicesRunner``).
+#: :func:`run` runs it on one device; memsafe.split.strategies.sharded.mesh shards the axis over
+#: devices (``memsafe.split.loop.DevicesRunner``).
 Runner = Callable[..., tuple[list[Any], list[Any]]]
+
+
+@runtime_checkable
+class DevicesRunner(Protocol):
+    """A chunk-loop runner (:data:`Runner`) over the devices of a mesh
+    (memsafe.split.strategies.sharded.mesh.ShardedRun) that also runs any computation over each
+    device's share of the axis."""
+
+    @property
+    def devices(self) -> int:
+        """Devices sharing the axis, each over an equal share."""
+        ...
+
+    def __call__(
+        self, body: Body, size: int, chunk: int, operands: list[Any], carry: Carry,
+        written: Written, axes: Sequence[int | None] = (),
+    ) -> tuple[list[Any], list[Any]]: ...  # fmt: skip
+
+    def each(
+        self,
+        local: Callable[[list[Any], Any], Any],
+        size: int,
+        operands: list[Any],
+        axes: Sequence[int | None],
+        carry: Carry,
+    ) -> Any:
+        """``local(operands on this device, origin)``, a state of ``carry``, on every device
+        over its share of positions ``[0, size)`` (``size`` a multiple of :attr:`devices`),
+        combined across devices (``memsafe.split.strategies.sharded.mesh.combine``)."""
+        ...
 
 
 def operand_axes(
@@ -426,7 +457,7 @@ class ChunkEnv:
         run = self.region.running(self.graph, i)
         prev = None if run is None or self.carried is None else self.carried.get(i)
         invals = self.invals(i)
-        if isinstance(prev, Opening):  # a chunk that opens a run of its own (memsafe.mesh)
+        if isinstance(prev, Opening):  # a chunk that opens a run of its own (strategies.sharded)
             invals, prev = prev.operands(run, eqn, invals, m), None
         if prev is not None:
             invals = run.feed(eqn, invals, prev)

@@ -3,29 +3,30 @@
 For each intermediate larger than a share of the temporary budget (:func:`candidates`, largest
 first), every axis is tried: the region that axis allows is grown (:mod:`memsafe.split.region`),
 it is planned (:func:`strategy`: one online loop for staged max-shifted exp-sums,
-:mod:`memsafe.split.online`, else one loop per stage), its chunk chosen from the budget
+:mod:`memsafe.split.strategies.online`, else one loop per stage), its chunk chosen from the budget
 (:mod:`memsafe.split.size`), and the option with the fewest loop iterations wins
 (:func:`cheapest_split`). Where no axis splits, the retries of :data:`RETRIES` grow the regions
-again in their own rule context (:mod:`memsafe.split.replay`: loops replayed per chunk of an
-accumulator). :mod:`memsafe.split.program` runs this over a whole program and its loop bodies;
+again in their own rule context (:mod:`memsafe.split.strategies.replay`: loops replayed per chunk of
+an accumulator). :mod:`memsafe.split.program` runs this over a whole program and its loop bodies;
 the split pass (:mod:`memsafe.passes.split`) runs that.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from memsafe import policy
 from memsafe._jax import Var
 from memsafe.graph import Graph, estimate
 from memsafe.primitives import FUSIBLE
-from memsafe.split import halo, online, recompute, replay, selection
-from memsafe.split.emit import LoopStrategy, Split, StagedSplit
+from memsafe.split.emit import LoopStrategy, Split
 from memsafe.split.region import Region, SplitFailure, grow
 from memsafe.split.registry import PLAIN, RuleContext
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, two_chunks
 from memsafe.split.span import Spanning
+from memsafe.split.strategies import halo, online, recompute, replay, selection
+from memsafe.split.strategies.staged import StagedSplit
 
 
 def candidates(graph: Graph, budget: int, limit: int | None = None) -> list[Var]:
@@ -53,8 +54,8 @@ class Strategy(Protocol):
 
 def staged(graph: Graph, region: Region) -> Split:
     """One loop per stage, computing the values its later loops recompute and compare the same
-    way in every loop (:mod:`memsafe.split.recompute`): every region runs so. Where no loop
-    compares, each loop may run as one of :data:`LOOPS` runs it."""
+    way in every loop (:mod:`memsafe.split.strategies.recompute`): every region runs so. Where no
+    loop compares, each loop may run as one of :data:`LOOPS` runs it."""
     if not recompute.decides_on_recomputed(graph, region):
         return StagedSplit(region, loop_strategies=tuple(LOOPS))
     return StagedSplit(region, same=True, pinned=recompute.pinned(graph, region))
@@ -65,13 +66,24 @@ def staged(graph: Graph, region: Region) -> Split:
 STRATEGIES: list[Strategy] = [online.strategy, staged]
 #: Spans a region grows on before its plain chunks (:mod:`memsafe.split.span`), in order, on one
 #: device: the first that applies to the program and grows a region that is not plain wins
-#: (:func:`_region`). memsafe.split.halo's extended chunks run several windowed operations in a
-#: row in one loop.
+#: (:func:`_region`). memsafe.split.strategies.halo's extended chunks run several windowed
+#: operations in a row in one loop.
 SPANS: list[Spanning] = [halo.EXTENDED]
 #: Other ways to run one loop of a staged split than chunk by chunk, asked in order for each
-#: loop at its chunk (``memsafe.split.emit.LoopStrategy``); memsafe.split.selection runs a loop
-#: whose only work is a ``top_k`` along the axis in tiles of its operand, never stored.
+#: loop at its chunk (``memsafe.split.emit.LoopStrategy``); memsafe.split.strategies.selection runs
+#: a loop whose only work is a ``top_k`` along the axis in tiles of its operand, never stored.
 LOOPS: list[LoopStrategy] = [selection.plan]
+
+
+class Sharder(Protocol):
+    """What the planner knows of a mesh (the ``mesh`` of :func:`best_split`: a
+    ``memsafe.split.strategies.sharded.mesh.Sharding``): it wraps each split planned on one
+    device to run sharded over its devices. Spans (:data:`SPANS`) and :data:`REPLACING` apply
+    on one device only."""
+
+    def shard(self, graph: Graph, split: Split) -> Split:
+        """``split`` sharded over the devices; raises SplitFailure where it cannot be."""
+        ...
 
 
 class Retry(Protocol):
@@ -89,7 +101,8 @@ class Retry(Protocol):
 
 
 #: The retries :func:`best_split` tries in order where no axis of a value splits:
-#: memsafe.split.replay's replays loops that only accumulate into a carry per chunk of it.
+#: memsafe.split.strategies.replay's replays loops that only accumulate into a carry per chunk of
+#: it.
 RETRIES: list[Retry] = [replay.REPLAYING]
 #: Strategies that may take the place of the split planned for a region on one device, in
 #: order, each given the graph and the split so far (memsafe.fused adds its kernels here).
@@ -105,7 +118,8 @@ def add_strategy(strategy: Strategy) -> Strategy:
 
 def strategy(graph: Graph, region: Region) -> Split:
     """How ``region`` runs: the first of :data:`STRATEGIES` that applies (staged max-shifted
-    exp-sums as one online loop, :mod:`memsafe.split.online`; else one loop per stage)."""
+    exp-sums as one online loop, :mod:`memsafe.split.strategies.online`; else one loop per
+    stage)."""
     for candidate in STRATEGIES:
         split = candidate(graph, region)
         if split is not None:
@@ -118,7 +132,7 @@ def _option(
     var: Var,
     axis: int,
     budget: int,
-    mesh: Any = None,
+    mesh: Sharder | None = None,
     floor: int = 0,
     ctx: RuleContext = PLAIN,
     held: int = 0,
@@ -153,8 +167,8 @@ def _region(
 ) -> Region:
     """The region splitting ``var`` along ``axis``: on the first of ``spans`` that applies to
     the program and grows a region whose span is not plain (extended chunks where the program
-    has convolutions, :mod:`memsafe.split.halo`), else on plain chunks. Values the region reads
-    or writes whole may take half of ``budget``, or of ``held`` where larger (see
+    has convolutions, :mod:`memsafe.split.strategies.halo`), else on plain chunks. Values the region
+    reads or writes whole may take half of ``budget``, or of ``held`` where larger (see
     :func:`best_split`); values computed outside and read chunk by chunk over half of
     ``budget`` must then be smaller than ``var`` (``sliced_large`` of
     :func:`memsafe.split.region.grow`)."""
@@ -173,13 +187,13 @@ def _region(
 
 
 def best_split(
-    graph: Graph, var: Var, budget: int, mesh: Any = None, floor: int = 0, room: int = 0
+    graph: Graph, var: Var, budget: int, mesh: Sharder | None = None, floor: int = 0, room: int = 0
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """:func:`cheapest_split`; where no axis splits, the same in each retry of :data:`RETRIES`
-    that applies (loops replayed per chunk of an accumulator, :mod:`memsafe.split.replay`:
-    their work once per chunk), then, where the ``room`` for temporaries is larger than the
-    (chunk-scaled) ``budget``, the same with values held whole beside the loop measured against
-    the room; the first failures where none splits.
+    that applies (loops replayed per chunk of an accumulator,
+    :mod:`memsafe.split.strategies.replay`: their work once per chunk), then, where the ``room`` for
+    temporaries is larger than the (chunk-scaled) ``budget``, the same with values held whole beside
+    the loop measured against the room; the first failures where none splits.
 
     A smaller chunk scale shrinks the chunks; a value the loop reads or writes whole (a
     segment sum's node-sized accumulator) is as large at any scale. Measured against the
@@ -205,7 +219,7 @@ def cheapest_split(
     graph: Graph,
     var: Var,
     budget: int,
-    mesh: Any = None,
+    mesh: Sharder | None = None,
     floor: int = 0,
     ctx: RuleContext = PLAIN,
     held: int = 0,

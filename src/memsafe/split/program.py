@@ -32,13 +32,14 @@ from memsafe.graph.bodies import bodies, with_bodies
 from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, SplitRecord
 from memsafe.rewrite import invariants
-from memsafe.split import recompute
 from memsafe.split.body import makes_whole
-from memsafe.split.emit import Split, StagedSplit, emit, planned_loop, unwrapped
+from memsafe.split.emit import Split, emit, unwrapped
 from memsafe.split.planner import absorbed, best_split, candidates
 from memsafe.split.region import Region
 from memsafe.split.registry import PLAIN, NoRule, axis_map
 from memsafe.split.size import ChunkPlan, speed_cap
+from memsafe.split.strategies import recompute
+from memsafe.split.strategies.staged import StagedSplit, planned_loop
 
 
 def _describe(graph: Graph, var: Var) -> str:
@@ -340,7 +341,8 @@ def _record(graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var]) -> 
         loops=chunk.iterations if tiled is None else tiled.loops,
         devices=chunk.devices,
         share=chunk.share,
-        mesh_axes=split.mesh_axes,
+        # a sharded split's mesh axes (memsafe.split.strategies.sharded); none on one device
+        mesh_axes=getattr(split, "mesh_axes", ()),
         batch_mesh_axes=getattr(split, "batch_mesh_axes", ()),
         floored=chunk.floored,
         ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),

@@ -61,7 +61,8 @@ class Region:
     """Equations that run chunk by chunk along a split dimension of length ``size``.
 
     Built once by :func:`grow` and never changed: planning returns new objects
-    (:meth:`one_stage`, the split strategies of memsafe.split.emit and memsafe.split.online).
+    (:meth:`one_stage`, the split strategies of memsafe.split.emit and
+    memsafe.split.strategies.online).
     """
 
     seed: Var
@@ -75,7 +76,7 @@ class Region:
     surviving: tuple[Var, ...]  # region values needed outside: written chunk by chunk
     stage: dict[int, int]  # region equation index -> the loop (stage) that evaluates it
     #: What a chunk covers of each value (:mod:`memsafe.split.span`): the chunk itself, unless
-    #: the region grew on a strategy's span (extended chunks, memsafe.split.halo).
+    #: the region grew on a strategy's span (extended chunks, memsafe.split.strategies.halo).
     span: Span = PLAIN_SPAN
 
     @property

@@ -63,11 +63,11 @@ class RuleContext:
     so an answer depends on nothing else (memsafe.split.body caches answers by it).
 
     Attributes:
-        extended: the region grows on extended chunks (:mod:`memsafe.split.halo`): windowed
-            operations map the axis through as a ``memsafe.split.halo.Halo``, values of several
-            lengths along it may join, and only positional equations may.
+        extended: the region grows on extended chunks (:mod:`memsafe.split.strategies.halo`):
+            windowed operations map the axis through as a ``memsafe.split.strategies.halo.Halo``,
+            values of several lengths along it may join, and only positional equations may.
         replaying: a loop whose carry only accumulates may replay per chunk of that carry
-            (:mod:`memsafe.split.replay`).
+            (:mod:`memsafe.split.strategies.replay`).
     """
 
     extended: bool = False
@@ -221,7 +221,7 @@ class SplitRule:
         positional: whether, where the axis passes (a :class:`Mapping`, no running carry),
             result position ``o`` along it is computed from operand position ``o`` alone and
             from values read whole, whatever the chunk's start: such equations run unchanged
-            on an extended chunk (:mod:`memsafe.split.halo`).
+            on an extended chunk (:mod:`memsafe.split.strategies.halo`).
     """
 
     axis_map: AxisMap

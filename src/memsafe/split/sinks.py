@@ -5,10 +5,11 @@ kind of result: the partial result of one chunk, the fold of a later chunk's par
 running one (the monoid), the finished value, its sizing (the smallest chunk it can work with, the
 bytes it holds beyond its operands) and whether its accumulator can be rescaled by a factor
 (online softmax). What a strategy needs beyond that is a small protocol the reducer may implement,
-kept with the strategy: reading a window of an extended chunk (``memsafe.split.halo.Windowed``),
-a partial of a piece of a concatenation (``memsafe.passes.distribute.Pieced``). Across devices
-(``memsafe.split.devices``), partials combine by a collective where the monoid's fold has one
-(a sum's ``psum``), else in device order: a reducer knows nothing of devices.
+kept with the strategy: reading a window of an extended chunk
+(``memsafe.split.strategies.halo.Windowed``), a partial of a piece of a concatenation
+(``memsafe.passes.distribute.Pieced``). Across devices
+(``memsafe.split.strategies.sharded.devices``), partials combine by a collective where the monoid's
+fold has one (a sum's ``psum``), else in device order: a reducer knows nothing of devices.
 
 Partials are folded left to right, so ties keep the earlier (lower) index as
 ``argmax``/``argmin``/``top_k`` do on the whole axis. No identity elements are needed: the first

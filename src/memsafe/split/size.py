@@ -37,7 +37,7 @@ class ChunkPlan:
     per_unit: int  # bytes stored per unit of the split axis, in the largest stage
     fixed: int  # bytes the loops hold regardless of the chunk (accumulators, buffers, leaves)
     share: int  # length of the axis one device loops over (the whole axis on one device)
-    devices: int = 1  # devices sharing the axis, each looping over its share (memsafe.mesh)
+    devices: int = 1  # devices sharing the axis, each looping over its share (strategies.sharded)
     floored: bool = False  # the model expects even this smallest chunk over the budget
     halved: bool = False  # the model expects the whole axis to fit: two chunks, to be verified
 

@@ -6,9 +6,9 @@ The split core (:mod:`memsafe.split.region`, :mod:`memsafe.split.loop`,
 span (:data:`PLAIN_SPAN`) is the chunk itself: chunk ``[start, start + n)`` of the region's axis is
 positions ``[start, start + n)`` of every region value. A strategy may grow regions whose chunks
 cover more, through a :class:`Spanning` of its own that the planner tries before the plain one
-(``memsafe.split.planner.SPANS``): memsafe.split.halo's extended chunks cover ``E`` more positions
-on each side, and let values of several lengths along the axis (a pooling's operand and result)
-join one region, each ``k`` positions per position of the axis.
+(``memsafe.split.planner.SPANS``): memsafe.split.strategies.halo's extended chunks cover ``E`` more
+positions on each side, and let values of several lengths along the axis (a pooling's operand and
+result) join one region, each ``k`` positions per position of the axis.
 
 A span is asked for positions in the chunk's *covered* terms: :meth:`Span.cover` turns the chunk's
 own ``(start, n)`` into the covered ones, and every other method takes those.
@@ -113,15 +113,16 @@ class Spanning(Protocol):
 
 def scaled(start: Any, k: int) -> Any:
     """``start * k``, with no equation where ``k`` is 1 (a body that reads no position of the
-    axis must not read its start: memsafe.split.selection)."""
+    axis must not read its start: memsafe.split.strategies.selection)."""
     return start if k == 1 else start * k
 
 
 def local_start(start: Any, length: int) -> Any:
     """Where the chunk starting at global position ``start`` begins in a value of ``length``
     along the axis. A value covering the whole axis: ``start`` itself. A device's share of an
-    axis sharded in equal shares of ``length`` (memsafe.mesh) holds positions ``[d * length,
-    (d + 1) * length)`` and every chunk lies within one share: ``start`` modulo ``length``."""
+    axis sharded in equal shares of ``length`` (memsafe.split.strategies.sharded.mesh) holds
+    positions ``[d * length, (d + 1) * length)`` and every chunk lies within one share: ``start``
+    modulo ``length``."""
     return lax.rem(start, jnp.int32(length))
 
 

@@ -24,7 +24,7 @@ class Speed:
         chunk_bytes: modelled bytes per chunk above which a memory-bound region's chunk is
             lowered (:func:`memsafe.split.size.speed_cap`).
         tile_bytes: bytes of one tile of a tiled ``top_k`` selection's operand
-            (:mod:`memsafe.split.selection`).
+            (:mod:`memsafe.split.strategies.selection`).
     """
 
     chunk_bytes: int

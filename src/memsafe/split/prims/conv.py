@@ -8,8 +8,8 @@ spatial...):
 - the kernel's output-feature axis passes to the result's feature axis (the input used whole);
 - the input-feature axis is contracted: a sum sink over chunks of input and kernel features;
 - a spatial axis of the result is computed chunk by chunk from its window of the whole input
-  (:class:`memsafe.split.halo.Window`: padding, strides and both dilations), so the input is
-  used whole there, as the layout ops of ``prims/windows.py`` read theirs. A spatial axis whose
+  (:class:`memsafe.split.strategies.halo.Window`: padding, strides and both dilations), so the input
+  is used whole there, as the layout ops of ``prims/windows.py`` read theirs. A spatial axis whose
   window is one position wide (a 1x1 convolution, stride 1, no padding) passes like a batch axis;
 - a spatial axis of the kernel is contracted: a sum sink over chunks of its taps
   (:class:`KernelTaps`), the input read whole. A spatial axis of the input is refused (its
@@ -20,14 +20,15 @@ cotangent dilated by the stride against the reversed kernel; the kernel's: input
 contracted over the batch axis), so the same rule splits them: a batch split of a training step
 makes the kernel gradient a sum sink (gradient accumulation).
 
-While regions grow on extended chunks (``RuleContext.extended``, :mod:`memsafe.split.halo`), a
-spatial axis whose input is ``stride / lhs_dilation`` times as long as its result (one of them
-1: a "SAME" convolution, a strided one, the input gradient of a strided one) maps through as a
-:class:`~memsafe.split.halo.Halo`: the chunk's input, extended, is filled with zeros outside
-the axis and convolved unchanged, so several convolutions in a row run in one loop. The kernel
-gradient of such a convolution (input and cotangent both split along the axis) is a sum sink
-over the cotangent's chunks, each against the window of the extended input it reads
-(:class:`HaloTaps`). Chunk bodies bind convolutions in XLA's canonical layout (:func:`_bind`).
+While regions grow on extended chunks (``RuleContext.extended``,
+:mod:`memsafe.split.strategies.halo`), a spatial axis whose input is ``stride / lhs_dilation`` times
+as long as its result (one of them 1: a "SAME" convolution, a strided one, the input gradient of a
+strided one) maps through as a :class:`~memsafe.split.strategies.halo.Halo`: the chunk's input,
+extended, is filled with zeros outside the axis and convolved unchanged, so several convolutions in
+a row run in one loop. The kernel gradient of such a convolution (input and cotangent both split
+along the axis) is a sum sink over the cotangent's chunks, each against the window of the extended
+input it reads (:class:`HaloTaps`). Chunk bodies bind convolutions in XLA's canonical layout
+(:func:`_bind`).
 
 Grouped convolutions split along their batch (``batch_group_count == 1``) and spatial axes; the
 feature axes of grouped convolutions are refused.
@@ -40,10 +41,11 @@ from typing import Any
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn_with
-from memsafe.split import halo, sinks
-from memsafe.split.halo import Halo, Window
+from memsafe.split import sinks
 from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, shape, split_rule
 from memsafe.split.sinks import Sink
+from memsafe.split.strategies import halo
+from memsafe.split.strategies.halo import Halo, Window
 
 _NAME = "conv_general_dilated"
 

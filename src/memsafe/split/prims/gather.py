@@ -9,7 +9,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
-from memsafe.split import devices, sinks
+from memsafe.split import sinks
 from memsafe.split.indices import chunk_local_indices
 from memsafe.split.registry import (
     Mapping,
@@ -21,6 +21,7 @@ from memsafe.split.registry import (
     split_rule,
 )
 from memsafe.split.sinks import Sink
+from memsafe.split.strategies.sharded import devices
 
 SCATTERS = (
     *("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter"),
@@ -141,7 +142,7 @@ class ScatterRunning(Running):
     ) -> list[Any]:
         """A device's first chunk scatters into the operand on the device holding the axis's
         first positions, into the combiner's identity on the others; with :meth:`across`,
-        ``memsafe.mesh.Shardable``."""
+        ``memsafe.split.strategies.sharded.mesh.Shardable``."""
         reducer = sinks.SCATTER_INTO[eqn.primitive.name]
         operand = invals[0]
         fill = jnp.full(operand.shape, reducer.identity(operand.dtype), operand.dtype)
@@ -193,8 +194,8 @@ def _into(eqn: JaxprEqn, index_axis: int, update_axis: int, ctx: RuleContext) ->
     """Updates (and their indices) split along a scatter axis land anywhere in the operand
     (``segment_sum`` over chunks of edges, the gradient of a gather by chunks of indices): each
     chunk scatters into the running result (:class:`ScatterRunning`); on extended chunks
-    (:mod:`memsafe.split.halo`), which carry nothing from chunk to chunk, a sink that scatters
-    each chunk's updates and folds the results by the scatter's combiner."""
+    (:mod:`memsafe.split.strategies.halo`), which carry nothing from chunk to chunk, a sink that
+    scatters each chunk's updates and folds the results by the scatter's combiner."""
     reducer = sinks.SCATTER_INTO.get(eqn.primitive.name)
     if reducer is None:
         raise NoRule("scatter updates split along a non-batch axis (a scatter that overwrites)")

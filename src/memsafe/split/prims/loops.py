@@ -16,7 +16,6 @@ from jax import lax
 from memsafe._jax import JaxprEqn, bind_eqn_with, scan_counts, scan_layout
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
-from memsafe.split import replay
 from memsafe.split.registry import (
     LastChunk,
     Mapping,
@@ -28,6 +27,7 @@ from memsafe.split.registry import (
     split_rule,
 )
 from memsafe.split.sinks import additive_identity
+from memsafe.split.strategies import replay
 
 
 def _along_length(eqn: JaxprEqn, side: Side, axis: int) -> bool:
@@ -132,8 +132,8 @@ class Summed(Running):
     ) -> list[Any]:
         """A device's first chunk starts its summed carries from the initial carry on the first
         device and from zero on the others (the initial value is then counted once); with
-        :meth:`across`, ``memsafe.mesh.Shardable``: each device's shares add up like a
-        chunk's."""
+        :meth:`across`, ``memsafe.split.strategies.sharded.mesh.Shardable``: each device's shares
+        add up like a chunk's."""
         zeroed = _zero_sums(eqn, invals, _summed(eqn, mapping))
         return [jnp.where(first, v, z) if v is not z else v for v, z in zip(invals, zeroed)]
 
@@ -144,8 +144,8 @@ class Summed(Running):
 
 @dataclass(frozen=True)
 class Replayed(LastChunk):
-    """A scan replayed per chunk of an accumulator (:mod:`memsafe.split.replay`): its other
-    results are the same on every chunk; the last chunk's are the results after the loop."""
+    """A scan replayed per chunk of an accumulator (:mod:`memsafe.split.strategies.replay`): its
+    other results are the same on every chunk; the last chunk's are the results after the loop."""
 
     def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
         return isinstance(mapping, replay.Replay)

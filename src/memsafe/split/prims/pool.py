@@ -3,13 +3,13 @@ pooling, ``select_and_scatter_add``.
 
 An axis whose window is one position wide (the batch and channel axes of a pooling) passes
 unchanged. Along a pooled axis, a chunk of the result is computed from its window of the whole
-operand (:class:`memsafe.split.halo.Window`), padding and base dilation filled with the value
-the reduction pads with, so the operand is used whole there, as the layout ops of
+operand (:class:`memsafe.split.strategies.halo.Window`), padding and base dilation filled with the
+value the reduction pads with, so the operand is used whole there, as the layout ops of
 ``prims/windows.py`` read theirs. The gradient of average pooling is a ``pad`` and a
 ``reduce_window_sum``, both covered.
 
-On extended chunks (:mod:`memsafe.split.halo`), a pooled axis whose operand is ``stride``
-times as long as its result maps through as a :class:`~memsafe.split.halo.Halo` (the
+On extended chunks (:mod:`memsafe.split.strategies.halo`), a pooled axis whose operand is ``stride``
+times as long as its result maps through as a :class:`~memsafe.split.strategies.halo.Halo` (the
 operand filled with the padding value outside the axis), and so does the gradient of a max
 pooling whose windows tile the axis (:class:`Tiled`): a stack of convolutions and poolings runs
 in one region.
@@ -31,10 +31,10 @@ import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
-from memsafe.split import halo
-from memsafe.split.halo import Halo, Window, take
 from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, shape, split_rule
 from memsafe.split.sinks import extreme_identity
+from memsafe.split.strategies import halo
+from memsafe.split.strategies.halo import Halo, Window, take
 
 
 def _window(eqn: JaxprEqn, axis: int) -> Window:

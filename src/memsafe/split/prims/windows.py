@@ -58,7 +58,8 @@ def _moving(
 ) -> None:
     """Register ``name``: where ``moves(eqn, axis)`` the result's chunk is ``window`` of the
     whole operands; elsewhere the axis maps as ``passes`` says, re-bound by ``rebind_passing``
-    (positional: a concatenation of channels runs on extended chunks, memsafe.split.halo)."""
+    (positional: a concatenation of channels runs on extended chunks,
+    memsafe.split.strategies.halo)."""
 
     def axis_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
         if not moves(eqn, axis):

@@ -669,7 +669,7 @@ def late_factors(graph: Graph, region: Region, plan: OnlinePlan) -> Group:
 def strategy(graph: Graph, region: Region) -> OnlineSplit | None:
     """The online strategy (``memsafe.split.planner.STRATEGIES``): the region as one online loop,
     or None where that does not apply (regions whose chunks cover other positions than their own,
-    extended ones of :mod:`memsafe.split.halo`, run as plain staged loops)."""
+    extended ones of :mod:`memsafe.split.strategies.halo`, run as plain staged loops)."""
     if not region.span.plain:
         return None
     try:

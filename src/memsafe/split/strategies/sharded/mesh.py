@@ -5,9 +5,9 @@ one device, but the region's loop runs inside ``jax.shard_map``: the values it s
 axis are sharded over the mesh (each device holds ``size // devices`` positions), the values it
 reads whole are replicated, each device runs the ordinary chunk loop over its share (chunks
 chosen from the per-device budget), and the sinks' running results are combined across devices
-by :func:`combine` (sums and contractions with ``psum``, memsafe.split.devices; max, min,
-argmax, argmin, top-k and picks gathered and folded in device order, so ties and NaN keep the
-one-device answer; online-softmax accumulators rescaled to the merged maxima; a loop body's
+by :func:`combine` (sums and contractions with ``psum``, memsafe.split.strategies.sharded.devices;
+max, min, argmax, argmin, top-k and picks gathered and folded in device order, so ties and NaN keep
+the one-device answer; online-softmax accumulators rescaled to the merged maxima; a loop body's
 sums over the axis, such as a scan over layers accumulating parameter gradients over the batch,
 with ``psum``, the first device starting them from the loop's initial carry and the others from
 zero). Values the region writes along the axis come back sharded. An axis that does not divide
@@ -15,10 +15,10 @@ evenly runs its last ``size % devices`` positions as one more chunk after the de
 are combined (replicated; no padding reaches a max or a top-k). Program inputs the sharded
 loops slice are placed sharded along the axis; others are replicated.
 
-On a mesh with several axes the loop may run over some of them only (memsafe.mesh_layout): the
-others split an input the loop reads whole (a kNN's queries while its database runs over the
-rest), the shard_map is manual over the loop's axes only and XLA's SPMD partitioner runs each
-device's part of the input read whole.
+On a mesh with several axes the loop may run over some of them only
+(memsafe.split.strategies.sharded.layout): the others split an input the loop reads whole (a kNN's
+queries while its database runs over the rest), the shard_map is manual over the loop's axes only
+and XLA's SPMD partitioner runs each device's part of the input read whole.
 
 Every device's footprint is what XLA's ``memory_analysis()`` of the SPMD program reports (per
 device), verified against the limit like a one-device program.
@@ -38,18 +38,18 @@ from jax import lax
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from memsafe import mesh_layout
 from memsafe._jax import JaxprEqn, context_mesh, nbytes_of_aval
 from memsafe.errors import MemoryLimitError
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
 from memsafe.limits import format_bytes
 from memsafe.split import loop as chunk_loop
-from memsafe.split.devices import collective, combine_partials
 from memsafe.split.emit import Split
 from memsafe.split.loop import Body, Carry, Fold, Written
 from memsafe.split.region import SplitFailure
 from memsafe.split.registry import Mapping, Running
+from memsafe.split.strategies.sharded import layout as mesh_layout
+from memsafe.split.strategies.sharded.devices import collective, combine_partials
 from memsafe.xla import Footprint
 
 # -- what the split core's types do across devices ---------------------------------------------
@@ -260,8 +260,8 @@ class Sharding:
         return tuple(self.mesh.axis_names)
 
     def shard(self, graph: Graph, split: Split) -> Sharded:
-        """``split`` with its axis sharded over the mesh axes memsafe.mesh_layout chooses;
-        raises SplitFailure."""
+        """``split`` with its axis sharded over the mesh axes
+        memsafe.split.strategies.sharded.layout chooses; raises SplitFailure."""
         region = split.region
         layout = mesh_layout.choose(graph, region, self.mesh)
         if region.size < layout.devices:
@@ -359,7 +359,7 @@ class Sharded:
 
 @dataclass(frozen=True)
 class ShardedRun:
-    """A chunk-loop runner (memsafe.split.devices.DevicesRunner) over the devices of a mesh:
+    """A chunk-loop runner (memsafe.split.loop.DevicesRunner) over the devices of a mesh:
     manual over the layout's manual axes, its batch axes left to XLA's partitioner."""
 
     layout: mesh_layout.Layout

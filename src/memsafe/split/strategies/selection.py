@@ -16,9 +16,9 @@ such a loop runs in two passes:
    operands and the blocks' positions of the others, and ``top_k`` of those ``k * block``
    candidates and of the last ``size % block`` positions, computed directly.
 
-On a mesh (memsafe.mesh) each device runs both passes over its own share of the axis and keeps
-its k best; the devices' results are merged in device order, then the positions after the equal
-shares, as the sharded chunk loop merges a ``top_k``.
+On a mesh (memsafe.split.strategies.sharded.mesh) each device runs both passes over its own share of
+the axis and keeps its k best; the devices' results are merged in device order, then the positions
+after the equal shares, as the sharded chunk loop merges a ``top_k``.
 
 The argument of :mod:`memsafe.split.topk` makes this exact, ties included: only the k blocks with
 the best maxima can hold a top-k element, and candidates keep their original order. The passes
@@ -50,9 +50,9 @@ from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
 from memsafe.graph import Graph
 from memsafe.split import body as body_split
 from memsafe.split import peephole, sinks, speed, topk
-from memsafe.split.devices import DevicesRunner
 from memsafe.split.loop import (
     ChunkEnv,
+    DevicesRunner,
     Fold,
     Runner,
     Written,
@@ -137,7 +137,7 @@ class FusedTopK:
     rows_per_batch: int
     row_axes: tuple[int | None, ...]  # the row axis of each sliced, then whole, operand
     row_body: ClosedJaxpr  # the operand of one row: (row, start, *sliced cut, *whole cut)
-    devices: int = 1  # devices sharing the axis (memsafe.mesh), each over an equal share
+    devices: int = 1  # devices sharing the axis (strategies.sharded), each over an equal share
 
     @property
     def share(self) -> int:
@@ -195,8 +195,8 @@ class FusedTopK:
 
     def _run_sharded(self, operands: list[Any], runner: DevicesRunner) -> list[Any]:
         """Both passes on every device over its share, as on one device (``runner.each``,
-        memsafe.mesh), the devices' k best merged in device order, then the positions after
-        the equal shares (as the plain sharded loop runs them)."""
+        memsafe.split.strategies.sharded.mesh), the devices' k best merged in device order, then the
+        positions after the equal shares (as the plain sharded loop runs them)."""
         op, eqn, carry = self.operand, self._eqn, self._carry()
         n_sliced = len(op.sliced)
         axes = operand_axes(op.region.axis_of, op.sliced, op.whole)

@@ -2,8 +2,8 @@
 chunk, the equations of earlier stages it reads (the region's shared prefix), since only sink
 results and surviving values leave a loop.
 
-An online split (memsafe.split.online) runs its stages as one loop with running rescaling and
-recomputes nothing; a split sharded over a mesh costs what the split it wraps costs.
+An online split (memsafe.split.strategies.online) runs its stages as one loop with running rescaling
+and recomputes nothing; a split sharded over a mesh costs what the split it wraps costs.
 
 A later loop that compares recomputed values with what an earlier loop found (the gradient of
 ``max`` compares each value with the maximum) needs each value with the bits the earlier loop
@@ -24,15 +24,16 @@ from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
 from memsafe.graph.bodies import any_eqn
 from memsafe.primitives import compares_floats
-from memsafe.split.emit import StagedSplit, plan_loops, unwrapped
+from memsafe.split.emit import plan_loops, unwrapped
 from memsafe.split.region import Region
+from memsafe.split.strategies.staged import StagedSplit
 
 
 def cost(graph: Graph, split: Any, chunk: int = 0) -> dict[str, int]:
     """``stages`` (the loops ``split`` runs), ``recompute_flops`` (the estimated flops its
     later loops spend re-evaluating equations of earlier stages, and, on extended chunks of
-    ``chunk`` (:mod:`memsafe.split.halo`), every loop computing its halos) and ``extend``, as
-    keyword arguments of :class:`memsafe.plan.SplitRecord`."""
+    ``chunk`` (:mod:`memsafe.split.strategies.halo`), every loop computing its halos) and
+    ``extend``, as keyword arguments of :class:`memsafe.plan.SplitRecord`."""
     split = unwrapped(split)
     if not isinstance(split, StagedSplit):
         return {"stages": 1, "recompute_flops": 0, "extend": 0}
