@@ -299,3 +299,76 @@ def test_batched_variants_end_at_their_forms_operation():
             kept = rule.variants_for(every, None, without)
             mine = [v for v in kept if v.label.split(" batched")[0] == form.label]
             assert mine == [form], (rule.name, form.label)
+
+
+def test_declared_needs_hold_in_every_variant():
+    """Each built-in rule declares the (operation, operand's operation) pairs it needs
+    (Rule.needs), and every variant, batched or not, holds them and its form's pairs: a program
+    without one of them is not traced for the rule (Rule.variants_for), which is exact only so."""
+    from memsafe.rules.pattern import required_edges
+
+    for rule in builtin_rules():
+        assert rule.needs, rule.name
+        variants = rule.variants
+        forms = [v for v in variants if " batched " not in v.label]
+        for v in variants:
+            assert rule.needs <= required_edges(v), (rule.name, v.label)
+            form = forms[int(v.label.split()[1])]
+            assert required_edges(form) <= required_edges(v), (rule.name, v.label)
+
+
+def _fresh(rule):
+    """A copy of a built-in rule, nothing traced yet."""
+    from memsafe.rules.pattern import Rule
+
+    return Rule(
+        rule.name,
+        rule.patterns,
+        rule.replacement,
+        shapes=[tuple(s) for s in rule.specs],
+        dtypes=rule.dtypes,
+        needs=rule.needs,
+        check_replacement=False,
+    )
+
+
+def test_rule_without_its_needs_is_not_traced():
+    """A program without a pair the rule needs traces none of its forms; one with every pair of
+    a form traces it (and keeps it), and a form whose own pairs are missing is left out."""
+    from memsafe.rules.distance import SQDIST
+    from memsafe.rules.pattern import required_edges, required_ops
+
+    every_ops = set().union(*map(required_ops, SQDIST.variants))
+    every_edges = set().union(*map(required_edges, SQDIST.variants))
+    missing = _fresh(SQDIST)
+    assert missing.variants_for(every_ops, edges=every_edges - {("square", "sub")}) == []
+    assert missing._forms == {}  # nothing traced
+    rule = _fresh(SQDIST)
+    assert [v.label for v in rule.variants_for(every_ops, edges=every_edges)] == [
+        v.label for v in SQDIST.variants
+    ]
+    # forms 2 and 3 (the norm squared) hold sqrt -> reduce_sum; 0 and 1 do not
+    plain = _fresh(SQDIST)
+    kept = plain.variants_for(every_ops, edges=set(SQDIST.needs))
+    assert {v.label.split(" batched")[0] for v in kept} == {"form 0", "form 1"}
+
+
+def test_rules_skipped_by_needs_leave_matches_alone():
+    """The pre-filter only skips what could not match: the squared distance still fires, and a
+    program without its pairs (an MLP-like sum of squares of a difference of same-shaped
+    arrays has them, a plain product does not) traces no rule."""
+    import jax
+    import jax.numpy as jnp
+
+    from memsafe.rewrite.match import find_matches
+    from memsafe.rules.distance import SQDIST
+
+    x = jax.ShapeDtypeStruct((64, 32), jnp.float32)
+    y = jax.ShapeDtypeStruct((48, 32), jnp.float32)
+    closed = jax.make_jaxpr(lambda x, y: jnp.sum((x[:, None] - y[None]) ** 2, -1))(x, y)
+    found = find_matches(closed, [SQDIST], measure=False)
+    assert [m.rule.name for m, _ in found] == ["pairwise_sqdist"]
+    rule = _fresh(SQDIST)
+    closed = jax.make_jaxpr(lambda x, y: x @ y.T)(x, y)
+    assert find_matches(closed, [rule], measure=False) == []
+    assert rule._forms == {}

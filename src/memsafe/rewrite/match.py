@@ -22,19 +22,22 @@ from memsafe.graph import Graph, evaluate
 from memsafe.plan import RuleRecord
 from memsafe.rules.cost import savings
 from memsafe.rules.ir import IR
-from memsafe.rules.pattern import Match, Rule, Variant
+from memsafe.rules.pattern import Match, Rule, Variant, program_edges
 
 
 def _variants_by_op(
-    rules: Sequence[Rule], ops: set[str], ends: set[tuple[str, int]]
+    rules: Sequence[Rule],
+    ops: set[str],
+    ends: set[tuple[str, int]],
+    edges: set[tuple[str, str]] | None = None,
 ) -> dict[str, list[Variant]]:
-    """The variants of ``rules`` that can match in a program with the operations ``ops`` at
-    values of the (operation, rank) pairs ``ends``, by their root's operation, largest first
-    (then in the rules' order)."""
+    """The variants of ``rules`` that can match in a program with the operations ``ops`` (and
+    the (operation, operand's operation) pairs ``edges``) at values of the (operation, rank)
+    pairs ``ends``, by their root's operation, largest first (then in the rules' order)."""
     ranks = {rank for _, rank in ends}
     ordered: list[tuple[int, int, Variant]] = []
     for r, rule in enumerate(rules):
-        for variant in rule.variants_for(ops, ranks, ends):
+        for variant in rule.variants_for(ops, ranks, ends, edges):
             ordered.append((-variant.size, r, variant))
     ordered.sort(key=lambda t: (t[0], t[1]))
     by_op: dict[str, list[Variant]] = {}
@@ -60,7 +63,7 @@ def find_matches(
         and hasattr(eqn.outvars[0].aval, "shape")
     ]
     ends = {(ir.view(v).node.op, ir.view(v).rank) for v in roots}
-    by_op = _variants_by_op(rules, {node.op for node in ir.nodes}, ends)
+    by_op = _variants_by_op(rules, {node.op for node in ir.nodes}, ends, program_edges(ir))
     claimed: set[int] = set()
     found: list[tuple[Match, RuleRecord]] = []
     eqns = graph.eqns

@@ -66,6 +66,7 @@ SQDIST = Rule(
     dtypes=(jnp.floating,),
     filters=(_deep_enough,),
     description="pairwise squared distance -> |x|^2 + |y|^2 - 2 x y^T (one centred GEMM), clamped",
+    needs=[("reduce_sum", "square"), ("square", "sub")],
     check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
@@ -82,6 +83,7 @@ L2DIST = Rule(
     dtypes=(jnp.floating,),
     filters=(_deep_enough,),
     description="pairwise distance -> sqrt of the clamped GEMM expansion",
+    needs=[("sqrt", "reduce_sum"), ("reduce_sum", "square"), ("square", "sub")],
     check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
@@ -93,6 +95,7 @@ PAIRWISE_DOT = Rule(
     dtypes=(jnp.floating, jnp.complexfloating),
     filters=(_deep_enough,),
     description="sum(x[:, None] * y[None], -1) -> x @ y.T",
+    needs=[("reduce_sum", "mul")],
     check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
@@ -107,6 +110,7 @@ COSINE = Rule(
     dtypes=(jnp.floating,),
     min_bytes_saved=1,
     description="normalized rows then x @ y.T -> scale the GEMM by inverse norms (no copies)",
+    needs=[("dot_general", "div"), ("div", "sqrt"), ("sqrt", "reduce_sum")],
     check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 

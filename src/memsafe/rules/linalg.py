@@ -29,6 +29,7 @@ DIAG = Rule(
     shapes="n k, k n",
     dtypes=(jnp.floating, jnp.complexfloating, jnp.integer),
     description="diag(A @ B) -> sum(A * B.T, 1)",
+    needs=[("gather", "dot_general")],
     check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
@@ -39,6 +40,7 @@ TRACE = Rule(
     shapes="n k, k n",
     dtypes=(jnp.floating, jnp.complexfloating, jnp.integer),
     description="trace(A @ B) -> sum(A * B.T)",
+    needs=[("select_n", "dot_general"), ("reduce_sum", "select_n")],
     check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 
@@ -49,6 +51,7 @@ SUM = Rule(
     shapes="n k, k m",
     dtypes=(jnp.floating, jnp.complexfloating),
     description="sum(A @ B) -> sum(A, 0) . sum(B, 1)",
+    needs=[("reduce_sum", "dot_general")],
     check_replacement=False,  # checked by tests/test_rules_builtin.py
 )
 

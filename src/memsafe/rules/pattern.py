@@ -539,6 +539,11 @@ class Rule:
     ``check_replacement``: refuse the rule, when it is first traced, if the pattern matches its
     own replacement (it would fire forever); memsafe's built-in rules skip this check at run time
     (it traces every replacement, about a second) because the tests run it on each of them.
+    ``needs``: (operation, operand's operation) pairs of canonical operations (``IR`` node ops)
+    that every form of the pattern, batched or not, holds (:func:`required_edges`); a program
+    without one of them cannot match, and the rule is not traced for it (a pattern's first trace
+    is most of what a rule costs a program it does not fire in). Declared, not traced: give
+    only pairs each form holds (``tests/test_rules_builtin.py`` checks the built-ins').
     """
 
     def __init__(
@@ -556,6 +561,7 @@ class Rule:
         min_bytes_saved: int | None = None,
         description: str = "",
         check_replacement: bool = True,
+        needs: Collection[tuple[str, str]] = (),
     ) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError("Rule: name must be a non-empty string")
@@ -586,6 +592,7 @@ class Rule:
         self.batched = batched
         self.min_bytes_saved = min_bytes_saved
         self.check_replacement = check_replacement
+        self.needs = frozenset((str(a), str(b)) for a, b in needs)
         self.description = description or (replacement.__doc__ or "").strip().split("\n")[0]
         self._variants: list[Variant] | None = None
         self._forms: dict[int, list[Variant]] = {}  # form i, then its batched variants
@@ -606,6 +613,7 @@ class Rule:
         ops: Collection[str],
         ranks: Collection[int] | None = None,
         ends: Collection[tuple[str, int]] | None = None,
+        edges: Collection[tuple[str, str]] | None = None,
     ) -> list[Variant]:
         """The variants that can match in a program whose canonical operations (``IR`` node
         ops) are ``ops``, in the order of :attr:`variants`: each form whose operations (those a
@@ -620,11 +628,24 @@ class Rule:
         for tracing its batched forms. With ``ends``, the (operation, rank) of those values, a
         form's batched variants are kept only where ``ends`` holds its root's operation at one
         more axis (a batched variant's root is its form's root operation, batched: the same
-        test checks it): an MLP's gradient has rank-3 values, but none a rule's root makes."""
+        test checks it): an MLP's gradient has rank-3 values, but none a rule's root makes.
+        With ``edges``, the program's (operation, operand's operation) pairs, nothing is traced
+        where one of the rule's declared :attr:`needs` is missing, and a form is kept only
+        where ``edges`` holds each of its pairs (:func:`required_edges`; a match binds each
+        pattern operation to a program operation of the same name, and its operands to that
+        operation's operands; a batched variant holds its form's pairs, as it holds its
+        operations: the same tests check it)."""
+        if edges is not None:
+            edges = edges if isinstance(edges, set | frozenset) else set(edges)
+            if not self.needs <= edges:
+                return []
+        ops = ops if isinstance(ops, set | frozenset) else set(ops)
         out = []
         for i in range(len(self.patterns)):
             form = self._form(i, False)
-            if not required_ops(form[0]) <= set(ops):
+            if not required_ops(form[0]) <= ops:
+                continue
+            if edges is not None and not required_edges(form[0]) <= edges:
                 continue
             root = form[0].root
             batched = self.batched and (ranks is None or root.rank + 1 in ranks)
@@ -695,4 +716,36 @@ def required_ops(variant: Variant) -> frozenset[str]:
     return frozenset(ops)
 
 
-__all__ = ["Filter", "Match", "Rule", "Variant", "required_ops"]
+def required_edges(variant: Variant) -> frozenset[tuple[str, str]]:
+    """The (operation, operand's operation) pairs a match of ``variant`` needs in the program:
+    those of the pattern's nodes reachable from its root, operands that are inputs or literals
+    aside (a pattern input binds any program value)."""
+    seen: set[int] = set()
+    edges: set[tuple[str, str]] = set()
+    stack = [variant.root.node]
+    while stack:
+        node = stack.pop()
+        if node.uid in seen:
+            continue
+        seen.add(node.uid)
+        for view in node.operands:
+            if view.node.op not in ("input", "literal"):
+                edges.add((node.op, view.node.op))
+            stack.append(view.node)
+    return frozenset(edges)
+
+
+def program_edges(ir: IR) -> set[tuple[str, str]]:
+    """The (operation, operand's operation) pairs of a program's canonical form."""
+    return {(node.op, view.node.op) for node in ir.nodes for view in node.operands}
+
+
+__all__ = [
+    "Filter",
+    "Match",
+    "Rule",
+    "Variant",
+    "program_edges",
+    "required_edges",
+    "required_ops",
+]
