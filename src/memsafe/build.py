@@ -23,7 +23,7 @@ from memsafe.progress import enabled as progress_enabled
 from memsafe.rules.registry import registered_rules
 from memsafe.search import Hint, search
 from memsafe.split.strategies.sharded import mesh
-from memsafe.xla import memsafe_jit, merged_options
+from memsafe.xla import memsafe_jit, merged_options, start_probe
 
 
 def reported(build: Callable[..., Program]) -> Callable[..., Program]:
@@ -77,6 +77,7 @@ def build_program(
     (:class:`memsafe.search.Hint`). Raises :class:`MemoryLimitError` when no rewrite brings the
     footprint under the limit."""
     watch = log.Stopwatch()
+    start_probe()  # memsafe's compiler options known while the function is traced
     closed, out_tree = trace(flat_fun, avals, name)
     start = None if rewrite_from is None else trace(rewrite_from, avals, name)[0]
     traced = watch.elapsed

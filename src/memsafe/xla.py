@@ -7,9 +7,10 @@ generated code (folded constants) and closed-over constants that JAX passes as h
 
 from __future__ import annotations
 
-import functools
 import os
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,14 +26,48 @@ from memsafe.limits import format_bytes
 CPU_COMPILER_OPTIONS: dict[str, str] = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
-@functools.cache
-def _cpu_option_supported() -> bool:
-    """Whether this jaxlib's CPU compiler knows the YNNPACK option (older ones reject it)."""
+def _probe() -> bool:
+    """Whether this jaxlib's CPU compiler knows the YNNPACK option (older ones reject it): a
+    compile of a tiny program with it."""
     try:
         jax.jit(lambda x: x + 1, compiler_options=CPU_COMPILER_OPTIONS).lower(1.0).compile()
         return True
     except Exception:
         return False
+
+
+_probe_lock = threading.Lock()
+_probe_done: list[Future[bool]] = []  # the one probe of this process, once started
+
+
+def start_probe() -> None:
+    """Start the probe of :func:`_cpu_option_supported` in a thread of its own, where the
+    default backend is the CPU and it has not started: a plan calls this before it traces the
+    user's function, so that the probe's compile (0.1-0.3 s) runs beside the trace."""
+    if jax.default_backend() == "cpu" and os.environ.get("MEMSAFE_KEEP_YNN") is None:
+        _probe_future()
+
+
+def _probe_future() -> Future[bool]:
+    with _probe_lock:
+        if not _probe_done:
+            future: Future[bool] = Future()
+            _probe_done.append(future)
+
+            def run() -> None:
+                try:
+                    future.set_result(_probe())
+                except BaseException as err:  # never left pending
+                    future.set_exception(err)
+
+            threading.Thread(target=run, name="memsafe-probe", daemon=True).start()
+        return _probe_done[0]
+
+
+def _cpu_option_supported() -> bool:
+    """Whether this jaxlib's CPU compiler knows the YNNPACK option (older ones reject it): the
+    probe compile, once per process (started early by :func:`start_probe`)."""
+    return _probe_future().result()
 
 
 #: Names JAX gives a GPU backend.
