@@ -58,3 +58,80 @@ def test_a_plan_starts_the_probe_before_it_traces(fresh_probe, monkeypatch):
     memsafe.jit(lambda x: x * 2, memory_limit="1GiB").plan(jnp.ones(3))
     assert started and started[0]
     assert len(fresh_probe) == 1
+
+
+def _cone_by_scan(graph, atom, stop=frozenset(), dead=frozenset()):
+    """exclusive_cone as it was written first: every equation before the term's producer
+    looked at, latest first."""
+    from memsafe._jax import Var, is_var
+
+    if not is_var(atom):
+        return set()
+    root = graph.info(atom).producer
+    if root is None or graph.info(atom).is_output:
+        return set()
+    if any(c not in stop and c not in dead for c in graph.info(atom).consumers):
+        return set()
+    eqns = graph.eqns
+    for v in eqns[root].outvars:
+        if v is atom or not isinstance(v, Var):
+            continue
+        other = graph.info(v)
+        if other.is_output or any(c not in dead for c in other.consumers):
+            return set()
+    cone = {root}
+    for q in range(root - 1, -1, -1):
+        if q in stop or q in dead:
+            continue
+        outs = [graph.info(v) for v in eqns[q].outvars if isinstance(v, Var)]
+        if not outs or any(vi.is_output for vi in outs):
+            continue
+        uses = [c for vi in outs for c in vi.consumers if c not in dead]
+        if uses and all(c in cone for c in uses):
+            cone.add(q)
+    return cone
+
+
+def _programs():
+    import jax
+    import jax.numpy as jnp
+
+    def branches(x):
+        terms = [jnp.fft.ifft(jnp.fft.fft(x * k)).real for k in range(1, 5)]
+        shared = jnp.sin(x)
+        return terms[0] + terms[1] * shared + terms[2] + terms[3] + shared
+
+    def mlp(params, x):
+        for w in params:
+            x = jnp.tanh(x @ w)
+        return jnp.sum(x**2)
+
+    x = jnp.ones((16, 16))
+    params = [jnp.ones((16, 16)) * 0.1 for _ in range(3)]
+    yield jax.make_jaxpr(branches)(x)
+    yield jax.make_jaxpr(jax.value_and_grad(mlp))(params, x)
+
+
+def test_exclusive_cone_walks_only_what_the_term_reads():
+    """The cone found from the term's producer back through what it reads is the cone a scan of
+    every earlier equation finds, for every value, with and without stops and dead equations."""
+    from memsafe._jax import Var
+    from memsafe.graph import Graph
+    from memsafe.graph.branches import dead_equations, exclusive_cone, find_chains
+
+    for closed in _programs():
+        graph = Graph(closed)
+        dead = dead_equations(graph)
+        stops = [frozenset()]
+        stops += [frozenset(s.index for s in chain.steps) for chain in find_chains(graph)]
+        checked = 0
+        for eqn in graph.eqns:
+            for v in eqn.outvars:
+                if not isinstance(v, Var):
+                    continue
+                for stop in stops:
+                    for d in (frozenset(), dead):
+                        want = _cone_by_scan(graph, v, stop, d)
+                        assert exclusive_cone(graph, v, stop, d) == want
+                        checked += len(want) > 1
+        assert checked > 0

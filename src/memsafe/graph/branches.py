@@ -13,6 +13,7 @@ whose results are used, directly or transitively, by ``t_j`` alone.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 from memsafe import policy
@@ -144,8 +145,25 @@ def exclusive_cone(
         other = graph.info(v)
         if other.is_output or any(c not in dead for c in other.consumers):
             return set()  # the producer's other outputs are read elsewhere
+    # An equation joins the cone where its live uses are all in it (and it has one): each
+    # joins after every use, so the candidates are the producers of what the cone reads, taken
+    # latest first (a use comes after its producer, and joined, or not, before it is taken).
     cone = {root}
-    for q in range(root - 1, -1, -1):
+    candidates: list[int] = []
+    seen: set[int] = set()
+
+    def reads_of(index: int) -> None:
+        for v in eqns[index].invars:
+            if not isinstance(v, Var):
+                continue
+            producer = graph.info(v).producer
+            if producer is not None and producer not in seen:
+                seen.add(producer)
+                heapq.heappush(candidates, -producer)
+
+    reads_of(root)
+    while candidates:
+        q = -heapq.heappop(candidates)
         if q in stop or q in dead:
             continue
         outs = [graph.info(v) for v in eqns[q].outvars if isinstance(v, Var)]
@@ -154,6 +172,7 @@ def exclusive_cone(
         uses = [c for vi in outs for c in vi.consumers if c not in dead]
         if uses and all(c in cone for c in uses):
             cone.add(q)
+            reads_of(q)
     return cone
 
 
