@@ -135,3 +135,49 @@ def test_exclusive_cone_walks_only_what_the_term_reads():
                         assert exclusive_cone(graph, v, stop, d) == want
                         checked += len(want) > 1
         assert checked > 0
+
+
+def test_a_jaxprs_graph_is_built_once():
+    """Graph(closed) of a jaxpr seen before reuses its facts (hit); another jaxpr, even of the
+    same function, gets its own (miss), and so does a jaxpr whose equations list was edited."""
+    import gc
+
+    import jax
+    import jax.numpy as jnp
+
+    from memsafe._jax import ClosedJaxpr
+    from memsafe.graph import Graph
+    from memsafe.graph import graph as graph_module
+
+    def f(x):
+        return jnp.sin(x) * 2 + x
+
+    closed = jax.make_jaxpr(f)(jnp.ones(3))
+    first = Graph(closed)
+    again = Graph(ClosedJaxpr(closed.jaxpr, closed.consts))
+    assert again._values is first._values and again.eqns is first.eqns  # hit
+    other = jax.make_jaxpr(lambda x: f(x))(jnp.ones(3))  # (make_jaxpr caches f's)
+    fresh = Graph(other)
+    assert fresh._values is not first._values  # miss: another jaxpr object
+    assert [v.bytes for v in fresh.values()] == [v.bytes for v in first.values()]
+    key = id(other.jaxpr)
+    assert key in graph_module._BUILT
+    del other, fresh
+    gc.collect()
+    assert key not in graph_module._BUILT  # forgotten with its jaxpr
+
+
+def test_the_graph_cache_is_bounded():
+    import jax
+    import jax.numpy as jnp
+
+    from memsafe.graph import Graph
+    from memsafe.graph import graph as graph_module
+
+    kept = [jax.make_jaxpr(lambda x, k=k: x + k)(jnp.ones(2)) for k in range(40)]
+    for closed in kept:
+        Graph(closed)
+    assert len(graph_module._BUILT) <= graph_module._BUILT_MAX
+    assert (
+        id(kept[-1].jaxpr) in graph_module._BUILT and id(kept[0].jaxpr) not in graph_module._BUILT
+    )

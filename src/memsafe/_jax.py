@@ -8,6 +8,7 @@ JAX upgrade touches this file alone. Other modules import these names from ``mem
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -142,7 +143,7 @@ def nbytes_of_aval(aval: Any) -> int:
         itemsize = np.dtype(dtype).itemsize
     except TypeError:  # extended dtypes such as PRNG keys
         itemsize = getattr(dtype, "itemsize", 4)
-    return int(np.prod(shape, dtype=np.int64)) * int(itemsize)
+    return int(math.prod(shape)) * int(itemsize)
 
 
 def make_closed_jaxpr(fun: Callable[..., Any], avals: Sequence[Any]) -> tuple[ClosedJaxpr, Any]:

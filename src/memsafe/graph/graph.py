@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +36,14 @@ class Graph:
 
     def __post_init__(self) -> None:
         jaxpr = self.closed.jaxpr
+        known = _BUILT.get(id(jaxpr))
+        if known is not None and known[0]() is jaxpr and known[1] == _shape_of(jaxpr):
+            self._eqns, self._values = known[2], known[3]
+            return
+        self._build(jaxpr)
+        _remember(jaxpr, self._eqns, self._values)
+
+    def _build(self, jaxpr: Any) -> None:
         self._eqns = tuple(jaxpr.eqns)
         producers: dict[Var, int] = {}
         consumers: dict[Var, list[int]] = {}
@@ -101,3 +111,37 @@ class Graph:
         """The k largest intermediate values (not inputs or constants)."""
         inter = [vi for vi in self._values.values() if vi.producer is not None]
         return sorted(inter, key=lambda vi: vi.bytes, reverse=True)[:k]
+
+
+#: The graphs of the jaxprs seen last (their equations and value facts), by the jaxpr's ``id``,
+#: with a weak reference that says the jaxpr is still that one: a plan builds the graph of one
+#: program in several passes and analyses (8 times over the MLP step's gradient), and a jaxpr is
+#: never edited in place (passes re-trace), so a graph is a function of its jaxpr object.
+_BUILT: OrderedDict[int, tuple[Any, tuple[Any, ...], tuple[JaxprEqn, ...], dict]] = OrderedDict()
+_BUILT_MAX = 32
+
+
+def _shape_of(jaxpr: Any) -> tuple[Any, ...]:
+    """What a cached graph is checked against besides the jaxpr's identity (cheap): its lists'
+    objects and lengths, which an edit in place would change."""
+    return (
+        id(jaxpr.eqns),
+        len(jaxpr.eqns),
+        len(jaxpr.invars),
+        len(jaxpr.outvars),
+        len(jaxpr.constvars),
+    )
+
+
+def _remember(jaxpr: Any, eqns: tuple[JaxprEqn, ...], values: dict[Var, ValueInfo]) -> None:
+    key = id(jaxpr)
+
+    def forget(ref: Any) -> None:  # the jaxpr is gone: so are its facts
+        entry = _BUILT.get(key)
+        if entry is not None and entry[0] is ref:
+            _BUILT.pop(key, None)
+
+    _BUILT[key] = (weakref.ref(jaxpr, forget), _shape_of(jaxpr), eqns, values)
+    _BUILT.move_to_end(key)
+    while len(_BUILT) > _BUILT_MAX:
+        _BUILT.popitem(last=False)
