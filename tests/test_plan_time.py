@@ -181,3 +181,25 @@ def test_the_graph_cache_is_bounded():
     assert (
         id(kept[-1].jaxpr) in graph_module._BUILT and id(kept[0].jaxpr) not in graph_module._BUILT
     )
+
+
+def test_an_emitted_program_without_lapack_is_compiled_as_it_is():
+    """lapack_order.ordered traces a function to find its LAPACK calls; a program memsafe
+    emitted carries its jaxpr, so without LAPACK calls it is compiled without that trace (the
+    same function), and with them it is still ordered."""
+    import jax
+    import jax.numpy as jnp
+
+    from memsafe import lapack_order
+    from memsafe._jax import lapack_waits_on_its_pool
+    from memsafe.compiling import emit
+
+    x = jnp.ones((4, 4))
+    plain = emit(jax.make_jaxpr(lambda a: jnp.sin(a) @ a)(x))
+    assert lapack_order.ordered(plain) is plain
+    solve = lambda a: jax.scipy.linalg.cholesky(a @ a.T + 4 * jnp.eye(4))
+    emitted = emit(jax.make_jaxpr(solve)(x))
+    wrapped = lapack_order.ordered(emitted)
+    assert (wrapped is not emitted) == lapack_waits_on_its_pool()
+    np_out = jax.jit(wrapped)(x)
+    assert jnp.allclose(np_out[0], solve(x), rtol=1e-5)

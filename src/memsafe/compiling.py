@@ -157,4 +157,5 @@ def emit(
         outs = _jax.eval_jaxpr(closed.jaxpr, closed.consts, *flat)
         return outs if out_avals is None else _jax.weak_like(outs, out_avals)
 
+    run.memsafe_closed = closed  # type: ignore[attr-defined]  # what it runs (lapack_order)
     return run

@@ -43,9 +43,14 @@ from memsafe.primitives import LAPACK
 
 def ordered(fun: Callable[..., Any]) -> Callable[..., Any]:
     """``fun`` (of positional arrays, returning a pytree of arrays) with its LAPACK calls
-    ordered where this jaxlib needs it (see the module); ``fun`` itself elsewhere."""
+    ordered where this jaxlib needs it (see the module); ``fun`` itself elsewhere, and where
+    ``fun`` carries the jaxpr it runs (``memsafe_closed``, :func:`memsafe.compiling.emit`) and
+    that calls no LAPACK."""
     if not lapack_waits_on_its_pool():
         return fun
+    known = getattr(fun, "memsafe_closed", None)  # a program memsafe emitted: its jaxpr
+    if known is not None and not calls_lapack(known.jaxpr):
+        return fun  # (without tracing it once more to find out)
 
     @functools.wraps(fun)
     def run(*args: Any) -> Any:
