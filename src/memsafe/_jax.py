@@ -16,6 +16,8 @@ import jax
 import jax.extend.core as _jex_core
 import numpy as np
 from jax import core as _public_core
+from jax._src import mesh as mesh_lib
+from jax._src import source_info_util
 from jax._src.array import ArrayImpl as _ArrayImpl
 from jax._src.lax import lax as _lax_internal
 
@@ -89,9 +91,6 @@ def eqn_context(eqn: JaxprEqn) -> Iterator[None]:
     The mesh in context stays the current one: an equation re-bound inside ``shard_map``
     (memsafe.split.strategies.sharded.mesh) sees the manual mesh of the devices' shares, not the one
     it was traced in."""
-    from jax._src import mesh as mesh_lib
-    from jax._src import source_info_util
-
     name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
     current = mesh_lib.get_abstract_mesh()
     with (
@@ -105,8 +104,6 @@ def eqn_context(eqn: JaxprEqn) -> Iterator[None]:
 def _in_this_mesh(params: dict[str, Any]) -> dict[str, Any]:
     """``params`` with an output ``sharding`` over a mesh other than the current one dropped
     (an equation traced under ``jax.set_mesh``, re-bound inside ``shard_map``)."""
-    from jax._src import mesh as mesh_lib
-
     sharding = params.get("sharding")
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh == mesh_lib.get_abstract_mesh():
