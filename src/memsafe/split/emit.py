@@ -10,7 +10,6 @@ planner's ``LOOPS``; memsafe.split.selection's ``top_k`` in tiles) are asked fir
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
@@ -255,25 +254,14 @@ def _filled_in_place(
 
 def _fresh_fills(graph: Graph, loop: Loop, operands: list[Any], fresh: dict[int, Any]) -> list[Any]:
     """``operands`` with each of ``fresh`` (a scalar broadcast a running equation updates in
-    place, :func:`_filled_in_place`) made anew for this loop, by a ``lax.cond`` on one element
-    of a computed operand of the loop (both branches make the same fills: the answer does not
-    depend on the element, NaN included).
-
-    The same fill broadcast before several loops (each round of a graph network starts its
-    segment sum, maximum and minimum from zeros, -inf and inf) is one buffer to XLA's CSE,
-    kept to the last loop; each loop that scatters into it in place first copies it, and XLA
-    scheduled those copies at the program's start (a 3-round network: the 3 fills and 6
-    copies alive at once, 9 x 55 KiB where one round needs 3). ``lax.optimization_barrier``
-    does not keep them apart on the CPU (XLA expands it before CSE); a conditional's results
-    are buffers of their own, made once the element is: each loop's fills are then updated in
-    place, without a copy, when the loop can start (3 rounds of 3 fills of 442 x 32: 442 KiB
-    of temporaries instead of 781 KiB, under jax.jit too)."""
+    place, :func:`_filled_in_place`) made anew for this loop, apart from equal fills elsewhere
+    (:func:`memsafe.split.loop.apart`: else XLA merges them and copies the one buffer for
+    every loop but the last)."""
     if not fresh:
         return operands
     names = (*loop.sliced, *loop.whole)
-    made = [k for k in range(len(names)) if k not in fresh and math.prod(operands[k].shape) > 0]
-    made.sort(key=lambda k: (graph.info(names[k]).producer is None, not _inexact(operands[k])))
     infos = [graph.info(names[k]) for k in fresh]
+    others = [o for k, o in enumerate(operands) if k not in fresh]
 
     def fills() -> list[Any]:
         return [
@@ -281,19 +269,10 @@ def _fresh_fills(graph: Graph, loop: Loop, operands: list[Any], fresh: dict[int,
             for k, i in zip(fresh, infos)
         ]
 
-    if made:
-        element = operands[made[0]].reshape(-1)[0]
-        values = lax.cond(element == element, fills, fills)
-    else:
-        values = fills()
     out = list(operands)
-    for k, value in zip(fresh, values):
+    for k, value in zip(fresh, chunk_loop.apart(fills, others)):
         out[k] = value
     return out
-
-
-def _inexact(value: Any) -> bool:
-    return jax.numpy.issubdtype(value.dtype, jax.numpy.inexact)
 
 
 class OneDevice:
