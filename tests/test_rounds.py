@@ -4,10 +4,9 @@ accumulators, and a later stage of a split region reads the values an earlier st
 rather than computing them again from the region's inputs.
 
 - ``memsafe.split.loop.apart``: a segment sum (max, min) starts from a broadcast zero (-inf,
-  inf) that its loop updates in place, and a loop writes its chunks into a buffer of zeros. The
-  same broadcast before several loops is one buffer to XLA's CSE, copied by every loop but the
-  last, and XLA scheduled the copies at the start: the fills are made per loop, under a
-  ``lax.cond`` whose branches make the same values.
+  inf) that its loop updates in place. The same broadcast before several loops is one buffer
+  to XLA's CSE, copied by every loop but the last, and XLA scheduled the copies at the start:
+  the fills are made per loop, under a ``lax.cond`` whose branches make the same values.
 - ``memsafe.split.region.Region.read_back``: a region split along the nodes over all rounds
   (each round's node update a stage) computed every round's update again from the segment sums
   in its last stage, holding the sums of every round until then.
@@ -18,11 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
 import memsafe
-from memsafe.split import loop as chunk_loop
-from memsafe.xla import Footprint, memsafe_jit
 from tests.agree import assert_like_jit
 from tests.limits import limit_between
 
@@ -74,35 +70,3 @@ def test_rounds_of_segment_reductions_split_along_edges():
     assert plan.after.total <= limit, plan
     assert any(s.axis == 0 and s.size == 10_000 for s in plan.splits), plan
     assert_like_jit(g(*args), f, *args)
-
-
-def test_chunk_loops_in_a_row_write_buffers_of_their_own():
-    """Four chunk loops in a row, each writing a 1 MiB value the next one reads: two such
-    values are alive at once (main: four, each loop copying one shared buffer of zeros, the
-    copies made at the start)."""
-    n, d, steps = 4096, 64, 4
-
-    def body_of(k):
-        def body(start, size, ops, fed):
-            part = lax.dynamic_slice_in_dim(ops[0], start, size, 0)
-            return ([], []), [jnp.tanh(part * (k + 2.0))]
-
-        return body
-
-    def chained(x):
-        h = x
-        for k in range(steps):
-            written = chunk_loop.Written((None,), (0,))
-            _, (h,) = chunk_loop.chunked(body_of(k), n, 512, [h], chunk_loop.Fold(()), written)
-        return jnp.sum(h)
-
-    def plain(x):
-        h = x
-        for k in range(steps):
-            h = jnp.tanh(h * (k + 2.0))
-        return jnp.sum(h)
-
-    x = jnp.asarray(np.random.default_rng(0).standard_normal((n, d)), jnp.float32)
-    compiled = memsafe_jit(chained).lower(x).compile()
-    assert Footprint.from_compiled(compiled).temps < 2.5 * n * d * 4
-    np.testing.assert_allclose(compiled(x), memsafe_jit(plain)(x), rtol=1e-6)

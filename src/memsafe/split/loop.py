@@ -245,11 +245,10 @@ class _Chunks:
 
     def _empty(self, vals: Sequence[Any]) -> list[Any]:
         written = self.written
-        shapes = [
-            (_with_axis(v, ax, self.size * written.scale(k)), v.dtype)
+        return [
+            jnp.zeros(_with_axis(v, ax, self.size * written.scale(k)), v.dtype)
             for k, (v, ax) in enumerate(zip(vals, written.axes))
         ]
-        return apart(lambda: [jnp.zeros(s, d) for s, d in shapes], self.operands)
 
     def peeled(self) -> tuple[Any, list[Any]]:
         """The first chunk before the loop (its partials start the carry), then a
@@ -291,9 +290,7 @@ class _Chunks:
             return carry.start(parts), vals
 
         state0, vals0 = jax.eval_shape(first, self.start_of(0))
-        zeros = apart(
-            lambda: jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state0), self.operands
-        )
+        zeros = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), state0)
 
         def step(c: tuple[Any, list[Any]], i: Any) -> tuple[Any, list[Any]]:
             state, bufs = c
@@ -307,20 +304,23 @@ class _Chunks:
 
 
 def apart(make: Callable[[], Any], operands: Sequence[Any]) -> Any:
-    """``make()`` (buffers filled with a constant, which a loop then updates in place: the
-    buffers it writes chunk by chunk, its initial state), made by a ``lax.cond`` on one element
-    of each floating-point operand of the loop, whose branches both make them (the answer does
-    not depend on the elements, NaN included).
+    """``make()`` (buffers filled with a constant that a loop updates in place), made by a
+    ``lax.cond`` on one element of each floating-point operand of the loop, whose branches
+    both make them (the answer does not depend on the elements, NaN included).
 
     The same fill made before several loops is one buffer to XLA's CSE, kept to the last loop;
     every other loop that updates it in place first copies it, and XLA scheduled those copies
-    at the program's start (a graph network's gradient: 30 copies of one 65 KiB buffer alive
-    at once; a 3-round network's segment sums: the 3 fills and 6 copies, 9 x 55 KiB where one
-    round needs 3). ``lax.optimization_barrier`` does not keep them apart on the CPU (XLA
-    expands it before CSE); a conditional's results are buffers of their own, made once the
-    loop's operands are (3 rounds of 3 segment reductions into 442 x 32 nodes: 442 KiB of
-    temporaries instead of 781 KiB, under jax.jit too). Where no operand is a float, the fills
-    are made as they are."""
+    at the program's start (a 3-round graph network's segment sums: the 3 fills and 6 copies
+    alive at once, 9 x 55 KiB where one round needs 3). ``lax.optimization_barrier`` does not
+    keep them apart on the CPU (XLA expands it before CSE); a conditional's results are
+    buffers of their own, made once the loop's operands are (3 rounds of 3 segment reductions
+    into 442 x 32 nodes: 442 KiB of temporaries instead of 781 KiB, under jax.jit too). Where
+    no operand is a float, the fills are made as they are.
+
+    Only the fills of scatters carried from chunk to chunk are made so (``memsafe.split.emit``):
+    made so too, the zeros a loop writes its chunks into and its first state took away the
+    broadcasts a later split grows a region from (fuzz seed 142, a graph network's node update
+    split along the nodes from such a broadcast, was refused then)."""
     elements = [
         o.reshape(-1)[0]
         for o in operands
