@@ -58,6 +58,7 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
         idx = region.stage_eqns(graph, k)
         if not idx:
             continue
+        members = set(idx)
         sliced: dict[Var, None] = {}
         whole: dict[Var, None] = {}
         for i in idx:
@@ -65,7 +66,7 @@ def plan_loops(graph: Graph, region: Region) -> list[Loop]:
             for atom, ax in zip(eqns[i].invars, m.ins):
                 if not is_var(atom):
                     continue
-                if atom in region.produced:
+                if atom in region.produced and graph.info(atom).producer in members:
                     continue
                 (sliced if ax is not None else whole)[atom] = None
         sinks = tuple(i for i in idx if isinstance(region.maps[i], Sink) and region.stage[i] == k)

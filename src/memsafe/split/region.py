@@ -123,7 +123,8 @@ class Region:
         return dataclasses.replace(self, stage=dict.fromkeys(self.maps, 0))
 
     def stage_eqns(self, graph: Graph, k: int) -> list[int]:
-        """Equations loop ``k`` evaluates: its sinks and surviving outputs, and their ancestors."""
+        """Equations loop ``k`` evaluates: its sinks and surviving outputs, and their ancestors
+        (up to the values :meth:`read_back` says it reads from an earlier loop's buffers)."""
         eqns = graph.eqns
         surviving = set(self.surviving)
         targets = [
@@ -136,10 +137,13 @@ class Region:
                 or self.after_loop(graph, i)
             )
         ]
-        return sorted(self.ancestors(graph, targets))
+        return sorted(self.ancestors(graph, targets, self.read_back(graph, k)))
 
-    def ancestors(self, graph: Graph, targets: list[int]) -> set[int]:
-        """Equations ``targets`` and those of the region computing what they read in the loop."""
+    def ancestors(
+        self, graph: Graph, targets: list[int], stop: frozenset[Var] = frozenset()
+    ) -> set[int]:
+        """Equations ``targets`` and those of the region computing what they read in the loop
+        (not those computing ``stop``, read as they are)."""
         eqns = graph.eqns
         need: set[int] = set()
         stack = list(targets)
@@ -149,11 +153,55 @@ class Region:
                 continue
             need.add(i)
             for atom in eqns[i].invars:
-                if isinstance(atom, Var) and atom in self.produced:
+                if isinstance(atom, Var) and atom in self.produced and atom not in stop:
                     p = graph.info(atom).producer
                     if p is not None and p in self.maps:
                         stack.append(p)
         return need
+
+    def read_back(self, graph: Graph, k: int) -> frozenset[Var]:
+        """Values loop ``k`` reads chunk by chunk from the buffers an earlier loop wrote them
+        into, rather than computing them again from the region's leaves.
+
+        An earlier loop writes a surviving value whole (it is needed outside the region), so a
+        later loop can slice it like an input. Computed again, it would keep the leaves it is
+        computed from alive until the later loop: a graph network's node update, split along
+        the nodes in one region over its rounds (each round's loop reads the node state the
+        round before wrote), held every round's segment sums, read per chunk, until the last
+        round's loop (9 aggregates of 55 KiB where the round's 3 were needed). A value is
+        read back where its bytes are at most those of the computed values (not the program's
+        inputs, held anyway) its recomputation reads, or where it is an output (held to the
+        end anyway). Only on plain chunks: an extended chunk (memsafe.split.halo) computes its
+        halo again in every loop."""
+        if k == 0 or not self.span.plain:
+            return frozenset()
+        surviving = set(self.surviving)
+        eqns = graph.eqns
+        earlier = [
+            o
+            for i in self.maps
+            if self.stage[i] < k and isinstance(self.maps[i], Mapping)
+            for o in eqns[i].outvars
+            if o in surviving
+        ]
+        return frozenset(v for v in earlier if self._cheaper_read(graph, v))
+
+    def _cheaper_read(self, graph: Graph, var: Var) -> bool:
+        """Whether holding ``var`` (an earlier loop's surviving value) for a later loop costs no
+        more than holding the computed values outside the region its recomputation reads."""
+        info = graph.info(var)
+        if info.is_output:
+            return True
+        p = info.producer
+        leaves = {
+            atom
+            for i in self.ancestors(graph, [] if p is None else [p])
+            for atom in graph.eqns[i].invars
+            if isinstance(atom, Var)
+            and atom not in self.produced
+            and graph.info(atom).producer is not None
+        }
+        return info.bytes <= sum(graph.info(v).bytes for v in leaves)
 
 
 @dataclass

@@ -12,6 +12,10 @@ import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
+import jax
+from jax import lax
+
+from memsafe._jax import Literal
 from memsafe.graph import Graph
 from memsafe.graph.interpret import Group
 from memsafe.split import loop as chunk_loop
@@ -109,12 +113,61 @@ def _loop_group(
         return (parts, [env.carries[i] for i in running]), [env.written(v) for v in loop.surviving]
 
     axes = chunk_loop.operand_axes(region.axis_of, loop.sliced, loop.whole)
+    fresh = _filled_in_place(graph, region, loop, running)
 
     def run_loop(operands: list[Any]) -> list[Any]:
+        operands = _fresh_fills(graph, loop, operands, fresh)
         results, bufs = runner(body, region.size, chunk, operands, carry, written, axes)
         return results + bufs
 
     return loop.group(dead, run_loop)
+
+
+def _filled_in_place(
+    graph: Graph, region: Region, loop: Loop, running: tuple[int, ...]
+) -> dict[int, Any]:
+    """Operands of ``loop`` (by position, sliced then whole) that a running equation of the
+    loop updates in place (the operand of a scatter carried from chunk to chunk: its first
+    chunk scatters into it) and that are a scalar literal broadcast: position -> the literal's
+    value. See :func:`_fresh_fills`."""
+    eqns = graph.eqns
+    operands = (*loop.sliced, *loop.whole)
+    found: dict[int, Any] = {}
+    for k, v in enumerate(operands):
+        if k < len(loop.sliced):
+            continue
+        p = graph.info(v).producer
+        if p is None or eqns[p].primitive.name != "broadcast_in_dim":
+            continue
+        src = eqns[p].invars[0]
+        if not isinstance(src, Literal) or getattr(src.aval, "shape", None) != ():
+            continue
+        if any(eqns[i].invars[0] is v for i in running if eqns[i].invars):
+            found[k] = src.val
+    return found
+
+
+def _fresh_fills(graph: Graph, loop: Loop, operands: list[Any], fresh: dict[int, Any]) -> list[Any]:
+    """``operands`` with each of ``fresh`` (a scalar broadcast a running equation updates in
+    place, :func:`_filled_in_place`) made anew for this loop, apart from equal fills elsewhere
+    (:func:`memsafe.split.loop.apart`: else XLA merges them and copies the one buffer for
+    every loop but the last)."""
+    if not fresh:
+        return operands
+    names = (*loop.sliced, *loop.whole)
+    infos = [graph.info(names[k]) for k in fresh]
+    others = [o for k, o in enumerate(operands) if k not in fresh]
+
+    def fills() -> list[Any]:
+        return [
+            lax.broadcast_in_dim(jax.numpy.asarray(fresh[k], i.dtype), i.shape, ())
+            for k, i in zip(fresh, infos)
+        ]
+
+    out = list(operands)
+    for k, value in zip(fresh, chunk_loop.apart(fills, others)):
+        out[k] = value
+    return out
 
 
 @dataclass(frozen=True)
