@@ -414,21 +414,32 @@ def _grow(
 
 
 def _check_inputs(g: _Growth, sliced: set[Var], whole: set[Var], large: int) -> None:
-    """Values computed outside and read by the region must be small."""
+    """Values computed outside and read by the region must be small (checked in program order,
+    so that a refusal names the same value in every process)."""
     eqns = g.graph.eqns
-    for var in sliced:
+    for var in _in_order(g.graph, sliced):
         info = g.graph.info(var)
         if info.producer is not None and info.bytes > large:
             raise g.stopped_back.get(var) or SplitFailure(
                 "a large value outside the region would be read in full", eqns[info.producer]
             )
-    for var in whole:
+    for var in _in_order(g.graph, whole):
         info = g.graph.info(var)
         if info.producer is not None and info.bytes > large:
             failure = SplitFailure(
                 f"needs a large value whole ({info.bytes} bytes)", eqns[info.producer]
             )
             raise _ReadsWhole(failure, frozenset(u for v, u in g.whole_uses if v is var))
+
+
+def _in_order(graph: Graph, values: set[Var]) -> list[Var]:
+    """``values`` computed by the program in the order of their producers (arguments first)."""
+
+    def key(var: Var) -> tuple[int, int]:
+        p = graph.info(var).producer
+        return (-1, 0) if p is None else (p, list(graph.eqns[p].outvars).index(var))
+
+    return sorted(values, key=key)
 
 
 def _surviving(g: _Growth, produced: set[Var], large: int) -> list[Var]:
