@@ -86,3 +86,19 @@ def test_values_repeated_per_layer_are_counted():
     rec = SplitRecord(value, 4096, 0, 4, 1, 4, ("dot_general",), ("sum",))
     text = rec.describe()
     assert text.startswith("split 3 x f32[4,64] (dot_general at m.py:3) + f32[4,8] (exp at m.py:4)")
+
+
+def test_a_training_step_is_not_split_a_position_at_a_time_where_it_fits_without():
+    """The GPT step of benchmarks/train_step_model.py (batch 1, L = 512) under arguments +
+    outputs + half of jax.jit's temporaries fits with its blocks' values in chunks of many rows.
+    The planner's retry measuring held values against the whole room (best_split) once also
+    split the attention scores and the MLP's backward there in chunks of one row (1,024 loops,
+    its step 6x slower): a split the size model expects over the budget even then is not taken
+    (-m slow: about a minute)."""
+    import memsafe
+    from benchmarks.paired import _program
+
+    fun, args, limit = _program("train_step")
+    plan = memsafe.jit(fun, memory_limit=limit).plan(*args)
+    assert plan.after.total <= limit
+    assert max(s.loops for s in plan.splits) < 512, [s.describe() for s in plan.splits]
