@@ -348,7 +348,7 @@ def apart(make: Callable[[], Any], operands: Sequence[Any]) -> Any:
     into 442 x 32 nodes: 442 KiB of temporaries instead of 781 KiB, under jax.jit too). Where
     no operand is a float, the fills are made as they are.
 
-    Only the fills of scatters carried from chunk to chunk are made so (``memsafe.split.emit``):
+    Only the fills of scatters carried from chunk to chunk are made so (``strategies.staged``):
     made so too, the zeros a loop writes its chunks into and its first state took away the
     broadcasts a later split grows a region from (fuzz seed 142, a graph network's node update
     split along the nodes from such a broadcast, was refused then)."""
