@@ -699,40 +699,37 @@ class Rule:
         return None
 
 
-def required_ops(variant: Variant) -> frozenset[str]:
-    """The operations a match of ``variant`` needs in the program: those of the pattern's nodes
-    reachable from its root through operands (inputs and literals aside)."""
+def _reached(variant: Variant) -> list[Any]:
+    """The pattern's nodes reachable from its root through operands, each once."""
     seen: set[int] = set()
-    ops: set[str] = set()
+    out = []
     stack = [variant.root.node]
     while stack:
         node = stack.pop()
         if node.uid in seen:
             continue
         seen.add(node.uid)
-        if node.op not in ("input", "literal"):
-            ops.add(node.op)
+        out.append(node)
         stack.extend(view.node for view in node.operands)
-    return frozenset(ops)
+    return out
+
+
+def required_ops(variant: Variant) -> frozenset[str]:
+    """The operations a match of ``variant`` needs in the program: those of the pattern's nodes
+    reachable from its root through operands (inputs and literals aside)."""
+    return frozenset(n.op for n in _reached(variant) if n.op not in ("input", "literal"))
 
 
 def required_edges(variant: Variant) -> frozenset[tuple[str, str]]:
     """The (operation, operand's operation) pairs a match of ``variant`` needs in the program:
     those of the pattern's nodes reachable from its root, operands that are inputs or literals
     aside (a pattern input binds any program value)."""
-    seen: set[int] = set()
-    edges: set[tuple[str, str]] = set()
-    stack = [variant.root.node]
-    while stack:
-        node = stack.pop()
-        if node.uid in seen:
-            continue
-        seen.add(node.uid)
-        for view in node.operands:
-            if view.node.op not in ("input", "literal"):
-                edges.add((node.op, view.node.op))
-            stack.append(view.node)
-    return frozenset(edges)
+    return frozenset(
+        (node.op, view.node.op)
+        for node in _reached(variant)
+        for view in node.operands
+        if view.node.op not in ("input", "literal")
+    )
 
 
 def program_edges(ir: IR) -> set[tuple[str, str]]:
