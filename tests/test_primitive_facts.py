@@ -168,6 +168,7 @@ _NAMES_ALLOWED = {
     "split/prims/": "split rules, registered by the names they are rules of",
     "split/sinks.py": "sinks, registered by the names they reduce for",
     "rewrite/generators.py": "rewrite functions by the unary they invert",
+    "rules/": "rewrite rules: the operation pairs each rule's pattern needs (``Rule.needs``)",
     "fused/reduce.py": "reducer names (max, and), not primitives",
     "inspect/findings.py": "XLA's HLO opcodes, not jaxpr primitives",
 }
