@@ -210,11 +210,7 @@ def best_split(
                 return retried
     if room > budget:
         held = cheapest_split(graph, var, budget, mesh, floor, held=room)
-        # only a split the size model expects to fit: a floored one (chunks of the smallest
-        # size, still expected over the budget) is a guess that costs a loop per position,
-        # taken where the plain split was not made at all (a training step's attention scores
-        # in 1,024 chunks of 1 row: its step 6x slower, the program fitting without them)
-        if not isinstance(held, list) and not held[1].floored:
+        if not isinstance(held, list):
             return held
     return got
 
