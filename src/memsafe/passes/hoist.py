@@ -42,6 +42,7 @@ from memsafe.context import PassContext
 from memsafe.graph.bodies import runs_any, with_bodies
 from memsafe.graph.interpret import evaluate
 from memsafe.plan import PassRecord
+from memsafe.primitives import BROADCASTS
 from memsafe.split import registry
 from memsafe.split.registry import Mapping, NoRule
 
@@ -186,7 +187,7 @@ class _Hoist:
     def _mapping(self, eqn: JaxprEqn, axis: int) -> Mapping | None:
         """How ``axis`` of the result of ``eqn`` maps onto its operands, where the window
         commutes with ``eqn`` (a pointwise mapping that some operand carries, or a broadcast)."""
-        if len(eqn.outvars) != 1 or registry.rule_of(eqn.primitive.name) is None:
+        if len(eqn.outvars) != 1:
             return None
         try:
             m = registry.axis_map(eqn, ("out", 0), axis, registry.PLAIN)
@@ -196,7 +197,7 @@ class _Hoist:
             return None
         # an axis a broadcast creates holds the same values at every position: the window is
         # the broadcast at the window's length
-        creates = eqn.primitive.name == "broadcast_in_dim"
+        creates = eqn.primitive.name in BROADCASTS
         return m if creates or any(a is not None for a in m.ins) else None
 
     def _cone(self, root: Var, axis: int) -> dict[Var, tuple[int, Mapping]] | None:
