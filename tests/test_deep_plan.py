@@ -89,19 +89,13 @@ def test_values_repeated_per_layer_are_counted():
     assert text.startswith("split 3 x f32[4,64] (dot_general at m.py:3) + f32[4,8] (exp at m.py:4)")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: the held retry's floored splits (planner.best_split) are also what fuzz "
-    "seeds 37 and 78 need to fit; taking them only after an attempt without them is over the "
-    "limit is the fix left to do",
-)
 def test_a_training_step_is_not_split_a_position_at_a_time_where_it_fits_without():
     """The GPT step of benchmarks/train_step_model.py (batch 1, L = 512) under arguments +
     outputs + half of jax.jit's temporaries fits with its blocks' values in chunks of many rows.
     The planner's retry measuring held values against the whole room (best_split) once also
     split the attention scores and the MLP's backward there in chunks of one row (1,024 loops,
-    its step 6x slower), splits the size model expects over the budget even then (-m slow: about
-    a minute)."""
+    its step 6x slower), splits the size model expects over the budget even then. They are taken
+    only in attempts after one over the limit (-m slow: about a minute)."""
     import memsafe
     from benchmarks.paired import _program
 

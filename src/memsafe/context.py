@@ -24,6 +24,11 @@ class PassContext:
     shards the axis of each top-level region over its devices, and the limit is per device.
     ``roll``: whether the roll pass may turn repeated blocks into scans (the driver plans the
     program as written again, without, when no rolled attempt fits).
+    ``floored_held``: the split pass may take a split of values held whole beside the loop
+    at chunks the size model expects over the budget (floored, see
+    :func:`memsafe.split.planner.best_split`). Such a split is a guess that can cost a loop per
+    position, so the driver allows it only once an attempt at a shrunk chunk scale was over
+    the limit (:meth:`memsafe.search.Search.attempts`).
     """
 
     memory_limit: int
@@ -33,6 +38,7 @@ class PassContext:
     keep_custom_derivatives: bool = False
     mesh: Any = None
     roll: bool = True
+    floored_held: bool = False
     blockers: list[Blocker] = field(default_factory=list)
 
     @property

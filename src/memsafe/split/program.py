@@ -167,7 +167,11 @@ def _split_bodies(
         if i not in targets:
             return None
         sub = PassContext(
-            ctx.memory_limit, ctx.fixed_bytes + _live(graph, eqn), ctx.plan, ctx.chunk_scale
+            ctx.memory_limit,
+            ctx.fixed_bytes + _live(graph, eqn),
+            ctx.plan,
+            ctx.chunk_scale,
+            floored_held=ctx.floored_held,
         )
         if eqn.primitive.name in LOOP_BODIES:
             out = with_bodies(eqn, invals, lambda b: split_program(inline_calls(b), sub))
@@ -287,7 +291,7 @@ def _chosen(
     for var in candidates(graph, budget, ctx.memory_limit):
         if _key(graph, var) in failed:
             continue
-        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx), ctx.room)
+        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx), ctx.room, ctx.floored_held)
         if isinstance(got, tuple):
             return (var, *got, absorbed(graph, got[0].region, var, budget))
         failed.add(_key(graph, var))
