@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import pytest
 from jax import lax
 
 from memsafe.flops import eqn_flops, jaxpr_flops
