@@ -146,6 +146,7 @@ SPLIT_CORE = (
     "memsafe.split.indices",
     "memsafe.split.topk",
     "memsafe.split.speed",
+    "memsafe.split.window",
 )
 
 
@@ -161,36 +162,45 @@ def _reachable(graph: dict[str, set[str]], start: str) -> set[str]:
     return seen
 
 
+def _split_core(graph: dict[str, set[str]]) -> list[str]:
+    """:data:`SPLIT_CORE` and the rules of ``memsafe.split.prims``."""
+    return [*SPLIT_CORE, *sorted(m for m in graph if m.startswith("memsafe.split.prims"))]
+
+
 def test_the_split_core_imports_no_strategy():
-    """The split core imports nothing from memsafe.split.strategies, directly or through another
-    module: a strategy plugs into it through its protocols and the planner's tables."""
+    """The split core and its rules (``memsafe.split.prims``) import nothing from
+    memsafe.split.strategies, directly or through another module: a strategy plugs into it
+    through its protocols, the rules' extensions (``registry.extend``) and the planner's tables;
+    a rule is given what it needs through its ``RuleContext``."""
     graph = _graph()
+    core = _split_core(graph)
     assert all(m in graph for m in SPLIT_CORE), set(SPLIT_CORE) - set(graph)
+    assert "memsafe.split.prims.conv" in core and "memsafe.split.prims.loops" in core
     assert "memsafe.split.strategies.halo" in graph["memsafe.split.planner"]  # the graph is read
     found = {
-        core: sorted(m for m in _reachable(graph, core) if m.startswith("memsafe.split.strategies"))
-        for core in SPLIT_CORE
+        module: sorted(
+            m for m in _reachable(graph, module) if m.startswith("memsafe.split.strategies")
+        )
+        for module in core
     }
     assert not any(found.values()), {k: v for k, v in found.items() if v}
 
 
-#: What the split rules still import of the strategies (docs/contributing.md): windowed
-#: operations map the axis as a halo on extended chunks, the scan's rule maps a loop as a replay
-#: while replays are tried, a scatter's carry combines across devices.
-PRIMS_NAMING_STRATEGIES = {
-    "memsafe.split.prims.conv": {"memsafe.split.strategies.halo"},
-    "memsafe.split.prims.pool": {"memsafe.split.strategies.halo"},
-    "memsafe.split.prims.loops": {"memsafe.split.strategies.replay"},
-    "memsafe.split.prims.gather": {"memsafe.split.strategies.sharded.devices"},
-}
+def test_strategies_extend_the_rules_they_change():
+    """The halo strategy's windows and the replay strategy's loops are extensions of the
+    primitives' rules, registered by the strategies (none in ``memsafe.split.prims``)."""
+    from memsafe.split import registry
+    from memsafe.split.strategies import replay
+    from memsafe.split.strategies.halo import Halo
 
-
-def test_the_split_rules_name_no_other_strategy():
-    """No rule module imports a strategy beyond :data:`PRIMS_NAMING_STRATEGIES` (a new one is
-    a door cut into the core: give the rule what it needs through its ``RuleContext``)."""
-    found = {
-        name: {m for m in imported if m.startswith("memsafe.split.strategies")}
-        for name, imported in _graph().items()
-        if name.startswith("memsafe.split.prims")
+    by_mapping = {
+        name: {e.mapping.__name__ for e in exts} for name, exts in registry.EXTENSIONS.items()
     }
-    assert {k: v for k, v in found.items() if v} == PRIMS_NAMING_STRATEGIES
+    assert by_mapping["conv_general_dilated"] == {"Halo"}
+    assert by_mapping["reduce_window_max"] == {"Halo"}
+    assert by_mapping["select_and_scatter_add"] == {"Tiled"}
+    assert by_mapping["scan"] == {"Replay"}
+    assert all(
+        issubclass(e.mapping, registry.Mapping) for x in registry.EXTENSIONS.values() for e in x
+    )
+    assert issubclass(replay.Replay, registry.Mapping) and issubclass(Halo, registry.Mapping)

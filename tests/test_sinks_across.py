@@ -68,7 +68,8 @@ def test_sums_combine_by_psum_and_the_others_in_device_order():
     from jax import lax
 
     from memsafe.split import sinks
-    from memsafe.split.prims.conv import TAPS, HaloTaps
+    from memsafe.split.prims.conv import TAPS
+    from memsafe.split.strategies.halo.rules import HaloTaps
     from memsafe.split.strategies.sharded import devices
 
     for reducer in (sinks.SUM, sinks.DOT, TAPS, HaloTaps()):

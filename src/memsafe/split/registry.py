@@ -14,6 +14,11 @@ The rules themselves live in ``memsafe.split.prims``, one module per family of p
 primitive with no rule registered by its name takes the rule of its kind in
 ``memsafe.primitives.TABLE`` (every elementwise primitive one rule, every reduction another), so a
 primitive declared with ``memsafe.primitives.declare`` splits with no further step.
+
+A split strategy that maps the axis through some primitives its own way (the halo strategy's
+windows on extended chunks, the replay strategy's loops replayed per chunk of an accumulator)
+registers an :class:`Extension` of their rules with :func:`extend`: it answers with mappings of
+its own type and re-binds those, and the rules know nothing of it.
 """
 
 from __future__ import annotations
@@ -66,16 +71,16 @@ class RuleContext:
         extended: the region grows on extended chunks (:mod:`memsafe.split.strategies.halo`):
             windowed operations map the axis through as a ``memsafe.split.strategies.halo.Halo``,
             values of several lengths along it may join, and only positional equations may.
-        replaying: a loop whose carry only accumulates may replay per chunk of that carry
-            (:mod:`memsafe.split.strategies.replay`).
+        trying: the planner's retries in force (``memsafe.split.planner.Retry``: the replay
+            strategy's, say), which the :class:`Extension` of their strategy tests for.
     """
 
     extended: bool = False
-    replaying: bool = False
+    trying: frozenset[Any] = frozenset()
 
     def in_body(self) -> RuleContext:
         """The context inside a loop's or call's body, which runs on plain chunks."""
-        return RuleContext(replaying=self.replaying)
+        return RuleContext(trying=self.trying)
 
 
 #: Plain chunks, no replays: the context of every question asked outside region growth.
@@ -231,8 +236,33 @@ class SplitRule:
     positional: bool | Callable[[JaxprEqn, Mapping], bool] = False
 
 
+@dataclass(frozen=True)
+class Extension:
+    """What a split strategy adds to a primitive's rule (registered with :func:`extend`).
+
+    Attributes:
+        axis_map: asked as the rule's ``axis_map`` is: a mapping of type ``mapping`` (or a sink),
+            or None where the rule's own answer stands.
+        mapping: the type of the mappings ``axis_map`` answers with; equations mapped so are
+            re-bound by ``rebind`` (the rule's ``positional`` still answers for them).
+        rebind: the equation evaluated on one chunk, mapped as ``mapping``.
+        running: how chunks carry into the next where the equation, mapped as ``mapping``,
+            needs it (asked before the rule's own).
+        fallback: asked only where the rule raises :class:`NoRule` (its error stands where the
+            extension answers None); else asked before the rule.
+    """
+
+    axis_map: Callable[[JaxprEqn, Side, int, RuleContext], Mapping | Sink | None]
+    mapping: type[Mapping]
+    rebind: Rebind
+    running: tuple[Running, ...] = ()
+    fallback: bool = False
+
+
 #: Split rules by primitive name.
 SPLIT_RULES: dict[str, SplitRule] = {}
+#: What strategies add to the rules, by primitive name (:func:`extend`).
+EXTENSIONS: dict[str, tuple[Extension, ...]] = {}
 #: Split rules by the kind of primitive (``memsafe.primitives.Kind``), for primitives with no rule
 #: of their own in :data:`SPLIT_RULES`.
 KIND_RULES: dict[Kind, SplitRule] = {}
@@ -266,6 +296,12 @@ def split_rule(
     return deco
 
 
+def extend(*names: str, extension: Extension) -> None:
+    """Add ``extension`` to the split rules of ``names`` (after those added before)."""
+    for n in names:
+        EXTENSIONS[n] = (*EXTENSIONS.get(n, ()), extension)
+
+
 def rule_of(name: str) -> SplitRule | None:
     """The split rule of primitive ``name``: the one registered by its name, else that of its
     kind in ``memsafe.primitives.TABLE`` (None: it has none)."""
@@ -282,14 +318,35 @@ def _rule(eqn: JaxprEqn) -> SplitRule:
 
 def axis_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
     """Where the split axis goes through ``eqn``, given it sits at ``axis`` of ``side``, for a
-    region growing in context ``ctx``."""
-    return _rule(eqn).axis_map(eqn, side, axis, ctx)
+    region growing in context ``ctx``: the answer of the first :class:`Extension` of its rule
+    that gives one, else the rule's own."""
+    rule, extensions = _rule(eqn), EXTENSIONS.get(eqn.primitive.name, ())
+    for ext in extensions:
+        got = None if ext.fallback else ext.axis_map(eqn, side, axis, ctx)
+        if got is not None:
+            return got
+    try:
+        return rule.axis_map(eqn, side, axis, ctx)
+    except NoRule:
+        for ext in extensions:
+            got = ext.axis_map(eqn, side, axis, ctx) if ext.fallback else None
+            if got is not None:
+                return got
+        raise
+
+
+def _extension(eqn: JaxprEqn, mapping: Mapping) -> Extension | None:
+    """The extension of ``eqn``'s rule whose mappings ``mapping`` is, if any."""
+    extensions = EXTENSIONS.get(eqn.primitive.name, ())
+    return next((e for e in extensions if isinstance(mapping, e.mapping)), None)
 
 
 def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:
     """The running carry of ``eqn`` when it scans along the split axis (or sums over it into
     results after the loop), else None."""
-    return next((run for run in _rule(eqn).running if run.applies(eqn, mapping)), None)
+    ext = _extension(eqn, mapping)
+    runs = _rule(eqn).running if ext is None else (*ext.running, *_rule(eqn).running)
+    return next((run for run in runs if run.applies(eqn, mapping)), None)
 
 
 def positional(eqn: JaxprEqn, mapping: Mapping) -> bool:
@@ -302,15 +359,17 @@ def positional(eqn: JaxprEqn, mapping: Mapping) -> bool:
 
 def rebind(eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int) -> list[Any]:
     """Evaluate ``eqn`` on chunk-shaped ``invals`` (chunk of ``size`` starting at ``start``)."""
-    return _rule(eqn).rebind(eqn, invals, mapping, start, size)
+    ext = _extension(eqn, mapping)
+    return (_rule(eqn).rebind if ext is None else ext.rebind)(eqn, invals, mapping, start, size)
 
 
 def rebind_piece(
     eqn: JaxprEqn, invals: list[Any], mapping: Mapping, start: Any, size: int
 ) -> list[Any]:
     """Evaluate ``eqn`` on one piece of a concatenation (``size`` long, from ``start``)."""
-    rule = _rule(eqn)
-    return (rule.piece_rebind or rule.rebind)(eqn, invals, mapping, start, size)
+    rule, ext = _rule(eqn), _extension(eqn, mapping)
+    bind = rule.piece_rebind or rule.rebind if ext is None else ext.rebind
+    return bind(eqn, invals, mapping, start, size)
 
 
 # -- helpers the rules share -----------------------------------------------------------------

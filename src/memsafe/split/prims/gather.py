@@ -21,7 +21,6 @@ from memsafe.split.registry import (
     split_rule,
 )
 from memsafe.split.sinks import Sink
-from memsafe.split.strategies.sharded import devices
 
 SCATTERS = (
     *("scatter-add", "scatter_add", "scatter-mul", "scatter_mul", "scatter"),
@@ -148,10 +147,9 @@ class ScatterRunning(Running):
         fill = jnp.full(operand.shape, reducer.identity(operand.dtype), operand.dtype)
         return [lax.select(jnp.full(operand.shape, first), operand, fill), *invals[1:]]
 
-    def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
+    def across(self, eqn: JaxprEqn, carried: Any, devices: Any) -> Any:
         """The devices' scattered operands folded by the combiner, in device order."""
-        reducer = sinks.SCATTER_INTO[eqn.primitive.name]
-        return devices.combine_partials(reducer, eqn, (carried,), axis_name)[0]
+        return devices.fold(sinks.SCATTER_INTO[eqn.primitive.name], eqn, (carried,))[0]
 
 
 @split_rule(*SCATTERS, rebind=_rebind_scatter, running=ScatterRunning())

@@ -17,7 +17,6 @@ from memsafe._jax import JaxprEqn, bind_eqn_with, scan_counts, scan_layout
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import (
-    LastChunk,
     Mapping,
     NoRule,
     RuleContext,
@@ -27,7 +26,6 @@ from memsafe.split.registry import (
     split_rule,
 )
 from memsafe.split.sinks import additive_identity
-from memsafe.split.strategies import replay
 
 
 def _along_length(eqn: JaxprEqn, side: Side, axis: int) -> bool:
@@ -137,18 +135,9 @@ class Summed(Running):
         zeroed = _zero_sums(eqn, invals, _summed(eqn, mapping))
         return [jnp.where(first, v, z) if v is not z else v for v, z in zip(invals, zeroed)]
 
-    def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
+    def across(self, eqn: JaxprEqn, carried: Any, devices: Any) -> Any:
         """Shares add up over the devices; the same results are every device's own."""
-        return {k: lax.psum(v, axis_name) for k, v in carried[0].items()}, carried[1]
-
-
-@dataclass(frozen=True)
-class Replayed(LastChunk):
-    """A scan replayed per chunk of an accumulator (:mod:`memsafe.split.strategies.replay`): its
-    other results are the same on every chunk; the last chunk's are the results after the loop."""
-
-    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
-        return isinstance(mapping, replay.Replay)
+        return {k: lax.psum(v, devices.name) for k, v in carried[0].items()}, carried[1]
 
 
 def _zero_sums(eqn: JaxprEqn, invals: list[Any], sums: Any) -> list[Any]:
@@ -181,7 +170,7 @@ def _body_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[dict[int, int], di
 
 
 @functools.lru_cache(maxsize=64)
-def _inlined(body: Any) -> Any:
+def inlined_body(body: Any) -> Any:
     """A loop body with its nested calls inlined (asked for at every step of region growth)."""
     return inline_calls(body)
 
@@ -191,7 +180,7 @@ def _body_axes(
 ) -> tuple[Any, loop_body.Reached]:
     """The inlined body and its split, reached in ``ctx`` (a body's context). A stacked result
     is reached from the body inputs: the first input axis that lands on it wins."""
-    body = _inlined(eqn.params["jaxpr"])
+    body = inlined_body(eqn.params["jaxpr"])
     ins, outs = _body_seed(eqn, side, axis)
     consts, carry = scan_counts(eqn.params)
     tied = [(consts + j, j) for j in range(carry)]
@@ -209,7 +198,7 @@ def _split_body(eqn: JaxprEqn, m: Mapping) -> tuple[Any, loop_body.Reached]:
     the split axis in but not out", raised while emitting a plan already made)."""
     assert isinstance(m, Through)
     side, axis = next((("in", k), a) for k, a in enumerate(m.ins) if a is not None)
-    body = _inlined(eqn.params["jaxpr"])
+    body = inlined_body(eqn.params["jaxpr"])
     consts, carry = scan_counts(eqn.params)
     ins = {k: a - int(k >= consts + carry) for k, a in enumerate(m.ins) if a is not None}
     tied = [(consts + j, j) for j in range(carry)]
@@ -241,42 +230,15 @@ def _body_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping
     return Through(ins=ins, outs=outs, ctx=inner)
 
 
-def _accumulator(eqn: JaxprEqn, side: Side) -> int | None:
-    """The carry at ``side`` where the body only adds each iteration's term to it, else None."""
-    consts, carry = scan_counts(eqn.params)
-    k = side[1] - consts if side[0] == "in" else side[1]
-    if not 0 <= k < carry:
-        return None
-    body = _inlined(eqn.params["jaxpr"]).jaxpr
-    return k if replay.accumulator_adds(body, consts + k, k) is not None else None
-
-
-def _replay_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> replay.Replay | None:
-    """The scan replayed per chunk of the accumulator carry at ``side`` (while replays are
-    tried and the carry is one), else None."""
-    k = _accumulator(eqn, side) if ctx.replaying else None
-    if k is None:
-        return None
-    consts, _ = scan_counts(eqn.params)
-    ins = tuple(axis if j == consts + k else None for j in range(len(eqn.invars)))
-    outs = tuple(axis if j == k else None for j in range(len(eqn.outvars)))
-    return replay.Replay(ins=ins, outs=outs)
-
-
-@split_rule("scan", rebind=lambda *a: _rebind_scan(*a), running=(Threaded(), Replayed(), Summed()))
+@split_rule("scan", rebind=lambda *a: _rebind_scan(*a), running=(Threaded(), Summed()))
 def _scan(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Along the loop's length: the iterations run in chunks (threading the carry). Along
-    another axis: the body must map it through (the whole loop runs on each chunk), or, while
-    replays are tried, the loop replays per chunk of an accumulator carry."""
+    another axis: the body must map it through (the whole loop runs on each chunk). (Where it
+    does not, the replay strategy may replay the loop per chunk of an accumulator carry:
+    ``memsafe.split.strategies.replay``.)"""
     if _along_length(eqn, side, axis):
         return _length_map(eqn)
-    try:
-        return _body_map(eqn, side, axis, ctx)
-    except NoRule:
-        replayed = _replay_map(eqn, side, axis, ctx)
-        if replayed is None:
-            raise
-        return replayed
+    return _body_map(eqn, side, axis, ctx)
 
 
 def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
@@ -286,13 +248,8 @@ def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     consts, carry = scan_counts(eqn.params)
     if _along_length_mapped(eqn, m):
         return bind_eqn_with(eqn, invals, length=n)
-    if isinstance(m, replay.Replay):
-        k = next(j for j, a in enumerate(m.outs) if a is not None)
-        body = _inlined(eqn.params["jaxpr"])
-        new = replay.chunk_body(body, consts + k, k, m.outs[k], n)
-    else:
-        body, got = _split_body(eqn, m)
-        in_avals = [v.aval for v in body.jaxpr.invars]
-        new = loop_body.chunk_body(body, got, n, in_avals)
+    body, got = _split_body(eqn, m)
+    in_avals = [v.aval for v in body.jaxpr.invars]
+    new = loop_body.chunk_body(body, got, n, in_avals)
     layout = scan_layout(eqn.params, consts + 1, carry, len(invals) + 1, len(eqn.outvars))
     return bind_eqn_with(eqn, [jnp.asarray(start, jnp.int32), *invals], jaxpr=new, **layout)

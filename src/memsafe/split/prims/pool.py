@@ -3,16 +3,14 @@ pooling, ``select_and_scatter_add``.
 
 An axis whose window is one position wide (the batch and channel axes of a pooling) passes
 unchanged. Along a pooled axis, a chunk of the result is computed from its window of the whole
-operand (:class:`memsafe.split.strategies.halo.Window`), padding and base dilation filled with the
+operand (:class:`memsafe.split.window.Window`), padding and base dilation filled with the
 value the reduction pads with, so the operand is used whole there, as the layout ops of
 ``prims/windows.py`` read theirs. The gradient of average pooling is a ``pad`` and a
 ``reduce_window_sum``, both covered.
 
-On extended chunks (:mod:`memsafe.split.strategies.halo`), a pooled axis whose operand is ``stride``
-times as long as its result maps through as a :class:`~memsafe.split.strategies.halo.Halo` (the
-operand filled with the padding value outside the axis), and so does the gradient of a max
-pooling whose windows tile the axis (:class:`Tiled`): a stack of convolutions and poolings runs
-in one region.
+On extended chunks a pooled axis maps through as a halo instead, and so does the gradient of a
+max pooling whose windows tile the axis: the halo strategy extends these rules
+(``memsafe.split.strategies.halo.rules``).
 
 ``select_and_scatter_add`` routes each window's cotangent to the position its selection picks;
 a chunk of its result reads the windows that overlap it, cotangent and operand. Along a padded
@@ -22,8 +20,6 @@ compares padding as a value), so no chunked form is sure to agree.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
@@ -31,13 +27,12 @@ import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
-from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, shape, split_rule
+from memsafe.split.registry import Mapping, NoRule, RuleContext, Side, split_rule
 from memsafe.split.sinks import extreme_identity
-from memsafe.split.strategies import halo
-from memsafe.split.strategies.halo import Halo, Window, take
+from memsafe.split.window import Window, take
 
 
-def _window(eqn: JaxprEqn, axis: int) -> Window:
+def window(eqn: JaxprEqn, axis: int) -> Window:
     """The window of the equation along ``axis`` of its operand."""
     p = eqn.params
     lo, hi = p["padding"][axis]
@@ -53,34 +48,32 @@ def _identity(name: str, dtype: Any) -> Any:
     return extreme_identity(name, dtype)
 
 
-def _operands(eqn: JaxprEqn) -> int:
+def operands(eqn: JaxprEqn) -> int:
     """Array operands of the reduction (the general form ends with one init value for each)."""
     return len(eqn.invars) // 2 if eqn.primitive.name == "reduce_window" else len(eqn.invars)
 
 
 def _reduce_window_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
-    k, inits = _operands(eqn), len(eqn.invars) - _operands(eqn)
+    k, inits = operands(eqn), len(eqn.invars) - operands(eqn)
     outs = tuple(axis for _ in eqn.outvars)
-    win = _window(eqn, axis)
+    win = window(eqn, axis)
     if win.trivial:
         return Mapping(ins=(axis,) * k + (None,) * inits, outs=outs)
-    n_in, n_out = shape(eqn.invars[0])[axis], shape(eqn.outvars[0])[axis]
-    if ctx.extended and halo.aligned(win.stride, win.base_dilation, n_in, n_out):
-        return Halo.over(win, (axis,) * k + (None,) * inits, outs)
     if side[0] == "out":
         return Mapping(ins=(None,) * len(eqn.invars), outs=outs)  # windows of the whole operand
     raise NoRule(f"{eqn.primitive.name} reads overlapping windows of the split axis")
 
 
-def _fills(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
-    k = _operands(eqn)
+def fills(eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+    """The values the reduction pads its operands with, one for each."""
+    k = operands(eqn)
     if eqn.primitive.name == "reduce_window":
         return invals[k:]
     name = eqn.primitive.name.removeprefix("reduce_window_")
     return [_identity(name, eqn.invars[0].aval.dtype)]
 
 
-def _unpadded(eqn: JaxprEqn, axis: int) -> dict[str, Any]:
+def unpadded(eqn: JaxprEqn, axis: int) -> dict[str, Any]:
     """The equation's padding (and base dilation) params with ``axis`` left unpadded."""
     padding = list(eqn.params["padding"])
     padding[axis] = (0, 0)
@@ -95,18 +88,12 @@ def _unpadded(eqn: JaxprEqn, axis: int) -> dict[str, Any]:
 def _rebind_reduce_window(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
     """A chunk of a pooled axis: the reduction of the chunk's windows, read from the whole
     operands with the reduction's own padding values."""
-    axis, k = m.outs[0], _operands(eqn)
-    if isinstance(m, Halo):  # an extended chunk: the padding value outside the axis, as it is
-        n_in = shape(eqn.invars[0])[axis]
-        first = m.operand_start(start)
-        fills = _fills(eqn, invals)
-        filled = [halo.fill_outside(x, axis, first, n_in, f) for x, f in zip(invals, fills)]
-        return bind_eqn(eqn, filled + invals[k:])
+    axis, k = m.outs[0], operands(eqn)
     if axis is None or any(a is not None for a in m.ins):
         return bind_eqn(eqn, invals)
-    win = _window(eqn, axis)
-    read = [win.read(x, axis, start, n, f) for x, f in zip(invals[:k], _fills(eqn, invals))]
-    return bind_eqn_with(eqn, read + invals[k:], **_unpadded(eqn, axis))
+    win = window(eqn, axis)
+    read = [win.read(x, axis, start, n, f) for x, f in zip(invals[:k], fills(eqn, invals))]
+    return bind_eqn_with(eqn, read + invals[k:], **unpadded(eqn, axis))
 
 
 def _passes(eqn: JaxprEqn, m: Mapping) -> bool:
@@ -114,37 +101,18 @@ def _passes(eqn: JaxprEqn, m: Mapping) -> bool:
     return any(a is not None for a in m.ins)
 
 
-for _name in ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window"):
-    split_rule(_name, rebind=_rebind_reduce_window, positional=_passes)(_reduce_window_map)
+#: The pooling reductions, one rule.
+REDUCE_WINDOWS = ("reduce_window_sum", "reduce_window_max", "reduce_window_min", "reduce_window")
+split_rule(*REDUCE_WINDOWS, rebind=_rebind_reduce_window, positional=_passes)(_reduce_window_map)
 
 
 # -- select_and_scatter_add ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Tiled(Halo):
-    """``select_and_scatter_add`` on extended chunks along an axis its windows tile (as long as
-    their stride, no padding): each window's cotangent lands in the window, so a chunk's result
-    is the equation on its chunks, the source ``stride`` times shorter than the operand."""
-
-    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
-        source, operand = ins
-        scaled = None if source is None else source * self.stride
-        return len({n for n in (scaled, operand, *outs) if n is not None}) <= 1
-
-    def wrong_after(self, ins: Sequence[int | None]) -> int:
-        """A wrong source position spoils its window's ``stride`` result positions."""
-        source, operand = ins
-        return max(self.stride * (source or 0), operand or 0)
-
-
 def _select_and_scatter_add_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
-    win = _window(eqn, axis)
+    win = window(eqn, axis)
     if win.trivial:
         return Mapping(ins=(axis, axis), outs=(axis,))
-    tiles = win.size == win.stride and (win.pad_lo, win.pad_hi) == (0, 0)
-    if ctx.extended and tiles and win.base_dilation == win.window_dilation == 1:
-        return Tiled.over(win, (axis, axis), (axis,))
     if side[0] != "out":
         raise NoRule("select_and_scatter_add scatters overlapping windows along the split axis")
     if (win.pad_lo, win.pad_hi) != (0, 0):
@@ -158,10 +126,10 @@ def _rebind_select_and_scatter_add(
     """Result positions ``[start, start + n)``: the windows that overlap them (the cotangent
     outside the source is 0, adding nothing), scattered into their span, then the chunk's part."""
     axis = m.outs[0]
-    if axis is None or m.ins != (None, None):  # passing, or tiled on extended chunks
+    if axis is None or m.ins != (None, None):  # passing
         return bind_eqn(eqn, invals)
     source, operand = invals
-    win = _window(eqn, axis)
+    win = window(eqn, axis)
     size, stride = win.size, win.stride
     a = lax.convert_element_type(start, jnp.int32)
     first = (a - size + 1) // stride  # the first window that can reach position ``start``

@@ -30,19 +30,12 @@ from memsafe.split.registry import (
     with_size,
 )
 from memsafe.split.sinks import Sink
+from memsafe.split.window import take
 
 
 def _positions(start: Any, n: int) -> Any:
     """Global positions ``start .. start + n - 1`` of the chunk along the axis."""
     return lax.convert_element_type(start, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
-
-
-def _take(value: Any, axis: int, pos: Any, valid: Any, fill: Any) -> Any:
-    """``value`` at positions ``pos`` along ``axis``; ``fill`` where ``valid`` is false."""
-    size = value.shape[axis]
-    got = jnp.take(value, jnp.clip(pos, 0, size - 1), axis=axis)
-    keep = lax.broadcast_in_dim(valid, got.shape, (axis,))
-    return lax.select(keep, got, jnp.broadcast_to(jnp.asarray(fill, got.dtype), got.shape))
 
 
 def _length(atom: Any, axis: int) -> int:
@@ -92,7 +85,7 @@ def _rev(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
     (x,) = invals
     others = tuple(d for d in eqn.params["dimensions"] if d != axis)
     x = lax.rev(x, others) if others else x
-    return _take(x, axis, pos, pos >= 0, 0)
+    return take(x, axis, pos, pos >= 0, 0)
 
 
 # -- pad ----------------------------------------------------------------------------------------
@@ -107,7 +100,7 @@ def _pad(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
     q = _positions(start, n) - lo
     step = interior + 1
     valid = (q >= 0) & (q % step == 0) & (q // step < x.shape[axis])
-    return _take(x, axis, q // step, valid, fill)
+    return take(x, axis, q // step, valid, fill)
 
 
 # -- concatenate ---------------------------------------------------------------------------------
@@ -120,7 +113,7 @@ def _concatenate(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> 
     for x in invals:
         size = x.shape[axis]
         here = (pos >= offset) & (pos < offset + size)
-        part = _take(x, axis, pos - offset, here, 0)
+        part = take(x, axis, pos - offset, here, 0)
         if out is None:
             out = part
         else:
@@ -141,7 +134,7 @@ def _slice(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
     pos = starts[axis] + _positions(start, n) * strides[axis]
     starts[axis], limits[axis], strides[axis] = 0, invals[0].shape[axis], 1
     x = lax.slice(invals[0], starts, limits, strides)  # the other axes sliced as the eqn does
-    return _take(x, axis, pos, pos >= 0, 0)
+    return take(x, axis, pos, pos >= 0, 0)
 
 
 def _dynamic_slice(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
@@ -154,7 +147,7 @@ def _dynamic_slice(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -
     index[axis] = jnp.zeros_like(index[axis])
     x = lax.dynamic_slice(x, index, sizes)  # the other axes sliced as the eqn does
     pos = first + _positions(start, n)
-    return _take(x, axis, pos, pos >= 0, 0)
+    return take(x, axis, pos, pos >= 0, 0)
 
 
 def _moves_slice(eqn: JaxprEqn, axis: int) -> bool:

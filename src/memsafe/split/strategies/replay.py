@@ -11,30 +11,42 @@ Such a loop can still run per chunk of the accumulator: each chunk runs the whol
 other carry computed as before, and adds to its chunk only the chunk's part of each term. The
 results are exactly the loop's: the chunk's sums are the same additions in the same order. The work
 is the loop's once per chunk, so a replay is only tried where no other split of a value exists
-(``RuleContext.replaying``). The term is still made whole in each iteration; a split of the body
-(the pass's next level) chunks it there.
+(the planner's retry :data:`REPLAYING`, in ``RuleContext.trying``). The term is still made whole
+in each iteration; a split of the body (the pass's next level) chunks it there.
 
 The planner knows replays only as an entry of its retries (:data:`REPLAYING`, in
 ``memsafe.split.planner.RETRIES``): the loops that may replay are those whose primitive's facts
-say so (``memsafe.primitives.REPLAYS``), their rule (``memsafe.split.prims.loops``) maps them as
-a :class:`Replay` while its context says replays are tried, and an accumulator's additions are
-those the facts name (``memsafe.primitives.ADDS``).
+say so (``memsafe.primitives.REPLAYS``), this module extends the scan's rule
+(``memsafe.split.prims.loops``; ``memsafe.split.registry.Extension``) to map one as a
+:class:`Replay` where the rule finds no axis through its body and the context tries replays, and
+an accumulator's additions are those the facts name (``memsafe.primitives.ADDS``).
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax import lax
 
-from memsafe._jax import ClosedJaxpr, Jaxpr, JaxprEqn, Var, bind_eqn
+from memsafe._jax import (
+    ClosedJaxpr,
+    Jaxpr,
+    JaxprEqn,
+    Var,
+    bind_eqn,
+    bind_eqn_with,
+    scan_counts,
+    scan_layout,
+)
 from memsafe.graph import Graph
 from memsafe.graph.interpret import evaluate
 from memsafe.primitives import ADDS, REPLAYS
 from memsafe.split import body as body_split
-from memsafe.split.registry import Mapping, RuleContext
+from memsafe.split.prims.loops import inlined_body
+from memsafe.split.registry import Extension, LastChunk, Mapping, RuleContext, Side, extend
 
 
 class Replaying:
@@ -48,7 +60,7 @@ class Replaying:
 
     def context(self, ctx: RuleContext) -> RuleContext:
         """``ctx`` with replays tried."""
-        return replace(ctx, replaying=True)
+        return replace(ctx, trying=ctx.trying | {self})
 
     def __repr__(self) -> str:
         return "REPLAYING"
@@ -119,3 +131,50 @@ def chunk_body(body: ClosedJaxpr, position: int, result: int, axis: int, size: i
     new = jax.make_jaxpr(run)(start, *chunked)
     body_split.mark_makes_whole(new)  # the term is whole: the split pass splits inside
     return new
+
+
+# -- the scan's rule, extended --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Replayed(LastChunk):
+    """A scan replayed per chunk of an accumulator: its other results are the same on every
+    chunk; the last chunk's are the results after the loop."""
+
+    def applies(self, eqn: JaxprEqn, mapping: Mapping) -> bool:
+        return isinstance(mapping, Replay)
+
+
+def _accumulator(eqn: JaxprEqn, side: Side) -> int | None:
+    """The carry at ``side`` where the body only adds each iteration's term to it, else None."""
+    consts, carry = scan_counts(eqn.params)
+    k = side[1] - consts if side[0] == "in" else side[1]
+    if not 0 <= k < carry:
+        return None
+    body = inlined_body(eqn.params["jaxpr"]).jaxpr
+    return k if accumulator_adds(body, consts + k, k) is not None else None
+
+
+def _replay_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Replay | None:
+    """The scan replayed per chunk of the accumulator carry at ``side`` (while replays are
+    tried and the carry is one), else None."""
+    k = _accumulator(eqn, side) if REPLAYING in ctx.trying else None
+    if k is None:
+        return None
+    consts, _ = scan_counts(eqn.params)
+    ins = tuple(axis if j == consts + k else None for j in range(len(eqn.invars)))
+    outs = tuple(axis if j == k else None for j in range(len(eqn.outvars)))
+    return Replay(ins=ins, outs=outs)
+
+
+def _rebind_replay(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
+    """The loop over the chunk of its accumulator, its body re-traced at the chunk's shapes (the
+    chunk's start enters as one more constant)."""
+    consts, carry = scan_counts(eqn.params)
+    k = next(j for j, a in enumerate(m.outs) if a is not None)
+    new = chunk_body(inlined_body(eqn.params["jaxpr"]), consts + k, k, m.outs[k], n)
+    layout = scan_layout(eqn.params, consts + 1, carry, len(invals) + 1, len(eqn.outvars))
+    return bind_eqn_with(eqn, [jnp.asarray(start, jnp.int32), *invals], jaxpr=new, **layout)
+
+
+extend("scan", extension=Extension(_replay_map, Replay, _rebind_replay, (Replayed(),), True))

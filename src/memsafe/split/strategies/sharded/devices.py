@@ -7,6 +7,7 @@ decides. A loop runs over the devices through a ``memsafe.split.loop.DevicesRunn
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from jax import lax
@@ -39,3 +40,17 @@ def combine_partials(reducer: Reducer, eqn: JaxprEqn, part: Partial, axis_name: 
     for d in range(1, gathered[0].shape[0]):
         acc = reducer.fold(eqn, acc, tuple(g[d] for g in gathered))
     return acc
+
+
+@dataclass(frozen=True)
+class DeviceAxis:
+    """What a running rule's ``across`` (``memsafe.split.strategies.sharded.mesh.Shardable``) is
+    given, inside ``jax.shard_map``: the mesh axis the devices ran their shares of the split axis
+    along (``name``, for collectives such as ``lax.psum``), and :meth:`fold`."""
+
+    name: Any
+
+    def fold(self, reducer: Reducer, eqn: JaxprEqn, part: Partial) -> Partial:
+        """Every device's ``part`` combined by ``reducer`` in device order
+        (:func:`combine_partials`)."""
+        return combine_partials(reducer, eqn, part, self.name)

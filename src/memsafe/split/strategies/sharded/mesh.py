@@ -49,7 +49,7 @@ from memsafe.split.loop import Body, Carry, Fold, Written
 from memsafe.split.region import SplitFailure
 from memsafe.split.registry import Mapping, Running
 from memsafe.split.strategies.sharded import layout as mesh_layout
-from memsafe.split.strategies.sharded.devices import collective, combine_partials
+from memsafe.split.strategies.sharded.devices import DeviceAxis, collective, combine_partials
 from memsafe.xla import Footprint
 
 # -- what the split core's types do across devices ---------------------------------------------
@@ -67,8 +67,9 @@ class Shardable(Protocol):
         holds the axis's first positions)."""
         ...
 
-    def across(self, eqn: JaxprEqn, carried: Any, axis_name: Any) -> Any:
-        """The values every device carried out of its share, combined (inside ``shard_map``)."""
+    def across(self, eqn: JaxprEqn, carried: Any, devices: DeviceAxis) -> Any:
+        """The values every device carried out of its share, combined (inside ``shard_map``:
+        ``devices`` names the mesh axis and folds partials in device order)."""
         ...
 
 
@@ -120,7 +121,8 @@ def combine(carry: Carry, state: Any, axis_name: Any, operands: list[Any]) -> An
     parts = [
         combine_partials(s.reducer, e, p, axis_name) for (e, s), p in zip(carry.sinks, state[0])
     ]
-    carried = [run.across(e, c, axis_name) for (e, run), c in zip(carry.rules, state[1])]
+    devices = DeviceAxis(axis_name)
+    carried = [run.across(e, c, devices) for (e, run), c in zip(carry.rules, state[1])]
     return parts, carried
 
 

@@ -1,0 +1,212 @@
+"""The halo strategy's extensions of the windowed primitives' split rules
+(``memsafe.split.registry.Extension``): what convolutions and poolings do on extended chunks.
+
+While a region grows on extended chunks (``RuleContext.extended``):
+
+- a spatial axis of a convolution whose input is ``stride / lhs_dilation`` times as long as its
+  result (one of them 1: a "SAME" convolution, a strided one, the input gradient of a strided one)
+  maps through as a :class:`~memsafe.split.strategies.halo.Halo`: the chunk's input, extended, is
+  filled with zeros outside the axis and convolved unchanged, so several convolutions in a row run
+  in one loop. The kernel gradient of such a convolution (input and cotangent both split along the
+  axis) is a sum sink over the cotangent's chunks, each against the window of the extended input
+  it reads (:class:`HaloTaps`);
+- a pooled axis whose operand is ``stride`` times as long as its result maps through as a halo
+  (the operand filled with the padding value outside the axis), and so does the gradient of a max
+  pooling whose windows tile the axis (:class:`Tiled`): a stack of convolutions and poolings runs
+  in one region.
+
+Elsewhere the primitives' own rules (``memsafe.split.prims.conv``, ``.pool``) answer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from jax import lax
+
+from memsafe._jax import JaxprEqn, bind_eqn
+from memsafe.split import sinks
+from memsafe.split.prims import conv, pool
+from memsafe.split.registry import (
+    Extension,
+    Mapping,
+    RuleContext,
+    Side,
+    bind_unchanged,
+    extend,
+    shape,
+)
+from memsafe.split.sinks import Sink
+from memsafe.split.strategies.halo.extended import Halo, centre, fill_outside
+from memsafe.split.window import Window, aligned
+
+# -- convolutions ------------------------------------------------------------------------------
+
+
+class HaloTaps(sinks.Monoid):
+    """A kernel gradient's spatial axis on extended chunks: each chunk of the cotangent's
+    positions (its centre) against the window of the extended input its taps read, the input
+    filled with zeros outside the axis; summed over chunks (see
+    ``memsafe.split.prims.conv.KernelTaps``)."""
+
+    def __init__(self) -> None:
+        super().__init__("conv taps (halo)", lax.add, rescalable=True)
+
+    def _taps(self, eqn: JaxprEqn, axis: int) -> tuple[int, Window]:
+        """(spatial dimension, the window of taps over every output) of the sink along
+        ``axis`` of the input: cotangent position ``c`` and tap ``j`` read position ``c *
+        window_dilation + j * stride - pad_lo`` of the input dilated by the lhs dilation."""
+        lhs_spec, _, out_spec = conv.specs(eqn)
+        k = lhs_spec.index(axis) - 2
+        w = conv.window(eqn, k)
+        outputs = shape(eqn.outvars[0])[out_spec[2 + k]]
+        return k, Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, w.base_dilation, w.stride)
+
+    def halo_reach(self, eqn: JaxprEqn, ins: tuple[int | None, ...]) -> dict[int, int]:
+        _, taps = self._taps(eqn, ins[0])
+        return {0: -(-taps.reach // taps.base_dilation)}  # in positions of the input
+
+    def extended_partial(
+        self,
+        eqn: JaxprEqn,
+        invals: list[Any],
+        ins: tuple,
+        scales: tuple[int, ...],
+        start: Any,
+        size: int,
+        extend: int,
+    ) -> tuple[Any, ...]:
+        (x, ct), (sx, sc) = invals, scales
+        k, taps = self._taps(eqn, ins[0])
+        n = shape(eqn.invars[0])[ins[0]]
+        x = fill_outside(x, ins[0], (start - extend) * sx, n, 0)
+        ct = centre(ct, ins[1], extend * sc, size * sc)
+        lhs = taps.read(x, ins[0], extend * sc, size * sc, 0)
+        return tuple(conv.bind(eqn, [lhs, ct], **conv.unpadded(eqn, k)))
+
+    def partial(self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int):
+        raise NotImplementedError("HaloTaps runs on extended chunks only")
+
+
+HALO_TAPS = HaloTaps()
+
+
+def _windowed(eqn: JaxprEqn, k: int) -> Halo | None:
+    """Spatial dimension ``k`` as a :class:`Halo` where output ``o`` reads positions around ``o
+    * stride`` of the input dilated by the lhs dilation (the input gradient of a strided
+    convolution), one of them 1, and the lengths match them exactly; else None."""
+    lhs, _, out = conv.specs(eqn)
+    w = conv.window(eqn, k)
+    n_in, n_out = shape(eqn.invars[0])[lhs[2 + k]], shape(eqn.outvars[0])[out[2 + k]]
+    if not aligned(w.stride, w.base_dilation, n_in, n_out):
+        return None
+    return Halo.over(w, (lhs[2 + k], None), (out[2 + k],))
+
+
+def _taps_along(eqn: JaxprEqn, k: int) -> Sink | None:
+    """Spatial dimension ``k`` of a kernel gradient (the cotangent as the kernel, one tap per
+    output position) as a :class:`HaloTaps` sink where consecutive cotangent positions read
+    positions ``window_dilation`` apart of the input dilated by the lhs dilation (one of them
+    1), and the lengths match them exactly; else None."""
+    lhs, rhs, _ = conv.specs(eqn)
+    w = conv.window(eqn, k)
+    n_in, n_taps = shape(eqn.invars[0])[lhs[2 + k]], shape(eqn.invars[1])[rhs[2 + k]]
+    if not aligned(w.window_dilation, w.base_dilation, n_in, n_taps):
+        return None
+    conv.require_ungrouped(eqn, "spatial", "feature_group_count", "batch_group_count")
+    return Sink(HALO_TAPS, ins=(lhs[2 + k], rhs[2 + k]))
+
+
+def _conv_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Halo | Sink | None:
+    """A spatial axis on extended chunks, where it maps through as a halo or its taps sum."""
+    if not ctx.extended:
+        return None
+    spec = conv.specs(eqn)[1 if side == ("in", 1) else 0 if side[0] == "in" else 2]
+    k = spec.index(axis) - 2
+    if k < 0:
+        return None
+    if side == ("in", 1):
+        return _taps_along(eqn, k)
+    return _windowed(eqn, k) or (_taps_along(eqn, k) if side == ("in", 0) else None)
+
+
+def _rebind_conv(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
+    """An extended chunk: zeros outside the axis, then the convolution as it is."""
+    assert isinstance(m, Halo)
+    n_in = shape(eqn.invars[0])[m.ins[0]]
+    x = fill_outside(invals[0], m.ins[0], m.operand_start(start), n_in, 0)
+    return conv.bind(eqn, [x, invals[1]])
+
+
+extend(conv.NAME, extension=Extension(_conv_map, Halo, _rebind_conv))
+
+
+# -- poolings ----------------------------------------------------------------------------------
+
+
+def _reduce_window_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Halo | None:
+    """A pooled axis on extended chunks whose operand is ``stride`` times as long as its
+    result."""
+    win = pool.window(eqn, axis)
+    if not ctx.extended or win.trivial:
+        return None
+    n_in, n_out = shape(eqn.invars[0])[axis], shape(eqn.outvars[0])[axis]
+    if not aligned(win.stride, win.base_dilation, n_in, n_out):
+        return None
+    k, inits = pool.operands(eqn), len(eqn.invars) - pool.operands(eqn)
+    return Halo.over(win, (axis,) * k + (None,) * inits, tuple(axis for _ in eqn.outvars))
+
+
+def _rebind_reduce_window(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
+    """An extended chunk: the padding value outside the axis, then the reduction as it is."""
+    assert isinstance(m, Halo)
+    axis, k = m.outs[0], pool.operands(eqn)
+    n_in = shape(eqn.invars[0])[axis]
+    first = m.operand_start(start)
+    fills = pool.fills(eqn, invals)
+    filled = [fill_outside(x, axis, first, n_in, f) for x, f in zip(invals, fills)]
+    return bind_eqn(eqn, filled + invals[k:])
+
+
+extend(
+    *pool.REDUCE_WINDOWS,
+    extension=Extension(_reduce_window_map, Halo, _rebind_reduce_window),
+)
+
+
+@dataclass(frozen=True)
+class Tiled(Halo):
+    """``select_and_scatter_add`` on extended chunks along an axis its windows tile (as long as
+    their stride, no padding): each window's cotangent lands in the window, so a chunk's result
+    is the equation on its chunks, the source ``stride`` times shorter than the operand."""
+
+    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
+        source, operand = ins
+        scaled = None if source is None else source * self.stride
+        return len({n for n in (scaled, operand, *outs) if n is not None}) <= 1
+
+    def wrong_after(self, ins: Sequence[int | None]) -> int:
+        """A wrong source position spoils its window's ``stride`` result positions."""
+        source, operand = ins
+        return max(self.stride * (source or 0), operand or 0)
+
+
+def _select_and_scatter_add_map(
+    eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext
+) -> Tiled | None:
+    """An axis the windows tile, on extended chunks."""
+    win = pool.window(eqn, axis)
+    if not ctx.extended or win.trivial:
+        return None
+    tiles = win.size == win.stride and (win.pad_lo, win.pad_hi) == (0, 0)
+    if tiles and win.base_dilation == win.window_dilation == 1:
+        return Tiled.over(win, (axis, axis), (axis,))
+    return None
+
+
+extend(
+    "select_and_scatter_add",
+    extension=Extension(_select_and_scatter_add_map, Tiled, bind_unchanged),
+)
