@@ -71,8 +71,10 @@ class Region:
     maps: dict[int, Mapping | Sink]  # region equation index -> how the axis maps through it
     axis_of: dict[Var, int]  # split axis of every region value and sliced leaf
     produced: frozenset[Var]  # values computed inside the region
-    sliced: frozenset[Var]  # outside values sliced per chunk
-    whole: frozenset[Var]  # outside values used whole
+    #: Outside values sliced per chunk, and those used whole, each in program order (a loop
+    #: reads them in this order: its operands, and so the emitted loop's, never follow ids).
+    sliced: tuple[Var, ...]
+    whole: tuple[Var, ...]
     surviving: tuple[Var, ...]  # region values needed outside: written chunk by chunk
     stage: dict[int, int]  # region equation index -> the loop (stage) that evaluates it
     #: What a chunk covers of each value (:mod:`memsafe.split.span`): the chunk itself, unless
@@ -408,8 +410,9 @@ def _grow(
     stage = _assign_stages(graph, g.maps, frozenset(produced))
     size, span = spanning.span(graph, g.maps, g.axis_of, surviving, g.size)
     return Region(
-        seed, axis, size, g.maps, g.axis_of, frozenset(produced), frozenset(sliced),
-        frozenset(whole), tuple(surviving), stage, span,
+        seed, axis, size, g.maps, g.axis_of, frozenset(produced),
+        tuple(_in_order(graph, sliced)), tuple(_in_order(graph, whole)), tuple(surviving), stage,
+        span,
     )  # fmt: skip
 
 
@@ -433,11 +436,14 @@ def _check_inputs(g: _Growth, sliced: set[Var], whole: set[Var], large: int) -> 
 
 
 def _in_order(graph: Graph, values: set[Var]) -> list[Var]:
-    """``values`` computed by the program in the order of their producers (arguments first)."""
+    """``values`` in program order: constants and arguments first, in their order, then the
+    others by producer and result position (never by id: sets of ``Var`` iterate by id)."""
+    jaxpr = graph.closed.jaxpr
+    leaves = {v: k for k, v in enumerate((*jaxpr.constvars, *jaxpr.invars))}
 
     def key(var: Var) -> tuple[int, int]:
         p = graph.info(var).producer
-        return (-1, 0) if p is None else (p, list(graph.eqns[p].outvars).index(var))
+        return (-1, leaves[var]) if p is None else (p, list(graph.eqns[p].outvars).index(var))
 
     return sorted(values, key=key)
 
@@ -445,7 +451,7 @@ def _in_order(graph: Graph, values: set[Var]) -> list[Var]:
 def _surviving(g: _Growth, produced: set[Var], large: int) -> list[Var]:
     """Region values needed outside it (written chunk by chunk); large ones only as outputs."""
     out: list[Var] = []
-    for var in sorted(produced, key=lambda v: g.graph.info(v).producer or 0):
+    for var in _in_order(g.graph, produced):
         info = g.graph.info(var)
         outside = [c for c in info.consumers if c not in g.maps]
         if not outside and not info.is_output:

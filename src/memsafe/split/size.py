@@ -128,7 +128,7 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
             fixed += graph.info(v).bytes
     # only what the loops read is held for them: the growth gives an axis to values no loop
     # reads (a checkpointed block's backward: 1.6 GiB of the 1.8 GiB it counted)
-    for v in (region.sliced | region.whole) & read:
+    for v in {*region.sliced, *region.whole} & read:
         info = graph.info(v)
         if info.producer is not None and not info.is_output:
             fixed += info.bytes
