@@ -210,8 +210,9 @@ def best_split(
     That retry's floored splits (chunks the model expects over the budget even at their
     smallest) are taken only where ``floored_held``: they are guesses that can cost a loop per
     position (a GPT training step's attention scores in 1,024 chunks of one row, its step 6x
-    slower, where the step fit without them), and the driver allows them only after an
-    attempt over the limit (fuzz seeds 37 and 78 fit only with them)."""
+    slower, where the step fit without them), and the driver allows them only once an
+    attempt at a shrunk chunk scale was over the limit (fuzz seeds 37 and 78 fit only with
+    them)."""
     got = cheapest_split(graph, var, budget, mesh, floor)
     if not isinstance(got, list):
         return got

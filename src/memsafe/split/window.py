@@ -76,6 +76,11 @@ class Window:
         return take(x, axis, q // d, valid, fill)
 
 
+def positions(start: Any, n: int) -> Any:
+    """Global positions ``[start, start + n)`` along the axis (int32)."""
+    return lax.convert_element_type(start, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+
+
 def take(x: Any, axis: int, index: Any, valid: Any, fill: Any) -> Any:
     """``x`` at positions ``index`` along ``axis``, ``fill`` where ``valid`` is false (positions
     outside ``x`` included)."""

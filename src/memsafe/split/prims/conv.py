@@ -103,6 +103,15 @@ def _contracting(eqn: JaxprEqn) -> Sink:
     return Sink(sinks.DOT, ins=(lhs[1], rhs[1]))
 
 
+def taps_window(eqn: JaxprEqn, k: int) -> Window:
+    """The window of taps over every output along spatial dimension ``k`` of a kernel gradient
+    (the cotangent as the kernel): output position ``o`` and tap ``j`` read padded input
+    position ``o * stride + j * rhs_dilation``, so the roles of outputs and taps swap."""
+    w = window(eqn, k)
+    outputs = shape(eqn.outvars[0])[specs(eqn)[2][2 + k]]
+    return Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, w.base_dilation, w.stride)
+
+
 class KernelTaps(sinks.Monoid):
     """A kernel's spatial axis in chunks of taps: each chunk's taps convolved with the window of
     the whole input they read (a shift of ``start * rhs_dilation`` padded positions), summed.
@@ -117,11 +126,9 @@ class KernelTaps(sinks.Monoid):
         super().__init__("conv taps", lax.add, rescalable=True)
 
     def partial(self, eqn: JaxprEqn, invals: list[Any], axis: int, start: Any, size: int):
-        lhs_spec, rhs_spec, out_spec = specs(eqn)
+        lhs_spec, rhs_spec, _ = specs(eqn)
         k = rhs_spec.index(axis) - 2
-        w = window(eqn, k)
-        outputs = shape(eqn.outvars[0])[out_spec[2 + k]]
-        taps = Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, w.base_dilation, w.stride)
+        taps = taps_window(eqn, k)
         lhs = taps.read(invals[0], lhs_spec[2 + k], start, size, 0)
         return tuple(bind(eqn, [lhs, invals[1]], **unpadded(eqn, k)))
 

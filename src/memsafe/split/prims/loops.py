@@ -245,11 +245,16 @@ def _rebind_scan(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: in
     """Along the length: the same loop over the chunk's ``n`` iterations. Along another axis:
     the loop over the chunk, its body re-traced at the chunk's shapes (the chunk's start enters
     as one more constant)."""
-    consts, carry = scan_counts(eqn.params)
     if _along_length_mapped(eqn, m):
         return bind_eqn_with(eqn, invals, length=n)
     body, got = _split_body(eqn, m)
     in_avals = [v.aval for v in body.jaxpr.invars]
-    new = loop_body.chunk_body(body, got, n, in_avals)
+    return bind_chunk_body(eqn, invals, loop_body.chunk_body(body, got, n, in_avals), start)
+
+
+def bind_chunk_body(eqn: JaxprEqn, invals: list[Any], body: Any, start: Any) -> list[Any]:
+    """The scan ``eqn`` on ``invals`` with ``body``, a body re-traced for a chunk that reads the
+    chunk's start as one more, first, constant."""
+    consts, carry = scan_counts(eqn.params)
     layout = scan_layout(eqn.params, consts + 1, carry, len(invals) + 1, len(eqn.outvars))
-    return bind_eqn_with(eqn, [jnp.asarray(start, jnp.int32), *invals], jaxpr=new, **layout)
+    return bind_eqn_with(eqn, [jnp.asarray(start, jnp.int32), *invals], jaxpr=body, **layout)

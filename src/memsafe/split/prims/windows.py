@@ -30,12 +30,7 @@ from memsafe.split.registry import (
     with_size,
 )
 from memsafe.split.sinks import Sink
-from memsafe.split.window import take
-
-
-def _positions(start: Any, n: int) -> Any:
-    """Global positions ``start .. start + n - 1`` of the chunk along the axis."""
-    return lax.convert_element_type(start, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
+from memsafe.split.window import positions, take
 
 
 def _length(atom: Any, axis: int) -> int:
@@ -81,7 +76,7 @@ def _moving(
 
 def _rev(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
     size = eqn.invars[0].aval.shape[axis]
-    pos = size - 1 - _positions(start, n)
+    pos = size - 1 - positions(start, n)
     (x,) = invals
     others = tuple(d for d in eqn.params["dimensions"] if d != axis)
     x = lax.rev(x, others) if others else x
@@ -97,7 +92,7 @@ def _pad(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
     config = list(eqn.params["padding_config"])
     config[axis] = (0, 0, 0)
     x = lax.pad(x, fill, config)  # the other axes padded as the equation does
-    q = _positions(start, n) - lo
+    q = positions(start, n) - lo
     step = interior + 1
     valid = (q >= 0) & (q % step == 0) & (q // step < x.shape[axis])
     return take(x, axis, q // step, valid, fill)
@@ -107,7 +102,7 @@ def _pad(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
 
 
 def _concatenate(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
-    pos = _positions(start, n)
+    pos = positions(start, n)
     out = None
     offset = 0
     for x in invals:
@@ -131,7 +126,7 @@ def _slice(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -> Any:
     rank = len(p["start_indices"])
     strides = list(p["strides"] or (1,) * rank)
     starts, limits = list(p["start_indices"]), list(p["limit_indices"])
-    pos = starts[axis] + _positions(start, n) * strides[axis]
+    pos = starts[axis] + positions(start, n) * strides[axis]
     starts[axis], limits[axis], strides[axis] = 0, invals[0].shape[axis], 1
     x = lax.slice(invals[0], starts, limits, strides)  # the other axes sliced as the eqn does
     return take(x, axis, pos, pos >= 0, 0)
@@ -146,7 +141,7 @@ def _dynamic_slice(eqn: JaxprEqn, invals: list, axis: int, start: Any, n: int) -
     index = list(index)
     index[axis] = jnp.zeros_like(index[axis])
     x = lax.dynamic_slice(x, index, sizes)  # the other axes sliced as the eqn does
-    pos = first + _positions(start, n)
+    pos = first + positions(start, n)
     return take(x, axis, pos, pos >= 0, 0)
 
 

@@ -28,7 +28,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import (
@@ -37,15 +36,13 @@ from memsafe._jax import (
     JaxprEqn,
     Var,
     bind_eqn,
-    bind_eqn_with,
     scan_counts,
-    scan_layout,
 )
 from memsafe.graph import Graph
 from memsafe.graph.interpret import evaluate
 from memsafe.primitives import ADDS, REPLAYS
 from memsafe.split import body as body_split
-from memsafe.split.prims.loops import inlined_body
+from memsafe.split.prims.loops import bind_chunk_body, inlined_body
 from memsafe.split.registry import Extension, LastChunk, Mapping, RuleContext, Side, extend
 
 
@@ -170,11 +167,10 @@ def _replay_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Repla
 def _rebind_replay(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
     """The loop over the chunk of its accumulator, its body re-traced at the chunk's shapes (the
     chunk's start enters as one more constant)."""
-    consts, carry = scan_counts(eqn.params)
+    consts, _ = scan_counts(eqn.params)
     k = next(j for j, a in enumerate(m.outs) if a is not None)
     new = chunk_body(inlined_body(eqn.params["jaxpr"]), consts + k, k, m.outs[k], n)
-    layout = scan_layout(eqn.params, consts + 1, carry, len(invals) + 1, len(eqn.outvars))
-    return bind_eqn_with(eqn, [jnp.asarray(start, jnp.int32), *invals], jaxpr=new, **layout)
+    return bind_chunk_body(eqn, invals, new, start)
 
 
 extend("scan", extension=Extension(_replay_map, Replay, _rebind_replay, (Replayed(),), True))

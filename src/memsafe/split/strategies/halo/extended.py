@@ -44,7 +44,7 @@ from memsafe.split import registry
 from memsafe.split.region import SplitFailure
 from memsafe.split.sinks import Partial, Reducer, Sink
 from memsafe.split.span import PLAIN_SPAN, Span, scaled
-from memsafe.split.window import Window, reach
+from memsafe.split.window import Window, positions, reach
 
 Axis = int | None
 
@@ -113,11 +113,6 @@ def extension(
         after = wrong_after(m, ins)
         wrong.update((o, after) for o, ax in zip(eqn.outvars, m.outs) if ax is not None)
     return max([need, *(units(wrong.get(v, 0), v) for v in surviving)])
-
-
-def positions(start: Any, n: int) -> Any:
-    """Global positions ``[start, start + n)`` along the axis (int32)."""
-    return lax.convert_element_type(start, jnp.int32) + jnp.arange(n, dtype=jnp.int32)
 
 
 def read_extended(x: Any, axis: int, start: Any, n: int) -> Any:

@@ -58,11 +58,8 @@ class HaloTaps(sinks.Monoid):
         """(spatial dimension, the window of taps over every output) of the sink along
         ``axis`` of the input: cotangent position ``c`` and tap ``j`` read position ``c *
         window_dilation + j * stride - pad_lo`` of the input dilated by the lhs dilation."""
-        lhs_spec, _, out_spec = conv.specs(eqn)
-        k = lhs_spec.index(axis) - 2
-        w = conv.window(eqn, k)
-        outputs = shape(eqn.outvars[0])[out_spec[2 + k]]
-        return k, Window(outputs, w.window_dilation, w.pad_lo, w.pad_hi, w.base_dilation, w.stride)
+        k = conv.specs(eqn)[0].index(axis) - 2
+        return k, conv.taps_window(eqn, k)
 
     def halo_reach(self, eqn: JaxprEqn, ins: tuple[int | None, ...]) -> dict[int, int]:
         _, taps = self._taps(eqn, ins[0])

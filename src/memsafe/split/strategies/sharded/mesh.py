@@ -49,7 +49,7 @@ from memsafe.split.loop import Body, Carry, Fold, Written
 from memsafe.split.region import SplitFailure
 from memsafe.split.registry import Mapping, Running
 from memsafe.split.strategies.sharded import layout as mesh_layout
-from memsafe.split.strategies.sharded.devices import DeviceAxis, collective, combine_partials
+from memsafe.split.strategies.sharded.devices import DeviceAxis, collective
 from memsafe.xla import Footprint
 
 # -- what the split core's types do across devices ---------------------------------------------
@@ -118,10 +118,8 @@ def combine(carry: Carry, state: Any, axis_name: Any, operands: list[Any]) -> An
         return carry.across(state, axis_name, operands)
     if not isinstance(carry, Fold):
         raise TypeError(f"{type(carry).__name__} cannot run over devices")
-    parts = [
-        combine_partials(s.reducer, e, p, axis_name) for (e, s), p in zip(carry.sinks, state[0])
-    ]
     devices = DeviceAxis(axis_name)
+    parts = [devices.fold(s.reducer, e, p) for (e, s), p in zip(carry.sinks, state[0])]
     carried = [run.across(e, c, devices) for (e, run), c in zip(carry.rules, state[1])]
     return parts, carried
 
