@@ -20,10 +20,11 @@ def builtin_rules() -> list[Rule]:
 
 def builtin_rewrites() -> list[Callable[[ClosedJaxpr], list[Any]]]:
     """memsafe's procedural rewrites (broadcasts and tiles feeding products, pads feeding
-    poolings): functions from a program to a list of :class:`memsafe.rules.tile.Rewrite`."""
-    from memsafe.rules import tile, window
+    poolings, sums of zero pads): functions from a program to a list of
+    :class:`memsafe.rules.tile.Rewrite`."""
+    from memsafe.rules import pads, tile, window
 
-    return [*tile.REWRITES, *window.REWRITES]
+    return [*tile.REWRITES, *window.REWRITES, *pads.REWRITES]
 
 
 def register_rule(rule: Rule) -> Rule:
