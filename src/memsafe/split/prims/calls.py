@@ -193,22 +193,90 @@ def _cond(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Operands and results at the axes every branch gives them (the index whole); a result
     some branch sums over the axis into is a sum of the chunks' results (:func:`_summed`)."""
     inner = ctx.in_body()
-    branch = _in_branch(side)
-    reached = _branches(eqn, side, axis, inner)
+    return _through(_branches(eqn, side, axis, inner), _in_branch(side), axis, inner)
+
+
+def _through(reached: list[BodySplit], branch: Side, axis: int, ctx: RuleContext) -> Through:
+    """The cond's mapping from its branches (reached in ``ctx``, the axis at ``branch`` of
+    each), which must agree."""
     _summed(reached)
-    found = {_mapping("cond", r, branch, axis, inner, sums=True) for r in reached}
+    found = {_mapping("cond", r, branch, axis, ctx, sums=True) for r in reached}
     if len(found) != 1:
         raise NoRule("cond: its branches carry the split axis to different operands or results")
     (m,) = found
-    return Through(ins=(None, *m.ins), outs=m.outs, ctx=inner)
+    return Through(ins=(None, *m.ins), outs=m.outs, ctx=ctx)
+
+
+def _seeded(
+    eqn: JaxprEqn, ins: dict[int, int], outs: dict[int, int], ctx: RuleContext
+) -> list[BodySplit]:
+    """Each branch reached from the branch inputs at ``ins`` and the results at ``outs``
+    (position -> axis) together, until the branches agree (:func:`_unified`): a branch that
+    passes an operand to a result gives that result the axis, and every other branch must give
+    it too, computing it from chunked operands or making it at chunk shape (a broadcast, a
+    zeros fill). Refused naming the operand and the result where a branch cannot."""
+    branches = [_inlined(b) for b in eqn.params["branches"]]
+    reached = []
+    for k, b in enumerate(branches):
+        try:
+            reached.append((b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)))
+        except NoRule as err:
+            raise NoRule(f"cond: branch {k} {_naming(eqn, ins, outs)}: {err}") from None
+    if len({_sides(r) for r in reached}) == 1:
+        return reached
+    return _unified(branches, reached, ctx)
+
+
+def _naming(eqn: JaxprEqn, ins: dict[int, int], outs: dict[int, int]) -> str:
+    """The operands and results a cond's branches are reached from, named for an error."""
+    named = [f"operand {k + 1} ({eqn.invars[k + 1].aval.str_short()})" for k in sorted(ins)]
+    named += [f"result {k} ({eqn.outvars[k].aval.str_short()})" for k in sorted(outs)]
+    return "cannot carry the split axis of " + ", ".join(named)
+
+
+def _widen(eqn: JaxprEqn, m: Mapping, ins: dict[int, int], ctx: RuleContext) -> Mapping:
+    """The cond mapped as ``m`` where the operands at ``ins`` (cond operand position -> axis)
+    carry the split axis too: one branch passes such an operand to a result (a carry it keeps)
+    that another computes, so every branch is reached again from all of them
+    (:func:`_seeded`). Each branch then gives every such result the same positions of the
+    same chunk, computed from chunked operands or made at chunk shape, so the chunk's results
+    are the chunk of the cond's whichever branch the index picks."""
+    assert isinstance(m, Through)
+    seeds = {k - 1: a for k, a in enumerate(m.ins) if a is not None}
+    for k, a in ins.items():
+        if k == 0:
+            raise NoRule("cond: the branch index is a scalar")
+        if seeds.setdefault(k - 1, a) != a:
+            raise NoRule(
+                f"cond: operand {k} ({eqn.invars[k].aval.str_short()}) is chunked along "
+                "another axis than its branches read it"
+            )
+    outs = {k: a for k, a in enumerate(m.outs) if a is not None}
+    (k, a), *_ = sorted(seeds.items())
+    return _through(_seeded(eqn, seeds, outs, m.ctx), ("in", k), a, m.ctx)
+
+
+def _reached_of(eqn: JaxprEqn, m: Mapping) -> list[BodySplit]:
+    """The branches of a cond mapped as ``m``: reached from its first chunked operand or
+    result, or where that gives another mapping (one :func:`_widen` made), from all."""
+    assert isinstance(m, Through)
+    side = _side(m)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    reached = _branches(eqn, side, axis, m.ctx)
+    want = (tuple(m.ins[1:]), tuple(m.outs))
+    if all(_sides(r) == want for r in reached):
+        return reached
+    ins = {k - 1: a for k, a in enumerate(m.ins) if a is not None}
+    outs = {k: a for k, a in enumerate(m.outs) if a is not None}
+    reached = _seeded(eqn, ins, outs, m.ctx)
+    if not all(_sides(r) == want for r in reached):
+        raise NoRule("cond: its branches do not settle on the widened split axis")
+    return reached
 
 
 def _rebind_cond(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
     """The chunk through the branch the index picks, each branch re-traced at chunk shape."""
-    assert isinstance(m, Through)
-    side = _side(m)
-    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    funs = [_chunk_fun(r, n) for r in _branches(eqn, side, axis, m.ctx)]
+    funs = [_chunk_fun(r, n) for r in _reached_of(eqn, m)]
     return list(lax.switch(invals[0], funs, jnp.asarray(start, jnp.int32), *invals[1:]))
 
 
@@ -243,10 +311,7 @@ def _summed(reached: list[BodySplit]) -> frozenset[int]:
 
 def _cond_sums(eqn: JaxprEqn, m: Mapping) -> frozenset[int]:
     """The summed results (:func:`_summed`) of a cond mapped as ``m``."""
-    assert isinstance(m, Through)
-    side = _side(m)
-    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    return _summed(_branches(eqn, side, axis, m.ctx))
+    return _summed(_reached_of(eqn, m))
 
 
 @dataclass(frozen=True)
@@ -282,4 +347,4 @@ class Same(Running):
         return not _cond_sums(eqn, mapping)
 
 
-split_rule("cond", rebind=_rebind_cond, running=(Same(),))(_cond)
+split_rule("cond", rebind=_rebind_cond, running=(Same(),), widen=_widen)(_cond)
