@@ -159,20 +159,7 @@ def test_iterative_solvers_fit_a_quarter_of_jax_jits_temporaries(name):
     _fits(fun, args)
 
 
-_ADAPTIVE_GAP = pytest.mark.xfail(
-    run=False,
-    reason="refused: a while loop in the adaptive solver's checkpointed adjoint reads two "
-    "chunked operands that its body does not connect",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=_ADAPTIVE_GAP) if n == "diffrax_adaptive" else n
-        for n in sorted(iterative.LIBRARY)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(iterative.LIBRARY))
 def test_library_solvers_fit(name):
     """ott-jax's Sinkhorn and diffrax's diffeqsolve, called as their users call them."""
     pytest.importorskip("ott" if name.startswith("ott") else "diffrax")
