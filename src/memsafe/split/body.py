@@ -333,9 +333,14 @@ def _axis_map(
     so a chunk's scan would miss the rows of the chunks before it. With ``ins`` (operand
     position -> axis: every operand the walk has chunked), the mapping widened to them
     (:func:`registry.widen`)."""
-    m = registry.axis_map(eqn, side, axis, ctx)
     if ins and len(ins) > 1:
-        m = registry.widen(eqn, m, ins, ctx)
+        try:
+            first: Mapping | Sink | None = registry.axis_map(eqn, side, axis, ctx)
+        except NoRule:  # refused from one operand alone: perhaps not from all of them
+            first = registry.widen(eqn, None, ins, ctx)
+        m = registry.widen(eqn, first, ins, ctx)
+    else:
+        m = registry.axis_map(eqn, side, axis, ctx)
     run = registry.running_along(eqn, m) if isinstance(m, Mapping) else None
     if run is not None and not run.same_inside(eqn, m):
         sink = run.sink(eqn, m)  # (a combining scatter: its chunks fold as a sink's)

@@ -99,8 +99,9 @@ class Through(Mapping):
 AxisMap = Callable[[JaxprEqn, Side, int, RuleContext], "Mapping | Sink"]
 #: The equation on chunk-shaped operands: (eqn, operand values, mapping, chunk start, chunk size).
 Rebind = Callable[[JaxprEqn, list[Any], Mapping, Any, int], list[Any]]
-#: A mapping widened to more chunked operands: (eqn, mapping, operand position -> axis, context).
-Widen = Callable[[JaxprEqn, Mapping, dict[int, int], RuleContext], Mapping]
+#: A mapping widened to more chunked operands: (eqn, the rule's answer from one of them or None,
+#: operand position -> axis, context).
+Widen = Callable[[JaxprEqn, "Mapping | None", dict[int, int], RuleContext], Mapping]
 
 
 def bind_unchanged(
@@ -342,17 +343,23 @@ def axis_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping 
         raise
 
 
-def widen(eqn: JaxprEqn, mapping: Mapping | Sink, ins: dict[int, int], ctx: RuleContext):
-    """``mapping`` (asked from one operand) again where the operands at ``ins`` (position ->
-    axis) all carry the split axis: a ``cond`` asked from one operand reads another whole that
-    one branch passes to a result, which the region has chunked. The rule's ``widen`` answers
-    (raising :class:`NoRule` where the branches cannot agree); ``mapping`` itself where it
-    already reads each of them chunked, or where the rule has no ``widen`` or an extension
-    answered."""
-    if not isinstance(mapping, Mapping) or all(mapping.ins[k] == a for k, a in ins.items()):
+def widen(
+    eqn: JaxprEqn, mapping: Mapping | Sink | None, ins: dict[int, int], ctx: RuleContext
+) -> Mapping | Sink:
+    """The equation's mapping where the operands at ``ins`` (position -> axis) all carry the
+    split axis, ``mapping`` its rule's answer asked from one of them (None where the rule
+    refused that one alone): a ``cond`` asked from one operand reads whole another that one
+    branch passes to a result, which the region has chunked. The rule's ``widen`` answers
+    (raising :class:`NoRule` where it cannot); ``mapping`` itself where it already reads each
+    of them chunked, or where the rule has no ``widen`` or an extension answered."""
+    if mapping is not None and (
+        not isinstance(mapping, Mapping) or all(mapping.ins[k] == a for k, a in ins.items())
+    ):
         return mapping
     rule = _rule(eqn)
-    if rule.widen is None or _extension(eqn, mapping) is not None:
+    if rule.widen is None or (mapping is not None and _extension(eqn, mapping) is not None):
+        if mapping is None:
+            raise NoRule(f"{eqn.primitive.name}: no mapping with every chunked operand")
         return mapping
     return rule.widen(eqn, mapping, ins, ctx)
 

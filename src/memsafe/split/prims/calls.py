@@ -142,7 +142,7 @@ def _branches(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> list[Bo
         return reached
     if not reached:
         raise refusals[0]
-    return _unified(branches, reached, ctx)
+    return _unified(eqn, branches, reached, ctx)
 
 
 def _sides(reached: BodySplit) -> tuple[tuple, tuple]:
@@ -156,7 +156,7 @@ def _sides(reached: BodySplit) -> tuple[tuple, tuple]:
 
 
 def _unified(
-    branches: list[ClosedJaxpr], reached: list[BodySplit], ctx: RuleContext
+    eqn: JaxprEqn, branches: list[ClosedJaxpr], reached: list[BodySplit], ctx: RuleContext
 ) -> list[BodySplit]:
     """The branches reached again from every operand and result any of them carries the axis
     at, until they agree: a branch that does not read an operand takes it chunked all the same,
@@ -175,14 +175,15 @@ def _unified(
                             "cond: its branches carry the split axis to different places of "
                             "one operand or result"
                         )
-        try:
-            again = [
-                (b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)) for b in branches
-            ]
-        except NoRule as err:
-            raise NoRule(
-                f"cond: its branches carry the split axis to different operands or results ({err})"
-            ) from None
+        again = []
+        for k, b in enumerate(branches):
+            try:
+                again.append((b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)))
+            except NoRule as err:
+                raise NoRule(
+                    "cond: its branches carry the split axis to different operands or results: "
+                    f"branch {k} {_naming(eqn, b, ins, outs, ctx)} ({err})"
+                ) from None
         if len({_sides(r) for r in again}) == 1:  # every branch as the others
             return again
         reached = again
@@ -193,13 +194,15 @@ def _cond(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Operands and results at the axes every branch gives them (the index whole); a result
     some branch sums over the axis into is a sum of the chunks' results (:func:`_summed`)."""
     inner = ctx.in_body()
-    return _through(_branches(eqn, side, axis, inner), _in_branch(side), axis, inner)
+    return _through(eqn, _branches(eqn, side, axis, inner), _in_branch(side), axis, inner)
 
 
-def _through(reached: list[BodySplit], branch: Side, axis: int, ctx: RuleContext) -> Through:
+def _through(
+    eqn: JaxprEqn, reached: list[BodySplit], branch: Side, axis: int, ctx: RuleContext
+) -> Through:
     """The cond's mapping from its branches (reached in ``ctx``, the axis at ``branch`` of
     each), which must agree."""
-    _summed(reached)
+    _summed(reached, eqn)
     found = {_mapping("cond", r, branch, axis, ctx, sums=True) for r in reached}
     if len(found) != 1:
         raise NoRule("cond: its branches carry the split axis to different operands or results")
@@ -221,28 +224,42 @@ def _seeded(
         try:
             reached.append((b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)))
         except NoRule as err:
-            raise NoRule(f"cond: branch {k} {_naming(eqn, ins, outs)}: {err}") from None
+            raise NoRule(f"cond: branch {k} {_naming(eqn, b, ins, outs, ctx)}: {err}") from None
     if len({_sides(r) for r in reached}) == 1:
         return reached
-    return _unified(branches, reached, ctx)
+    return _unified(eqn, branches, reached, ctx)
 
 
-def _naming(eqn: JaxprEqn, ins: dict[int, int], outs: dict[int, int]) -> str:
-    """The operands and results a cond's branches are reached from, named for an error."""
-    named = [f"operand {k + 1} ({eqn.invars[k + 1].aval.str_short()})" for k in sorted(ins)]
-    named += [f"result {k} ({eqn.outvars[k].aval.str_short()})" for k in sorted(outs)]
-    return "cannot carry the split axis of " + ", ".join(named)
+def _naming(
+    eqn: JaxprEqn, b: ClosedJaxpr, ins: dict[int, int], outs: dict[int, int], ctx: RuleContext
+) -> str:
+    """What branch ``b`` cannot do, reached from the inputs at ``ins`` and the results at
+    ``outs``: give one of those results the axis (named with its value), or take the operands
+    chunked."""
+    operands = ", ".join(f"{k + 1} ({eqn.invars[k + 1].aval.str_short()})" for k in sorted(ins))
+    try:
+        loop_body.reach_seeded(b.jaxpr, ins, {}, ctx, sums=True)
+    except NoRule:
+        return f"cannot take the split axis of operands {operands}"
+    for o, a in sorted(outs.items()):
+        try:
+            loop_body.reach_seeded(b.jaxpr, ins, {o: a}, ctx, sums=True)
+        except NoRule:
+            aval = eqn.outvars[o].aval.str_short()
+            return f"cannot give result {o} ({aval}) the split axis of operands {operands}"
+    return f"cannot take the split axis of operands {operands}"
 
 
-def _widen(eqn: JaxprEqn, m: Mapping, ins: dict[int, int], ctx: RuleContext) -> Mapping:
-    """The cond mapped as ``m`` where the operands at ``ins`` (cond operand position -> axis)
-    carry the split axis too: one branch passes such an operand to a result (a carry it keeps)
-    that another computes, so every branch is reached again from all of them
-    (:func:`_seeded`). Each branch then gives every such result the same positions of the
-    same chunk, computed from chunked operands or made at chunk shape, so the chunk's results
-    are the chunk of the cond's whichever branch the index picks."""
-    assert isinstance(m, Through)
-    seeds = {k - 1: a for k, a in enumerate(m.ins) if a is not None}
+def _widen(eqn: JaxprEqn, m: Mapping | None, ins: dict[int, int], ctx: RuleContext) -> Mapping:
+    """The cond mapped as ``m`` (None: refused from one operand alone) where the operands at
+    ``ins`` (cond operand position -> axis) carry the split axis too: one branch passes such
+    an operand to a result (a carry it keeps) that another computes, so every branch is
+    reached again from all of them (:func:`_seeded`). Each branch then gives every such result
+    the same positions of the same chunk, computed from chunked operands or made at chunk
+    shape, so the chunk's results are the chunk of the cond's whichever branch the index
+    picks."""
+    inner = ctx.in_body() if m is None else m.ctx
+    seeds = {k - 1: a for k, a in enumerate(m.ins) if a is not None} if m is not None else {}
     for k, a in ins.items():
         if k == 0:
             raise NoRule("cond: the branch index is a scalar")
@@ -251,9 +268,9 @@ def _widen(eqn: JaxprEqn, m: Mapping, ins: dict[int, int], ctx: RuleContext) -> 
                 f"cond: operand {k} ({eqn.invars[k].aval.str_short()}) is chunked along "
                 "another axis than its branches read it"
             )
-    outs = {k: a for k, a in enumerate(m.outs) if a is not None}
+    outs = {k: a for k, a in enumerate(m.outs) if a is not None} if m is not None else {}
     (k, a), *_ = sorted(seeds.items())
-    return _through(_seeded(eqn, seeds, outs, m.ctx), ("in", k), a, m.ctx)
+    return _through(eqn, _seeded(eqn, seeds, outs, inner), ("in", k), a, inner)
 
 
 def _reached_of(eqn: JaxprEqn, m: Mapping) -> list[BodySplit]:
@@ -262,9 +279,12 @@ def _reached_of(eqn: JaxprEqn, m: Mapping) -> list[BodySplit]:
     assert isinstance(m, Through)
     side = _side(m)
     axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    reached = _branches(eqn, side, axis, m.ctx)
     want = (tuple(m.ins[1:]), tuple(m.outs))
-    if all(_sides(r) == want for r in reached):
+    try:
+        reached = _branches(eqn, side, axis, m.ctx)
+    except NoRule:  # a mapping widened from a refusal
+        reached = []
+    if reached and all(_sides(r) == want for r in reached):
         return reached
     ins = {k - 1: a for k, a in enumerate(m.ins) if a is not None}
     outs = {k: a for k, a in enumerate(m.outs) if a is not None}
@@ -293,18 +313,20 @@ def _is_zero(jaxpr: Jaxpr, atom: Any) -> bool:
     )
 
 
-def _summed(reached: list[BodySplit]) -> frozenset[int]:
+def _summed(reached: list[BodySplit], eqn: JaxprEqn | None = None) -> frozenset[int]:
     """Positions of the results some branch sums over the split axis into (a contraction's
     cotangent): each other branch must sum into it too, or make it zero, so that the chunks'
-    results add up to the cond's whichever branch the index picks. Refused otherwise."""
+    results add up to the cond's whichever branch the index picks. Refused otherwise (naming
+    the result's value where ``eqn``, the cond, is given)."""
     sums = {k for body, got in reached for k in got.result_shares(body.jaxpr)}
     for k in sorted(sums):
         for body, got in reached:
             out = body.jaxpr.outvars[k]
             if not (out in got.shares or _is_zero(body.jaxpr, out)):
+                value = "" if eqn is None else f" ({eqn.outvars[k].aval.str_short()})"
                 raise NoRule(
-                    f"cond: a branch sums over the split axis into result {k}, another gives "
-                    "it a value that is no such sum"
+                    f"cond: a branch sums over the split axis into result {k}{value}, another "
+                    "gives it a value that is no such sum"
                 )
     return frozenset(sums)
 

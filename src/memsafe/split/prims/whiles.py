@@ -337,24 +337,30 @@ def _while(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     return _through(eqn, _reach(eqn, side, axis, inner), side, axis, inner)
 
 
-def _widen(eqn: JaxprEqn, m: Mapping, ins: dict[int, int], ctx: RuleContext) -> Mapping:
-    """The loop mapped as ``m`` where the operands at ``ins`` carry the split axis too (body
-    constants its body reads apart from the chunked carries: per-trajectory times beside the
-    state): the body and cond reached from all of them. Exact as any split through the body:
-    each chunk's loop reads the chunk of every operand that carries the axis, and the walk
-    checks that no value is read both ways."""
-    assert isinstance(m, Through)
-    side = _side_of(m)
-    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    more = {p: a for p, a in enumerate(m.ins) if a is not None}
+def _widen(eqn: JaxprEqn, m: Mapping | None, ins: dict[int, int], ctx: RuleContext) -> Mapping:
+    """The loop mapped as ``m`` (None: refused from one operand alone) where the operands at
+    ``ins`` carry the split axis too (body constants its body reads apart from the chunked
+    carries: per-trajectory times beside the state): the body and cond reached from all of
+    them. Exact as any split through the body: each chunk's loop reads the chunk of every
+    operand that carries the axis, and the walk checks that no value is read both ways."""
+    more = dict(ins)
+    if m is not None:
+        assert isinstance(m, Through)
+        side = _side_of(m)
+        axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+        more.update({p: a for p, a in enumerate(m.ins) if a is not None})
+        inner = m.ctx
+    else:
+        (p, axis), *_ = sorted(ins.items())
+        side, inner = ("in", p), ctx.in_body()
     for p, a in ins.items():
-        if more.setdefault(p, a) != a:
+        if more[p] != a:
             raise NoRule(
                 f"while: operand {p} ({eqn.invars[p].aval.str_short()}) is chunked along "
                 "another axis than the loop reads it"
             )
     more_ = tuple(sorted(more.items()))
-    return _through(eqn, _reach(eqn, side, axis, m.ctx, more_), side, axis, m.ctx)
+    return _through(eqn, _reach(eqn, side, axis, inner, more_), side, axis, inner)
 
 
 def _through(eqn: JaxprEqn, split: _Split, side: Side, axis: int, inner: RuleContext) -> Through:
@@ -466,9 +472,12 @@ def _split_of(m: Mapping, eqn: JaxprEqn) -> _Split:
     assert isinstance(m, Through)
     side = _side_of(m)
     axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    split = _reach(eqn, side, axis, m.ctx)
-    if _through(eqn, split, side, axis, m.ctx) == m:
-        return split
+    try:
+        split = _reach(eqn, side, axis, m.ctx)
+        if _through(eqn, split, side, axis, m.ctx) == m:
+            return split
+    except NoRule:  # a mapping widened from a refusal
+        pass
     more = tuple((p, a) for p, a in enumerate(m.ins) if a is not None)
     split = _reach(eqn, side, axis, m.ctx, more)
     if _through(eqn, split, side, axis, m.ctx) != m:
