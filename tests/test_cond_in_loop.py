@@ -18,7 +18,7 @@ from jax import lax
 
 import memsafe
 from memsafe.split.registry import PLAIN, NoRule, axis_map
-from tests.limits import plan_fitting
+from tests.limits import limit_between, plan_fitting
 
 _fits = plan_fitting
 
@@ -264,3 +264,67 @@ def test_the_solver_samples_every_sinkhorn_refused_before_splits():
     result = run_seed(10, ("solver",))
     assert "every" in result.case.flags, result.describe()
     assert result.interesting and result.outcome == "split", result.describe()
+
+
+def _reset_or_step(loop: str, coupled: bool = False) -> Any:
+    """``jax.vmap`` over trajectories of a loop whose body mixes a buffer with the state, then
+    conds between a step of the state and a reset of it to a value read whole (a broadcast the
+    branch makes; under ``vmap`` it is broadcast along the trajectories in that branch only):
+    the cond reached from the buffer alone leaves the state whole, which the loop chunks. With
+    ``coupled``, no ``vmap``: the reset broadcasts the mean of the buffer over the trajectories,
+    a value no chunk can make."""
+
+    def step(b: jax.Array, y: jax.Array, w: jax.Array) -> Any:
+        return b, jnp.tanh(y @ w)
+
+    def reset(b: jax.Array, y: jax.Array, w: jax.Array) -> Any:
+        made = jnp.mean(b, 0) if coupled else w[0]
+        return b * 0.5, jnp.broadcast_to(made, y.shape)
+
+    def run(w: jax.Array, y: jax.Array, b: jax.Array) -> Any:
+        def body(i: Any, s: Any) -> Any:
+            y, b = s
+            b = 0.9 * b + 0.1 * y
+            b, y = lax.cond(i % 3 == 0, reset, step, b, y, w)
+            return y, b
+
+        if loop == "while":
+            grown = lambda s: (s[0] + 1, *body(s[0], s[1:]))
+            return lax.while_loop(lambda s: s[0] < 7, grown, (0, y, b))[1:]
+        return lax.fori_loop(0, 7, body, (y, b))
+
+    def fun(w: jax.Array, ys: jax.Array, bufs: jax.Array) -> Any:
+        y, b = run(w, ys, bufs) if coupled else jax.vmap(run, (None, 0, 0))(w, ys, bufs)
+        return jnp.sum(y, 0), jnp.sum(b, 0)
+
+    return fun
+
+
+def _trajectories(shape: tuple[int, ...]) -> tuple[jax.Array, jax.Array, jax.Array]:
+    w = jax.random.normal(jax.random.key(0), (128, 128)) / 11
+    ys = jax.random.normal(jax.random.key(1), shape)
+    return w, ys, jax.random.normal(jax.random.key(2), shape)
+
+
+@pytest.mark.parametrize("loop", ["while", "scan"])
+def test_a_cond_that_resets_a_batched_state_to_a_broadcast_splits(loop):
+    """Before: refused ("cond: its branches carry the split axis to different operands or
+    results (the loop's result 1 does not carry the split axis, ...)": the cond was reached
+    from the buffer alone, its first chunked operand). The cond is reached again from every
+    operand the loop chunks (the buffer and the state), and the reset makes the state at chunk
+    shape: each chunk's results are that chunk of the cond's, whichever branch runs."""
+    plan = _fits(_reset_or_step(loop), _trajectories((2048, 8, 128)))
+    assert any(loop in s.ops for s in plan.splits), plan
+
+
+def test_a_reset_to_a_value_coupling_the_trajectories_is_refused_naming_the_cond_result():
+    """The reset broadcasts the buffer's mean over the trajectories: a sum over the split axis
+    the step branch does not make, so neither a chunk nor a sum of chunks is the cond's."""
+    fun, args = _reset_or_step("scan", coupled=True), _trajectories((16384, 128))
+    limit = limit_between(fun, args, 0.25)
+    with pytest.raises(
+        memsafe.MemoryLimitError,
+        match=r"axis 0: cond: .*branch 1 cannot give result 1 \(float32\[16384,128\]\) the "
+        r"split axis",
+    ):
+        memsafe.jit(fun, memory_limit=limit).plan(*args)

@@ -136,6 +136,36 @@ def test_a_predicate_that_reads_an_accumulated_sum_is_refused_naming_the_carry()
         memsafe.jit(fun, memory_limit=limit).plan(*args)
 
 
+@pytest.mark.parametrize("loop", ["while", "scan"])
+def test_a_state_reloaded_from_a_checkpoint_buffer_each_iteration_splits(loop):
+    """``jax.vmap`` over trajectories of a loop whose state is reloaded from a buffer of saved
+    states every iteration (``y = saved[i]``, as a checkpointed adjoint restarts from its
+    checkpoints) while an accumulator reads the state. Before: refused (the state's carry
+    takes the batch axis in, and the walk never reached its new value, computed from the
+    buffer alone). The buffer is chunked with the state: each chunk reloads its own
+    trajectories' states."""
+
+    def fun(w, ys, saved):
+        def solve(y, s):
+            def body(i, c):
+                y, acc = c
+                return s[i % 4], acc + jnp.tanh(y @ w)
+
+            start = (y, jnp.zeros_like(y))
+            if loop == "while":
+                grown = lambda c: (c[0] + 1, *body(c[0], c[1:]))
+                return lax.while_loop(lambda c: c[0] < 7, grown, (0, *start))[2]
+            return lax.fori_loop(0, 7, body, start)[1]
+
+        return jnp.sum(jax.vmap(solve)(ys, saved), 0)
+
+    w = jax.random.normal(jax.random.key(0), (128, 128)) / 11
+    ys = jax.random.normal(jax.random.key(1), (2048, 8, 128))
+    saved = jax.random.normal(jax.random.key(2), (2048, 4, 8, 128))
+    plan = _fits(fun, (w, ys, saved))
+    assert any(loop in s.ops for s in plan.splits), plan
+
+
 #: What main (8013071) did with each program at this limit: all but two were refused.
 BEFORE = {
     "sinkhorn_value": "fit",
@@ -159,20 +189,7 @@ def test_iterative_solvers_fit_a_quarter_of_jax_jits_temporaries(name):
     _fits(fun, args)
 
 
-_DIFFRAX_GAP = pytest.mark.xfail(
-    run=False,
-    reason="refused: a cond in diffrax's checkpointed adjoint gives the batch axis to different "
-    "results in its branches (one makes a value whole); see docs/changelog.md",
-)
-
-
-@pytest.mark.parametrize(
-    "name",
-    [
-        pytest.param(n, marks=_DIFFRAX_GAP) if n.startswith("diffrax") else n
-        for n in sorted(iterative.LIBRARY)
-    ],
-)
+@pytest.mark.parametrize("name", sorted(iterative.LIBRARY))
 def test_library_solvers_fit(name):
     """ott-jax's Sinkhorn and diffrax's diffeqsolve, called as their users call them."""
     pytest.importorskip("ott" if name.startswith("ott") else "diffrax")

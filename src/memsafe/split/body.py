@@ -105,7 +105,7 @@ def propagate(
         except _ShareCarry as share:  # a carry accumulates a sum: it is one too
             seeds[("share", share.position)] = 0
             continue
-        grown = _tie(jaxpr, got, pulled, tied)
+        grown = _tie(jaxpr, got, pulled, tied, ctx, settled=pulled == seeds)
         if grown == seeds:
             (_check_same if sums else _check_outputs)(jaxpr, got)
             return got
@@ -256,7 +256,7 @@ class _Walk:
             roles = [self.role(a) for a in eqn.invars]
             found = [(k, self.axes[v]) for k, v in enumerate(eqn.invars) if roles[k] is Role.SPLIT]
             if found:
-                m = _axis_map(eqn, ("in", found[0][0]), found[0][1], self.ctx)
+                m = _axis_map(eqn, ("in", found[0][0]), found[0][1], self.ctx, dict(found))
                 self.split(i, eqn, m, roles)
             elif i in made:
                 m = _axis_map(eqn, ("out", made[i][0]), made[i][1], self.ctx)
@@ -322,12 +322,25 @@ class _Walk:
 
 
 def _axis_map(
-    eqn: JaxprEqn, side: registry.Side, axis: int, ctx: registry.RuleContext
+    eqn: JaxprEqn,
+    side: registry.Side,
+    axis: int,
+    ctx: registry.RuleContext,
+    ins: dict[int, int] | None = None,
 ) -> Mapping | Sink:
     """The equation's mapping inside a loop body, where a scan along the axis (``cumsum``) has
     no running carry to thread from chunk to chunk: each chunk of the loop runs the whole body,
-    so a chunk's scan would miss the rows of the chunks before it."""
-    m = registry.axis_map(eqn, side, axis, ctx)
+    so a chunk's scan would miss the rows of the chunks before it. With ``ins`` (operand
+    position -> axis: every operand the walk has chunked), the mapping widened to them
+    (:func:`registry.widen`)."""
+    if ins and len(ins) > 1:
+        try:
+            first: Mapping | Sink | None = registry.axis_map(eqn, side, axis, ctx)
+        except NoRule:  # refused from one operand alone: perhaps not from all of them
+            first = registry.widen(eqn, None, ins, ctx)
+        m = registry.widen(eqn, first, ins, ctx)
+    else:
+        m = registry.axis_map(eqn, side, axis, ctx)
     run = registry.running_along(eqn, m) if isinstance(m, Mapping) else None
     if run is not None and not run.same_inside(eqn, m):
         sink = run.sink(eqn, m)  # (a combining scatter: its chunks fold as a sink's)
@@ -418,9 +431,20 @@ def _pull_once(
     return all(isinstance(v, Var) and _pull(jaxpr, v, a, seeds, ctx, done) for v, a in pulled)
 
 
-def _tie(jaxpr: Jaxpr, got: Reached, seeds: dict[Any, int], tied: Sequence[tuple[int, int]]):
+def _tie(
+    jaxpr: Jaxpr,
+    got: Reached,
+    seeds: dict[Any, int],
+    tied: Sequence[tuple[int, int]],
+    ctx: registry.RuleContext,
+    settled: bool = True,
+):
     """The seeds grown by the carries: one whose result carries the axis (or is a share) takes
-    it in the same way."""
+    it in the same way. A carry that takes the axis in but whose result the walk did not reach
+    has the inputs its result is computed from seeded (:func:`_pull`: a state reloaded from a
+    constant buffer each iteration, ``x = buffer[i]``, takes the buffer chunked); where the walk
+    pulled inputs it had not started from (``settled`` false), the next walk may give it the
+    axis from them. Refused where neither is so."""
     grown = dict(seeds)
     for i, o in tied:
         inner, outer = jaxpr.invars[i], jaxpr.outvars[o]
@@ -436,7 +460,13 @@ def _tie(jaxpr: Jaxpr, got: Reached, seeds: dict[Any, int], tied: Sequence[tuple
         elif out is not None and have is None:
             grown[i] = out
         elif have is not None and out is None and outer is not inner:
-            raise NoRule("a loop carry takes the split axis in but not out")
+            pulled = dict(grown)
+            found = isinstance(outer, Var) and _pull(jaxpr, outer, have, pulled, ctx)
+            if found and pulled != grown:
+                grown = pulled
+                continue
+            if settled:
+                raise NoRule("a loop carry takes the split axis in but not out")
         elif have is not None and out is not None and have != out:
             raise NoRule("a loop carry moves the split axis")
     return grown

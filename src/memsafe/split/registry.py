@@ -99,6 +99,9 @@ class Through(Mapping):
 AxisMap = Callable[[JaxprEqn, Side, int, RuleContext], "Mapping | Sink"]
 #: The equation on chunk-shaped operands: (eqn, operand values, mapping, chunk start, chunk size).
 Rebind = Callable[[JaxprEqn, list[Any], Mapping, Any, int], list[Any]]
+#: A mapping widened to more chunked operands: (eqn, the rule's answer from one of them or None,
+#: operand position -> axis, context).
+Widen = Callable[[JaxprEqn, "Mapping | None", dict[int, int], RuleContext], Mapping]
 
 
 def bind_unchanged(
@@ -227,6 +230,8 @@ class SplitRule:
             result position ``o`` along it is computed from operand position ``o`` alone and
             from values read whole, whatever the chunk's start: such equations run unchanged
             on an extended chunk (:mod:`memsafe.split.strategies.halo`).
+        widen: the mapping again where more operands than the one it was asked from carry the
+            axis (:func:`widen`); None where the rule's answer is all there is.
     """
 
     axis_map: AxisMap
@@ -234,6 +239,7 @@ class SplitRule:
     running: tuple[Running, ...] = ()
     piece_rebind: Rebind | None = None
     positional: bool | Callable[[JaxprEqn, Mapping], bool] = False
+    widen: Widen | None = None
 
 
 @dataclass(frozen=True)
@@ -275,18 +281,20 @@ def split_rule(
     running: Running | tuple[Running, ...] = (),
     piece_rebind: Rebind | None = None,
     positional: bool | Callable[[JaxprEqn, Mapping], bool] | None = None,
+    widen: Widen | None = None,
 ) -> Callable[[AxisMap], AxisMap]:
     """Register the decorated axis map, with ``rebind`` (``running`` for scans, ``piece_rebind``
-    where pieces bind otherwise than chunks), as the split rule of ``names``, and with ``kind``
-    as that of every primitive of that kind in ``memsafe.primitives.TABLE`` without a rule
-    registered by name. ``positional`` (see :class:`SplitRule`) defaults to whether the equation
-    is re-bound unchanged. A later registration of a name replaces the earlier one."""
+    where pieces bind otherwise than chunks, ``widen`` where other operands may join the axis),
+    as the split rule of ``names``, and with ``kind`` as that of every primitive of that kind in
+    ``memsafe.primitives.TABLE`` without a rule registered by name. ``positional`` (see
+    :class:`SplitRule`) defaults to whether the equation is re-bound unchanged. A later
+    registration of a name replaces the earlier one."""
 
     runs = running if isinstance(running, tuple) else (running,)
     plain = rebind is bind_unchanged if positional is None else positional
 
     def deco(axis_map: AxisMap) -> AxisMap:
-        rule = SplitRule(axis_map, rebind, runs, piece_rebind, plain)
+        rule = SplitRule(axis_map, rebind, runs, piece_rebind, plain, widen)
         for n in names:
             SPLIT_RULES[n] = rule
         if kind is not None:
@@ -333,6 +341,27 @@ def axis_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping 
             if got is not None:
                 return got
         raise
+
+
+def widen(
+    eqn: JaxprEqn, mapping: Mapping | Sink | None, ins: dict[int, int], ctx: RuleContext
+) -> Mapping | Sink:
+    """The equation's mapping where the operands at ``ins`` (position -> axis) all carry the
+    split axis, ``mapping`` its rule's answer asked from one of them (None where the rule
+    refused that one alone): a ``cond`` asked from one operand reads whole another that one
+    branch passes to a result, which the region has chunked. The rule's ``widen`` answers
+    (raising :class:`NoRule` where it cannot); ``mapping`` itself where it already reads each
+    of them chunked, or where the rule has no ``widen`` or an extension answered."""
+    if mapping is not None and (
+        not isinstance(mapping, Mapping) or all(mapping.ins[k] == a for k, a in ins.items())
+    ):
+        return mapping
+    rule = _rule(eqn)
+    if rule.widen is None or (mapping is not None and _extension(eqn, mapping) is not None):
+        if mapping is None:
+            raise NoRule(f"{eqn.primitive.name}: no mapping with every chunked operand")
+        return mapping
+    return rule.widen(eqn, mapping, ins, ctx)
 
 
 def _extension(eqn: JaxprEqn, mapping: Mapping) -> Extension | None:

@@ -142,7 +142,7 @@ def _branches(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> list[Bo
         return reached
     if not reached:
         raise refusals[0]
-    return _unified(branches, reached, ctx)
+    return _unified(eqn, branches, reached, ctx)
 
 
 def _sides(reached: BodySplit) -> tuple[tuple, tuple]:
@@ -156,7 +156,7 @@ def _sides(reached: BodySplit) -> tuple[tuple, tuple]:
 
 
 def _unified(
-    branches: list[ClosedJaxpr], reached: list[BodySplit], ctx: RuleContext
+    eqn: JaxprEqn, branches: list[ClosedJaxpr], reached: list[BodySplit], ctx: RuleContext
 ) -> list[BodySplit]:
     """The branches reached again from every operand and result any of them carries the axis
     at, until they agree: a branch that does not read an operand takes it chunked all the same,
@@ -175,14 +175,15 @@ def _unified(
                             "cond: its branches carry the split axis to different places of "
                             "one operand or result"
                         )
-        try:
-            again = [
-                (b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)) for b in branches
-            ]
-        except NoRule as err:
-            raise NoRule(
-                f"cond: its branches carry the split axis to different operands or results ({err})"
-            ) from None
+        again = []
+        for k, b in enumerate(branches):
+            try:
+                again.append((b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)))
+            except NoRule as err:
+                raise NoRule(
+                    "cond: its branches carry the split axis to different operands or results: "
+                    f"branch {k} {_naming(eqn, b, ins, outs, ctx)} ({err})"
+                ) from None
         if len({_sides(r) for r in again}) == 1:  # every branch as the others
             return again
         reached = again
@@ -193,22 +194,109 @@ def _cond(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Operands and results at the axes every branch gives them (the index whole); a result
     some branch sums over the axis into is a sum of the chunks' results (:func:`_summed`)."""
     inner = ctx.in_body()
-    branch = _in_branch(side)
-    reached = _branches(eqn, side, axis, inner)
-    _summed(reached)
-    found = {_mapping("cond", r, branch, axis, inner, sums=True) for r in reached}
+    return _through(eqn, _branches(eqn, side, axis, inner), _in_branch(side), axis, inner)
+
+
+def _through(
+    eqn: JaxprEqn, reached: list[BodySplit], branch: Side, axis: int, ctx: RuleContext
+) -> Through:
+    """The cond's mapping from its branches (reached in ``ctx``, the axis at ``branch`` of
+    each), which must agree."""
+    _summed(reached, eqn)
+    found = {_mapping("cond", r, branch, axis, ctx, sums=True) for r in reached}
     if len(found) != 1:
         raise NoRule("cond: its branches carry the split axis to different operands or results")
     (m,) = found
-    return Through(ins=(None, *m.ins), outs=m.outs, ctx=inner)
+    return Through(ins=(None, *m.ins), outs=m.outs, ctx=ctx)
+
+
+def _seeded(
+    eqn: JaxprEqn, ins: dict[int, int], outs: dict[int, int], ctx: RuleContext
+) -> list[BodySplit]:
+    """Each branch reached from the branch inputs at ``ins`` and the results at ``outs``
+    (position -> axis) together, until the branches agree (:func:`_unified`): a branch that
+    passes an operand to a result gives that result the axis, and every other branch must give
+    it too, computing it from chunked operands or making it at chunk shape (a broadcast, a
+    zeros fill). Refused naming the operand and the result where a branch cannot."""
+    branches = [_inlined(b) for b in eqn.params["branches"]]
+    reached = []
+    for k, b in enumerate(branches):
+        try:
+            reached.append((b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)))
+        except NoRule as err:
+            raise NoRule(f"cond: branch {k} {_naming(eqn, b, ins, outs, ctx)}: {err}") from None
+    if len({_sides(r) for r in reached}) == 1:
+        return reached
+    return _unified(eqn, branches, reached, ctx)
+
+
+def _naming(
+    eqn: JaxprEqn, b: ClosedJaxpr, ins: dict[int, int], outs: dict[int, int], ctx: RuleContext
+) -> str:
+    """What branch ``b`` cannot do, reached from the inputs at ``ins`` and the results at
+    ``outs``: give one of those results the axis (named with its value), or take the operands
+    chunked."""
+    operands = ", ".join(f"{k + 1} ({eqn.invars[k + 1].aval.str_short()})" for k in sorted(ins))
+    try:
+        loop_body.reach_seeded(b.jaxpr, ins, {}, ctx, sums=True)
+    except NoRule:
+        return f"cannot take the split axis of operands {operands}"
+    for o, a in sorted(outs.items()):
+        try:
+            loop_body.reach_seeded(b.jaxpr, ins, {o: a}, ctx, sums=True)
+        except NoRule:
+            aval = eqn.outvars[o].aval.str_short()
+            return f"cannot give result {o} ({aval}) the split axis of operands {operands}"
+    return f"cannot take the split axis of operands {operands}"
+
+
+def _widen(eqn: JaxprEqn, m: Mapping | None, ins: dict[int, int], ctx: RuleContext) -> Mapping:
+    """The cond mapped as ``m`` (None: refused from one operand alone) where the operands at
+    ``ins`` (cond operand position -> axis) carry the split axis too: one branch passes such
+    an operand to a result (a carry it keeps) that another computes, so every branch is
+    reached again from all of them (:func:`_seeded`). Each branch then gives every such result
+    the same positions of the same chunk, computed from chunked operands or made at chunk
+    shape, so the chunk's results are the chunk of the cond's whichever branch the index
+    picks."""
+    inner = ctx.in_body() if m is None else m.ctx
+    seeds = {k - 1: a for k, a in enumerate(m.ins) if a is not None} if m is not None else {}
+    for k, a in ins.items():
+        if k == 0:
+            raise NoRule("cond: the branch index is a scalar")
+        if seeds.setdefault(k - 1, a) != a:
+            raise NoRule(
+                f"cond: operand {k} ({eqn.invars[k].aval.str_short()}) is chunked along "
+                "another axis than its branches read it"
+            )
+    outs = {k: a for k, a in enumerate(m.outs) if a is not None} if m is not None else {}
+    (k, a), *_ = sorted(seeds.items())
+    return _through(eqn, _seeded(eqn, seeds, outs, inner), ("in", k), a, inner)
+
+
+def _reached_of(eqn: JaxprEqn, m: Mapping) -> list[BodySplit]:
+    """The branches of a cond mapped as ``m``: reached from its first chunked operand or
+    result, or where that gives another mapping (one :func:`_widen` made), from all."""
+    assert isinstance(m, Through)
+    side = _side(m)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    want = (tuple(m.ins[1:]), tuple(m.outs))
+    try:
+        reached = _branches(eqn, side, axis, m.ctx)
+    except NoRule:  # a mapping widened from a refusal
+        reached = []
+    if reached and all(_sides(r) == want for r in reached):
+        return reached
+    ins = {k - 1: a for k, a in enumerate(m.ins) if a is not None}
+    outs = {k: a for k, a in enumerate(m.outs) if a is not None}
+    reached = _seeded(eqn, ins, outs, m.ctx)
+    if not all(_sides(r) == want for r in reached):
+        raise NoRule("cond: its branches do not settle on the widened split axis")
+    return reached
 
 
 def _rebind_cond(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: int) -> list[Any]:
     """The chunk through the branch the index picks, each branch re-traced at chunk shape."""
-    assert isinstance(m, Through)
-    side = _side(m)
-    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    funs = [_chunk_fun(r, n) for r in _branches(eqn, side, axis, m.ctx)]
+    funs = [_chunk_fun(r, n) for r in _reached_of(eqn, m)]
     return list(lax.switch(invals[0], funs, jnp.asarray(start, jnp.int32), *invals[1:]))
 
 
@@ -225,28 +313,27 @@ def _is_zero(jaxpr: Jaxpr, atom: Any) -> bool:
     )
 
 
-def _summed(reached: list[BodySplit]) -> frozenset[int]:
+def _summed(reached: list[BodySplit], eqn: JaxprEqn | None = None) -> frozenset[int]:
     """Positions of the results some branch sums over the split axis into (a contraction's
     cotangent): each other branch must sum into it too, or make it zero, so that the chunks'
-    results add up to the cond's whichever branch the index picks. Refused otherwise."""
+    results add up to the cond's whichever branch the index picks. Refused otherwise (naming
+    the result's value where ``eqn``, the cond, is given)."""
     sums = {k for body, got in reached for k in got.result_shares(body.jaxpr)}
     for k in sorted(sums):
         for body, got in reached:
             out = body.jaxpr.outvars[k]
             if not (out in got.shares or _is_zero(body.jaxpr, out)):
+                value = "" if eqn is None else f" ({eqn.outvars[k].aval.str_short()})"
                 raise NoRule(
-                    f"cond: a branch sums over the split axis into result {k}, another gives "
-                    "it a value that is no such sum"
+                    f"cond: a branch sums over the split axis into result {k}{value}, another "
+                    "gives it a value that is no such sum"
                 )
     return frozenset(sums)
 
 
 def _cond_sums(eqn: JaxprEqn, m: Mapping) -> frozenset[int]:
     """The summed results (:func:`_summed`) of a cond mapped as ``m``."""
-    assert isinstance(m, Through)
-    side = _side(m)
-    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
-    return _summed(_branches(eqn, side, axis, m.ctx))
+    return _summed(_reached_of(eqn, m))
 
 
 @dataclass(frozen=True)
@@ -282,4 +369,4 @@ class Same(Running):
         return not _cond_sums(eqn, mapping)
 
 
-split_rule("cond", rebind=_rebind_cond, running=(Same(),))(_cond)
+split_rule("cond", rebind=_rebind_cond, running=(Same(),), widen=_widen)(_cond)

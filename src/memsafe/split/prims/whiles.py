@@ -58,16 +58,6 @@ def _predicate_rank(eqn: JaxprEqn) -> int:
     return len(eqn.params["cond_jaxpr"].out_avals[0].shape)
 
 
-def _carry_seed(eqn: JaxprEqn, side: Side, axis: int) -> tuple[int, int]:
-    """(carry position, axis) the split axis at ``side`` enters the loop state by; a constant of
-    the cond or body is no carry (-1)."""
-    c, b, _ = _counts(eqn)
-    if side[0] == "out":
-        return side[1], axis
-    k = side[1] - c - b
-    return (k, axis) if k >= 0 else (-1, axis)
-
-
 @dataclass(frozen=True)
 class _Split:
     """A while loop split through its state: the body's and the cond's splits."""
@@ -86,22 +76,27 @@ def _describe(eqn: JaxprEqn, k: int) -> str:
     return f"carry {k} ({aval.str_short()})"
 
 
-def _reach(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> _Split:
-    """The loop's body and cond reached from the split axis at ``side`` (``ctx``: a body's)."""
+def _reach(
+    eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext, more: tuple[tuple[int, int], ...] = ()
+) -> _Split:
+    """The loop's body and cond reached from the split axis at ``side`` (``ctx``: a body's),
+    and from the operands at ``more`` ((operand position, axis) pairs: those a region chunks
+    beside it, :func:`_widen`)."""
     c, b, n = _counts(eqn)
     body, cond = _inlined(eqn.params["body_jaxpr"]), _inlined(eqn.params["cond_jaxpr"])
-    k, a = _carry_seed(eqn, side, axis)
+    a = axis
     seeds: dict[int, int] = {}
-    if k < 0:  # a constant: of the body, or of the cond only
-        j = side[1]
-        if j < c:
+    for first, ((kind, j), ax) in enumerate(((side, axis), *((("in", p), x) for p, x in more))):
+        if kind == "out":
+            seeds[b + j] = ax
+        elif j >= c:  # a body constant or a carry
+            seeds[j - c] = ax
+        elif first == 0 or not any(eqn.invars[c + i] is eqn.invars[j] for i in range(b)):
+            # (a cond constant the body reads too takes the axis from the body's reading)
             raise NoRule(
                 "while: the split axis enters the loop's predicate only (a constant it compares "
                 "the carries with), not its state"
             )
-        seeds[j - c] = a
-    else:
-        seeds[b + k] = a
     rank = _predicate_rank(eqn)
     if rank and a < rank:
         # a batched predicate selects every carry per position: all take the axis
@@ -339,7 +334,37 @@ def _while(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
     """Operands and results at the axes the body gives the carries; constants at the axes the
     body and cond read them at (a cond constant carrying the axis is refused)."""
     inner = ctx.in_body()
-    split = _reach(eqn, side, axis, inner)
+    return _through(eqn, _reach(eqn, side, axis, inner), side, axis, inner)
+
+
+def _widen(eqn: JaxprEqn, m: Mapping | None, ins: dict[int, int], ctx: RuleContext) -> Mapping:
+    """The loop mapped as ``m`` (None: refused from one operand alone) where the operands at
+    ``ins`` carry the split axis too (body constants its body reads apart from the chunked
+    carries: per-trajectory times beside the state): the body and cond reached from all of
+    them. Exact as any split through the body: each chunk's loop reads the chunk of every
+    operand that carries the axis, and the walk checks that no value is read both ways."""
+    more = dict(ins)
+    if m is not None:
+        assert isinstance(m, Through)
+        side = _side_of(m)
+        axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+        more.update({p: a for p, a in enumerate(m.ins) if a is not None})
+        inner = m.ctx
+    else:
+        (p, axis), *_ = sorted(ins.items())
+        side, inner = ("in", p), ctx.in_body()
+    for p, a in ins.items():
+        if more[p] != a:
+            raise NoRule(
+                f"while: operand {p} ({eqn.invars[p].aval.str_short()}) is chunked along "
+                "another axis than the loop reads it"
+            )
+    more_ = tuple(sorted(more.items()))
+    return _through(eqn, _reach(eqn, side, axis, inner, more_), side, axis, inner)
+
+
+def _through(eqn: JaxprEqn, split: _Split, side: Side, axis: int, inner: RuleContext) -> Through:
+    """The loop's mapping from its split."""
     c, b, _ = _counts(eqn)
     body_axes, cond_axes = split.body_got.axes, split.cond_got.axes
     cj, bj = split.cond.jaxpr, split.body.jaxpr
@@ -442,10 +467,22 @@ class Furthest(Running):
 
 
 def _split_of(m: Mapping, eqn: JaxprEqn) -> _Split:
-    """The split of a loop mapped as ``m``."""
+    """The split of a loop mapped as ``m``: reached from its first chunked operand or result,
+    or where that gives another mapping (one :func:`_widen` made), from all its operands."""
     assert isinstance(m, Through)
     side = _side_of(m)
-    return _reach(eqn, side, (m.ins if side[0] == "in" else m.outs)[side[1]], m.ctx)
+    axis = (m.ins if side[0] == "in" else m.outs)[side[1]]
+    try:
+        split = _reach(eqn, side, axis, m.ctx)
+        if _through(eqn, split, side, axis, m.ctx) == m:
+            return split
+    except NoRule:  # a mapping widened from a refusal
+        pass
+    more = tuple((p, a) for p, a in enumerate(m.ins) if a is not None)
+    split = _reach(eqn, side, axis, m.ctx, more)
+    if _through(eqn, split, side, axis, m.ctx) != m:
+        raise NoRule("while: the loop does not settle on the widened split axis")
+    return split
 
 
 def _shares_of(carried: Any) -> frozenset[int]:
@@ -486,4 +523,4 @@ def _rebind_while(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, n: i
     )
 
 
-split_rule("while", rebind=_rebind_while, running=(Same(),))(_while)
+split_rule("while", rebind=_rebind_while, running=(Same(),), widen=_widen)(_while)
