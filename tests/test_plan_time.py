@@ -203,3 +203,170 @@ def test_an_emitted_program_without_lapack_is_compiled_as_it_is():
     assert (wrapped is not emitted) == lapack_waits_on_its_pool()
     np_out = jax.jit(wrapped)(x)
     assert jnp.allclose(np_out[0], solve(x), rtol=1e-5)
+
+
+def _layers_grad(layers: int = 4):
+    """A Python loop of layers and its gradient, calls inlined: blocks the roll pass rolls."""
+    import jax
+    import jax.numpy as jnp
+
+    from memsafe.graph import inline_calls
+    from tests import test_roll
+
+    loss = test_roll._model(["dense_tanh", "residual"], [], skip=False, tied=False)
+    params, x = test_roll._params(layers, 0), jnp.ones((test_roll.B, test_roll.D))
+    return inline_calls(jax.make_jaxpr(jax.value_and_grad(loss, (0, 1)))(params, x))
+
+
+def _counting(monkeypatch, module, name: str) -> list[int]:
+    calls: list[int] = []
+    real = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def _ctx(budget: int):
+    from memsafe.context import PassContext
+    from memsafe.plan import Plan
+
+    return PassContext(budget, 0, Plan(memory_limit=budget))
+
+
+def test_the_roll_pass_finds_a_programs_loops_and_rewrites_it_once(monkeypatch):
+    """Attempts at other chunk scales (budgets) that choose the same pairs take the rewrite
+    made first, the same program, and record the same; the loops are found once per program;
+    another program object of the same text is rewritten alike."""
+    from memsafe.passes import roll
+
+    closed = _layers_grad()
+    found = _counting(monkeypatch, roll, "loops")
+    traced = _counting(monkeypatch, roll, "retrace")
+    first, second = _ctx(1), _ctx(2)
+    new = roll.run(closed, first)
+    assert new is not closed and first.plan.records
+    assert roll.run(closed, second) is new
+    assert second.plan.records == first.plan.records
+    assert roll.run(closed, _ctx(2**40)) is closed  # nothing worth rolling at this budget
+    assert (len(found), len(traced)) == (1, 1)
+    again = _layers_grad()  # another jaxpr object: found and rewritten again, alike
+    assert again.jaxpr is not closed.jaxpr
+    assert str(roll.run(again, _ctx(1)).jaxpr) == str(new.jaxpr)
+    assert (len(found), len(traced)) == (2, 2)
+
+
+def test_the_remat_pass_rewrites_a_program_once_per_choice(monkeypatch):
+    from memsafe.passes import remat, roll
+
+    rolled = roll.run(_layers_grad(), _ctx(1))
+    pairs = _counting(monkeypatch, remat, "_pairs")
+    traced = _counting(monkeypatch, remat, "retrace")
+    first, second = _ctx(1), _ctx(3)
+    new = remat.run(rolled, first)
+    assert new is not rolled and first.plan.records
+    assert remat.run(rolled, second) is new
+    assert second.plan.records == first.plan.records
+    assert remat.run(rolled, _ctx(2**40)) is rolled
+    assert (len(pairs), len(traced)) == (1, 1)
+
+
+def test_later_scale_free_passes_run_once_per_program_in_a_search(monkeypatch):
+    """fission and recompute, after the roll and remat passes, depend on their program alone:
+    an attempt that gives them the program an earlier attempt gave takes their program and
+    records again, and each attempt's program is the one the whole pipeline makes."""
+    import jax
+
+    from memsafe import passes
+    from memsafe.context import PassContext
+    from memsafe.graph import inline_calls
+    from memsafe.passes import fission, recompute
+    from memsafe.pipeline import run_passes
+    from memsafe.plan import Plan, PlanTime
+    from memsafe.search import Search
+
+    assert {"fission", "recompute"} <= passes.scale_free_names()
+    assert passes.scale_free_lead() == 3  # match_replace, reorder, unflatten
+    closed = _layers_grad()
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in closed.jaxpr.invars]
+    limit = 1 << 12  # the residuals are worth rolling and recomputing at both scales
+    search = Search(closed, avals, limit, (), "layers", None, 0, None, PlanTime())
+    runs = {name: _counting(monkeypatch, module, "run")
+            for name, module in (("fission", fission), ("recompute", recompute))}  # fmt: skip
+    first = search.attempt(0, 1.0, 0)
+    second = search.attempt(1, 0.5, 0)
+    # fission follows the roll and remat passes (the same program at both scales); recompute
+    # follows the split (here the same as well where nothing is split)
+    assert len(runs["fission"]) == 1 and len(runs["recompute"]) in (1, 2)
+    names = [[getattr(r, "pass_name", "") for r in t.plan.records] for t in (first, second)]
+    assert "roll" in names[1] and "remat" in names[1]
+    ctx = PassContext(limit, 0, Plan(memory_limit=limit), chunk_scale=0.5)
+    whole = run_passes(passes.named_passes(), inline_calls(search.flat), ctx, "layers")
+    assert str(whole.jaxpr) == str(second.program.jaxpr)
+    assert ctx.plan.records == second.plan.records
+    assert names[0].count("recompute") == names[1].count("recompute")
+
+
+def test_a_sub_programs_key_is_structural_and_made_once(monkeypatch):
+    """Two equations whose sub-programs are equal but other objects (their variables other
+    ones) have one signature; a body that computes otherwise gives another; each sub-program
+    object's key is made once."""
+    import jax
+    import jax.numpy as jnp
+
+    from memsafe.graph import repeats
+
+    def looped(op):
+        def f(x):
+            return jax.lax.scan(lambda c, y: (op(c) + y, c * 2), x[0], x)
+
+        return f
+
+    x = jnp.ones((4, 3))
+    made = _counting(monkeypatch, repeats, "_program_key")
+    a, b = (jax.make_jaxpr(looped(jnp.sin))(x).jaxpr.eqns[-1] for _ in range(2))
+    c = jax.make_jaxpr(looped(jnp.cos))(x).jaxpr.eqns[-1]
+    assert a.params["jaxpr"].jaxpr is not b.params["jaxpr"].jaxpr
+    assert repeats.signature(a) == repeats.signature(b) != repeats.signature(c)
+    for _ in range(3):
+        repeats.signature(a)
+    assert len(made) == 3
+
+
+def _depends_by_full_walk(graph, maps):
+    """region_depends as it was written first: every equation walked, a new set for each."""
+    from memsafe._jax import is_var
+
+    depends = {}
+    for i, eqn in enumerate(graph.eqns):
+        if i in maps:
+            for o in eqn.outvars:
+                depends[o] = {i}
+            continue
+        acc = set()
+        for atom in eqn.invars:
+            if is_var(atom):
+                acc |= depends.get(atom, set())
+        for o in eqn.outvars:
+            depends[o] = acc
+    return depends
+
+
+def test_region_depends_is_the_full_walks_answer():
+    """For regions of every few equations of two programs: each value depends on the region
+    equations the walk of every equation finds (values before the region on none)."""
+    from memsafe.graph import Graph
+    from memsafe.split.region import region_depends
+
+    for closed in [*_programs(), _layers_grad(2)]:
+        graph = Graph(closed)
+        n = len(graph.eqns)
+        for start, step in ((0, 3), (n // 3, 5), (n // 2, 2), (n - 1, 1)):
+            maps = {i: None for i in range(start, n, step)}
+            want = _depends_by_full_walk(graph, maps)
+            got = region_depends(graph, maps)
+            for v, deps in want.items():
+                assert set(got[v]) == deps and bool(got.get(v)) == bool(deps)

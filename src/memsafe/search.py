@@ -4,6 +4,7 @@ the fitting one left much of the room unused)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -444,6 +445,7 @@ class Search:
         self.on_mesh, self.time = on_mesh, time
         self.roll, self.rolled = True, False  # see run
         self._start: _Start | None = None  # see _scale_free
+        self._later: dict[tuple[str, int], tuple] = {}  # see _rest
 
     def attempt(
         self,
@@ -474,7 +476,7 @@ class Search:
             ctx.record(record)
         for blocker in start.blockers:
             ctx.block(blocker)
-        program = run_passes(named[lead:], start.program, ctx, self.name, self.time.passes)
+        program = self._rest(named[lead:], start.program, ctx)
         retried = {name for name, _ in passes.named_passes(passes.RETRIED_WITHOUT)}
         self.rolled |= any(getattr(r, "pass_name", "") in retried for r in attempt_plan.records)
         if previous is not None and attempt_plan.records == previous:
@@ -501,6 +503,30 @@ class Search:
             program = run_passes(named, self.flat, ctx, self.name, self.time.passes)
             self._start = _Start(names, program, tuple(ctx.plan.records), tuple(ctx.blockers))
         return self._start
+
+    def _rest(self, named: tuple, program: _jax.ClosedJaxpr, ctx: PassContext) -> Any:
+        """The passes after the scale-free lead, in order; a later pass that declares
+        ``SCALE_FREE`` is run once per program it is given in this search: an attempt that
+        gives it a program an earlier attempt gave it (the same object: the passes before it
+        chose as they did) takes its program, records and blockers again."""
+        free = passes.scale_free_names()
+        for pass_name, run in named:
+            if pass_name not in free:
+                program = run_passes(((pass_name, run),), program, ctx, self.name, self.time.passes)
+                continue
+            key = (pass_name, id(program))
+            kept = self._later.get(key)
+            if kept is None or kept[0] is not program:
+                alone = dataclasses.replace(ctx, plan=Plan(self.memory_limit), blockers=[])
+                out = run_passes(((pass_name, run),), program, alone, self.name, self.time.passes)
+                kept = (program, out, tuple(alone.plan.records), tuple(alone.blockers))
+                self._later[key] = kept
+            for record in kept[2]:
+                ctx.record(record)
+            for blocker in kept[3]:
+                ctx.block(blocker)
+            program = kept[1]
+        return program
 
     def attempt_or_none(self, fixed: int) -> Tried | None:
         """The first attempt, or None where it fails (raised again, if the original does not

@@ -145,3 +145,32 @@ def _remember(jaxpr: Any, eqns: tuple[JaxprEqn, ...], values: dict[Var, ValueInf
     _BUILT.move_to_end(key)
     while len(_BUILT) > _BUILT_MAX:
         _BUILT.popitem(last=False)
+
+
+#: Analyses kept per jaxpr (see :func:`memo`), by the jaxpr's ``id``, each with a weak
+#: reference that says the jaxpr is still that one and the shape it had.
+_MEMOS: dict[int, tuple[Any, tuple[Any, ...], dict[str, dict]]] = {}
+
+
+def memo(closed: Any, name: str) -> dict:
+    """A dict of analyses of ``closed``'s program (a ClosedJaxpr, or a Jaxpr) under ``name``, the
+    same dict for as long as its jaxpr lives (unedited): what a pass computes of a program
+    whatever its budget, kept for the search's next attempt at the same program (the roll
+    pass's loops and rewrites), or what is read of a sub-program every block holds alike.
+
+    What is stored must not refer to the jaxpr itself (nor to a :class:`Graph` of it), or the
+    jaxpr would live as long as its memo.
+    """
+    jaxpr = getattr(closed, "jaxpr", closed)
+    key = id(jaxpr)
+    entry = _MEMOS.get(key)
+    if entry is None or entry[0]() is not jaxpr or entry[1] != _shape_of(jaxpr):
+
+        def forget(ref: Any) -> None:  # the jaxpr is gone: so are its analyses
+            known = _MEMOS.get(key)
+            if known is not None and known[0] is ref:
+                _MEMOS.pop(key, None)
+
+        entry = (weakref.ref(jaxpr, forget), _shape_of(jaxpr), {})
+        _MEMOS[key] = entry
+    return entry[2].setdefault(name, {})

@@ -19,7 +19,7 @@ import numpy as np
 
 from memsafe import policy
 from memsafe._jax import JaxprEqn, Literal, Var, is_var, jaxprs_in_params, nbytes_of_aval
-from memsafe.graph.graph import Graph
+from memsafe.graph.graph import Graph, memo
 
 
 @dataclass(frozen=True)
@@ -151,7 +151,8 @@ def _literal_key(value: Any) -> tuple[str, bytes]:
 
 def _aval_key(atom: Any) -> tuple[Any, ...]:
     aval = atom.aval
-    return (tuple(getattr(aval, "shape", ())), str(getattr(aval, "dtype", aval)),
+    dtype = getattr(aval, "dtype", None)
+    return (tuple(getattr(aval, "shape", ())), str(aval) if dtype is None else dtype,
             bool(getattr(aval, "weak_type", False)))  # fmt: skip
 
 
@@ -163,17 +164,60 @@ def _param_key(value: Any) -> Any:
         return repr(value)
 
 
-def signature(eqn: JaxprEqn) -> tuple[Any, ...]:
-    """What two equations must share to be the same step of two blocks: primitive, params
-    (sub-programs by their text), operand and result types, literals."""
-    subs = tuple(str(j) for j in jaxprs_in_params(eqn))
+def _operand_key(atom: Any) -> tuple[Any, ...]:
+    return ("lit", _literal_key(atom.val)) if isinstance(atom, Literal) else _aval_key(atom)
+
+
+def _eqn_key(eqn: JaxprEqn, ins: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An equation's primitive, params (sub-programs by :func:`program_key`), ``ins`` (what
+    its operands are) and result types."""
+    subs = tuple(program_key(j) for j in jaxprs_in_params(eqn))
     params = tuple(
         (k, _param_key(v)) for k, v in sorted(eqn.params.items()) if k not in _PROGRAM_PARAMS
     )
-    ins = tuple(
-        ("lit", _literal_key(a.val)) if isinstance(a, Literal) else _aval_key(a) for a in eqn.invars
-    )
     return (eqn.primitive.name, params, subs, ins, tuple(_aval_key(o) for o in eqn.outvars))
+
+
+def program_key(jaxpr: Any) -> tuple[Any, ...]:
+    """A sub-program as a value two equal programs share, whatever their variables are called:
+    its inputs' types, each equation's :func:`signature` with its operands numbered by the
+    value they read (in order of definition), and the outputs read. Computed once per jaxpr
+    object (:func:`memsafe.graph.graph.memo`): the blocks of a Python loop often hold the same
+    sub-program."""
+    kept = memo(jaxpr, "program_key")
+    if "key" not in kept:
+        kept["key"] = _program_key(jaxpr)
+    return kept["key"]
+
+
+def _program_key(jaxpr: Any) -> tuple[Any, ...]:
+    number: dict[Var, int] = {}
+    for v in (*jaxpr.constvars, *jaxpr.invars):
+        number.setdefault(v, len(number))
+
+    def read(atom: Any) -> tuple[Any, ...]:
+        if isinstance(atom, Literal):
+            return ("lit", _literal_key(atom.val))
+        return ("var", number.get(atom, -1), _aval_key(atom))
+
+    eqns = []
+    for eqn in jaxpr.eqns:
+        eqns.append(_eqn_key(eqn, tuple(read(a) for a in eqn.invars)))
+        for v in eqn.outvars:
+            number.setdefault(v, len(number))
+    return (
+        tuple(_aval_key(v) for v in jaxpr.constvars),
+        tuple(_aval_key(v) for v in jaxpr.invars),
+        tuple(eqns),
+        tuple(read(a) for a in jaxpr.outvars),
+        tuple(sorted(map(str, getattr(jaxpr, "effects", ())))),
+    )
+
+
+def signature(eqn: JaxprEqn) -> tuple[Any, ...]:
+    """What two equations must share to be the same step of two blocks: primitive, params
+    (sub-programs by :func:`program_key`), operand and result types, literals."""
+    return _eqn_key(eqn, tuple(_operand_key(a) for a in eqn.invars))
 
 
 _PROGRAM_PARAMS = {"jaxpr", "branches", "cond_jaxpr", "body_jaxpr", "call_jaxpr", "fun_jaxpr"}
@@ -282,23 +326,35 @@ def _read_outside(graph: Graph, run: Run) -> tuple[tuple[int, Inner], ...]:
     return tuple(out)
 
 
-def _crossing(graph: Graph, run: Run) -> int:
+#: For each equation of a program, the producer (None for an input) of each variable it reads,
+#: with the variable: what :func:`_crossing` looks up over and over.
+Operands = list[list[tuple[int | None, Var]]]
+
+
+def _operands(graph: Graph) -> Operands:
+    info = graph.info
+    return [[(info(v).producer, v) for v in e.invars if is_var(v)] for e in graph.eqns]
+
+
+def _crossing(graph: Graph, run: Run, operands: Operands | None = None) -> int:
     """Bytes of the first block's values the second block reads (a loop's carries)."""
+    operands = _operands(graph) if operands is None else operands
     seen: set[Var] = set()
-    for i in range(run.start + run.period, run.start + 2 * run.period):
-        for v in graph.eqns[i].invars:
-            p = graph.info(v).producer if is_var(v) else None
-            if p is not None and run.start <= p < run.start + run.period:
+    first, stop = run.start, run.start + run.period
+    for i in range(stop, run.start + 2 * run.period):
+        for p, v in operands[i]:
+            if p is not None and first <= p < stop:
                 seen.add(v)
     return sum(nbytes_of_aval(v.aval) for v in seen)
 
 
-def _narrowest(graph: Graph, runs: list[Run]) -> tuple[Loop, ...]:
+def _narrowest(graph: Graph, runs: list[Run], operands: Operands | None = None) -> tuple[Loop, ...]:
     """Of ``runs`` (the same stretch at other block boundaries), those that read as loops with
     the narrowest carries."""
+    operands = _operands(graph) if operands is None else operands
     by_width: dict[int, list[Run]] = {}
     for r in runs:
-        by_width.setdefault(_crossing(graph, r), []).append(r)
+        by_width.setdefault(_crossing(graph, r, operands), []).append(r)
     for width in sorted(by_width):
         found = tuple(lp for lp in (read_as_loop(graph, r) for r in by_width[width]) if lp)
         if found:
@@ -313,11 +369,14 @@ def loops(graph: Graph) -> list[tuple[Loop, ...]]:
     choose among. In program order."""
     taken: list[tuple[Loop, ...]] = []
     spans: list[Run] = []
+    operands: Operands | None = None
     for first, slack, period, count in candidates(graph.eqns):
         span = Run(first, period * count + slack, 1)
         if any(_overlaps(span, t) for t in spans):
             continue
-        found = _narrowest(graph, [Run(first + s, period, count) for s in range(slack + 1)])
+        operands = _operands(graph) if operands is None else operands
+        runs = [Run(first + s, period, count) for s in range(slack + 1)]
+        found = _narrowest(graph, runs, operands)
         if found:
             taken.append(found)
             spans.append(span)

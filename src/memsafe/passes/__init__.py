@@ -90,6 +90,20 @@ def scale_free_lead(pipeline: Sequence[Pass] | None = None) -> int:
     return lead
 
 
+def scale_free_names(pipeline: Sequence[Pass] | None = None) -> frozenset[str]:
+    """The names of the passes of a pipeline that declare ``SCALE_FREE``, wherever they are:
+    the driver runs one after the lead once per program it is given in a search.
+
+    Args:
+        pipeline: :data:`PIPELINE` (as it is when called) by default.
+
+    Returns:
+        Their names (:func:`pass_name`).
+    """
+    chosen = PIPELINE if pipeline is None else pipeline
+    return frozenset(pass_name(m) for m in chosen if getattr(m, "SCALE_FREE", False))
+
+
 def inserted(new: Pass, *, before: str, pipeline: Sequence[Pass] | None = None) -> tuple[Pass, ...]:
     """A pipeline with one more pass: how a pass from outside memsafe joins the driver's.
 
@@ -125,4 +139,5 @@ __all__ = [
     "named_passes",
     "pass_name",
     "scale_free_lead",
+    "scale_free_names",
 ]

@@ -17,7 +17,9 @@ class Pass(Protocol):
     A pass whose result depends only on its program (not on the context's limit, budget, chunk
     scale or roll setting; it only records) may say so with a module attribute
     ``SCALE_FREE = True``: the leading such passes of the pipeline run once per search, their
-    program and records shared by every attempt (:func:`memsafe.passes.scale_free_lead`).
+    program and records shared by every attempt (:func:`memsafe.passes.scale_free_lead`); one
+    later in the pipeline runs once per program it is given in a search (an attempt whose
+    earlier passes made the same program object takes its program and records again).
     """
 
     __name__: str

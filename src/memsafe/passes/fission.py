@@ -33,6 +33,10 @@ from memsafe.context import PassContext
 from memsafe.graph.interpret import retrace
 from memsafe.plan import PassRecord
 
+#: Its program is a function of the program alone (the search runs it once per program it is
+#: given: attempts whose earlier passes chose alike share it).
+SCALE_FREE = True
+
 
 def counters(eqn: JaxprEqn) -> dict[int, Any]:
     """Carries of the scan that count its iterations (position among the carries -> step): an

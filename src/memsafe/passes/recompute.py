@@ -23,6 +23,10 @@ from memsafe.context import PassContext
 from memsafe.plan import PassRecord
 from memsafe.rewrite.invariants import transform
 
+#: Its program is a function of the program alone (the search runs it once per program it is
+#: given: attempts whose earlier passes chose alike share it).
+SCALE_FREE = True
+
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Recompute the cheap loop-invariant values of ``closed`` (the defaults of

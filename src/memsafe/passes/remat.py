@@ -49,6 +49,7 @@ from memsafe.context import PassContext
 from memsafe.flops import jaxpr_flops
 from memsafe.graph import Graph
 from memsafe.graph.bodies import any_eqn
+from memsafe.graph.graph import memo
 from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, format_bytes
 from memsafe.primitives import compares_floats
@@ -236,13 +237,35 @@ def _record(graph: Graph, pair: Pair) -> PassRecord:
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
-    """Recompute the residuals of every forward/backward scan pair where they are worth it."""
+    """Recompute the residuals of every forward/backward scan pair where they are worth it.
+    The scan pairs of a program are found once, and its rewrite for a choice of them made once:
+    an attempt at another chunk scale that chooses the same pairs reuses it."""
     graph = Graph(closed)
-    chosen = [p for p in _pairs(graph) if _worth_it(graph, p, ctx.temp_budget) and not _decides(p)]
+    kept = memo(closed, "remat")
+    if kept.get("policy") is not policy.REWRITE:
+        kept.clear()
+        kept.update(policy=policy.REWRITE, pairs=_pairs(graph), rewritten={})
+    pairs: list[Pair] = kept["pairs"]
+    key = tuple(
+        n for n, p in enumerate(pairs) if _worth_it(graph, p, ctx.temp_budget) and not _decides(p)
+    )
+    chosen = [pairs[n] for n in key]
     forwards = {p.forward: p for p in chosen}
     backwards = {p.backward: p for p in chosen}
     if not chosen or len(forwards) != len(chosen) or len(backwards) != len(chosen):
         return closed  # one pair per scan: a scan read by two backward scans is left alone
+    for pair in chosen:
+        ctx.record(_record(graph, pair))
+    if key not in kept["rewritten"]:
+        kept["rewritten"][key] = _rewritten(closed, graph, forwards, backwards)
+    return kept["rewritten"][key]
+
+
+def _rewritten(
+    closed: ClosedJaxpr, graph: Graph, forwards: dict[int, Pair], backwards: dict[int, Pair]
+) -> ClosedJaxpr:
+    """``closed`` with each pair's forward stacking its carries and its backward recomputing
+    the residuals from them."""
     seen: dict[int, tuple[list[Any], list[Any]]] = {}
 
     def override(i: int, eqn: JaxprEqn, invals: list[Any]) -> list[Any] | None:
@@ -257,6 +280,4 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
             return _backward(eqn, invals, fwd, fwd_invals, stacked, pair)
         return None
 
-    for pair in chosen:
-        ctx.record(_record(graph, pair))
     return retrace(closed, override)

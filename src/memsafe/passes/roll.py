@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import jax
@@ -28,6 +28,7 @@ from memsafe import policy
 from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
 from memsafe.context import PassContext
 from memsafe.graph import Graph
+from memsafe.graph.graph import memo
 from memsafe.graph.interpret import Group, retrace
 from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops, signature
 from memsafe.log import logger
@@ -275,27 +276,65 @@ def _pair(graph: Graph, earlier: tuple[Loop, ...], later: tuple[Loop, ...]) -> P
     return Pair(a, b, reads, _recomputes(b, a))
 
 
+@dataclass
+class Found:
+    """What the pass reads of one program whatever the budget (kept for the search's next
+    attempt at the same program, :func:`memsafe.graph.graph.memo`): its loops, the pair of
+    each two of them (by their positions, found when first asked for), and the program rewritten
+    for each choice of pairs (None where JAX did not take it)."""
+
+    loops: list[tuple[Loop, ...]]
+    pairs: dict[tuple[int, int], Pair] = field(default_factory=dict)
+    rolled: dict[tuple[tuple[int, int, bool], ...], ClosedJaxpr | None] = field(
+        default_factory=dict
+    )
+
+    def pair(self, graph: Graph, e: int, k: int) -> Pair:
+        if (e, k) not in self.pairs:
+            self.pairs[e, k] = _pair(graph, self.loops[e], self.loops[k])
+        return self.pairs[e, k]
+
+
+def found(graph: Graph) -> Found:
+    """The program's :class:`Found`, computed once per program (and rewrite policy)."""
+    kept = memo(graph.closed, "roll")
+    key = policy.REWRITE
+    if key not in kept:
+        kept.clear()
+        kept[key] = Found(loops(graph))
+    return kept[key]
+
+
+def _chosen(graph: Graph, budget: int) -> list[tuple[tuple[int, int, bool], Pair]]:
+    """:func:`chosen`'s pairs, each with its key among the program's choices (the positions of
+    its loops, and whether the forward loop is rolled too)."""
+    known = found(graph)
+    used: set[int] = set()
+    pairs: list[tuple[tuple[int, int, bool], Pair]] = []
+    share = policy.REWRITE.share_of_budget * budget
+    for k, later in enumerate(known.loops):
+        for e, earlier in enumerate(known.loops[:k]):
+            if e in used or k in used:
+                continue
+            pair = known.pair(graph, e, k)
+            same = earlier[0].run.count == later[0].run.count
+            if same and pair.reads > share:
+                pairs.append(((e, k, True), pair))
+                used |= {e, k}
+            elif pair.recomputes > share:
+                pairs.append(((e, k, False), Pair(None, pair.later, 0, pair.recomputes)))
+                used.add(k)
+    return pairs
+
+
 def chosen(graph: Graph, budget: int) -> list[Pair]:
     """The loops worth rolling, over the remat pass's share of ``budget``: a forward loop and a
     later one of as many blocks that reads that much of its values as whole stacks (both
     rolled: the remat pass then recomputes the residuals); or a later loop that recomputes that
     much of a forward loop's values (rolled alone: XLA would merge each recomputation with the
-    forward and keep them all alive). A loop is rolled once at most."""
-    found, used, pairs = loops(graph), set(), []
-    share = policy.REWRITE.share_of_budget * budget
-    for k, later in enumerate(found):
-        for e, earlier in enumerate(found[:k]):
-            if e in used or k in used:
-                continue
-            pair = _pair(graph, earlier, later)
-            same = earlier[0].run.count == later[0].run.count
-            if same and pair.reads > share:
-                pairs.append(pair)
-                used |= {e, k}
-            elif pair.recomputes > share:
-                pairs.append(Pair(None, pair.later, 0, pair.recomputes))
-                used.add(k)
-    return pairs
+    forward and keep them all alive). A loop is rolled once at most. The loops and their pairs
+    do not depend on the budget: they are found once per program."""
+    return [pair for _, pair in _chosen(graph, budget)]
 
 
 def _record(pair: Pair, graph: Graph) -> PassRecord:
@@ -318,19 +357,28 @@ def _record(pair: Pair, graph: Graph) -> PassRecord:
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
-    """Roll each forward run and the run that reads its residuals, where worth it."""
+    """Roll each forward run and the run that reads its residuals, where worth it. The rewrite
+    of a program for a choice of pairs is made once: an attempt at another chunk scale that
+    chooses the same pairs reuses it."""
     if not ctx.roll:
         return closed
     graph = Graph(closed)
-    pairs = chosen(graph, ctx.temp_budget)
+    keyed = _chosen(graph, ctx.temp_budget)
+    pairs = [pair for _, pair in keyed]
     rolled = sorted((lp for p in pairs for lp in p.loops), key=lambda lp: lp.run.start)
     if not rolled:
         return closed
-    try:
-        new = retrace(closed, groups=_Rewrite(graph, rolled).groups)
-    except Exception as err:  # a loop JAX does not take as a scan (carry types): keep the blocks
-        logger.info("roll: left unrolled (%s)", err)
+    known, key = found(graph), tuple(k for k, _ in keyed)
+    if key not in known.rolled:
+        try:
+            new = retrace(closed, groups=_Rewrite(graph, rolled).groups)
+        except Exception as err:  # a loop JAX does not take as a scan (carry types)
+            logger.info("roll: left unrolled (%s)", err)
+            new = None
+        known.rolled[key] = None if new is None else dce(new)
+    new = known.rolled[key]
+    if new is None:  # keep the blocks
         return closed
     for pair in pairs:
         ctx.record(_record(pair, graph))
-    return dce(new)
+    return new

@@ -500,19 +500,38 @@ def _hand_back(
     return chain
 
 
+class _Depends(dict):
+    """:func:`region_depends`'s answer: a value computed before the region, not stored, depends
+    on nothing (``get`` gives None, ``[]`` an empty set)."""
+
+    def __missing__(self, var: Var) -> frozenset[int]:
+        return _NOTHING
+
+
+_NOTHING: frozenset[int] = frozenset()
+
+
 def region_depends(graph: Graph, maps: dict[int, Any]) -> dict[Var, set[int]]:
     """For every value: the region equations whose results it depends on (a region value depends
-    on its own producer only; values computed before the region depend on nothing)."""
-    depends: dict[Var, set[int]] = {}
-    for i, eqn in enumerate(graph.eqns):
+    on its own producer only; values computed before the region depend on nothing). The sets
+    are shared between values (a value that depends on what one operand does shares its set):
+    read them, never change them."""
+    depends: dict[Var, Any] = _Depends()
+    if not maps:
+        return depends
+    eqns = graph.eqns
+    for i in range(min(maps), len(eqns)):
+        eqn = eqns[i]
         if i in maps:
             for o in eqn.outvars:
                 depends[o] = {i}
             continue
-        acc: set[int] = set()
+        acc: Any = _NOTHING
         for atom in eqn.invars:
-            if is_var(atom):
-                acc |= depends.get(atom, set())
+            got = depends.get(atom) if is_var(atom) else None
+            if not got or got is acc:
+                continue
+            acc = got if not acc else acc | got
         for o in eqn.outvars:
             depends[o] = acc
     return depends
