@@ -136,10 +136,10 @@ def _shape_of(jaxpr: Any) -> tuple[Any, ...]:
 def _remember(jaxpr: Any, eqns: tuple[JaxprEqn, ...], values: dict[Var, ValueInfo]) -> None:
     key = id(jaxpr)
 
-    def forget(ref: Any) -> None:  # the jaxpr is gone: so are its facts
-        entry = _BUILT.get(key)
+    def forget(ref: Any, built: OrderedDict = _BUILT) -> None:  # the jaxpr is gone: its facts too
+        entry = built.get(key)  # (the table bound here: at exit the module's names are None)
         if entry is not None and entry[0] is ref:
-            _BUILT.pop(key, None)
+            built.pop(key, None)
 
     _BUILT[key] = (weakref.ref(jaxpr, forget), _shape_of(jaxpr), eqns, values)
     _BUILT.move_to_end(key)
@@ -166,10 +166,10 @@ def memo(closed: Any, name: str) -> dict:
     entry = _MEMOS.get(key)
     if entry is None or entry[0]() is not jaxpr or entry[1] != _shape_of(jaxpr):
 
-        def forget(ref: Any) -> None:  # the jaxpr is gone: so are its analyses
-            known = _MEMOS.get(key)
+        def forget(ref: Any, memos: dict = _MEMOS) -> None:  # the jaxpr is gone: its analyses too
+            known = memos.get(key)
             if known is not None and known[0] is ref:
-                _MEMOS.pop(key, None)
+                memos.pop(key, None)
 
         entry = (weakref.ref(jaxpr, forget), _shape_of(jaxpr), {})
         _MEMOS[key] = entry
