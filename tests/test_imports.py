@@ -204,3 +204,24 @@ def test_strategies_extend_the_rules_they_change():
         issubclass(e.mapping, registry.Mapping) for x in registry.EXTENSIONS.values() for e in x
     )
     assert issubclass(replay.Replay, registry.Mapping) and issubclass(Halo, registry.Mapping)
+
+
+def test_a_strategy_module_reloaded_registers_its_extensions_once():
+    """Reloading a strategy's module (a notebook's ``importlib.reload``) replaces its
+    extensions instead of asking each twice (in a process of its own: a reload here would leave
+    this one's modules holding the old classes)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib\n"
+        "from memsafe.split import registry\n"
+        "from memsafe.split.strategies import replay\n"
+        "before = {n: len(x) for n, x in registry.EXTENSIONS.items()}\n"
+        "importlib.reload(replay)\n"
+        "after = {n: len(x) for n, x in registry.EXTENSIONS.items()}\n"
+        "assert after == before, (before, after)\n"
+        "assert registry.EXTENSIONS['scan'][0].mapping is replay.Replay\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr

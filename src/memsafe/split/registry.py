@@ -305,9 +305,21 @@ def split_rule(
 
 
 def extend(*names: str, extension: Extension) -> None:
-    """Add ``extension`` to the split rules of ``names`` (after those added before)."""
+    """Add ``extension`` to the split rules of ``names`` (after those added before). An
+    extension whose ``axis_map`` is the same function by name (its module and qualified name) as
+    one added before replaces it in place: a module reloaded registers its extensions again."""
     for n in names:
-        EXTENSIONS[n] = (*EXTENSIONS.get(n, ()), extension)
+        known = EXTENSIONS.get(n, ())
+        same = [k for k, ext in enumerate(known) if _named(ext) == _named(extension)]
+        if same:
+            EXTENSIONS[n] = (*known[: same[0]], extension, *known[same[0] + 1 :])
+        else:
+            EXTENSIONS[n] = (*known, extension)
+
+
+def _named(extension: Extension) -> tuple[str, str]:
+    fun = extension.axis_map
+    return getattr(fun, "__module__", ""), getattr(fun, "__qualname__", repr(fun))
 
 
 def rule_of(name: str) -> SplitRule | None:
