@@ -158,6 +158,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         distribute,
         fission,
         hoist,
+        inplace,
         match_replace,
         recompute,
         remat,
@@ -172,6 +173,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         match_replace,
         reorder,
         unflatten,
+        inplace,
         hoist,
         distribute,
         roll,
@@ -184,8 +186,8 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "unflatten", "hoist", "distribute", "roll", "remat", "fission",
-        "split",
+        "match_replace", "reorder", "unflatten", "inplace", "hoist", "distribute", "roll", "remat",
+        "fission", "split",
         "schedule", "recompute", "constants",
     ]  # fmt: skip
 

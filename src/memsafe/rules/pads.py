@@ -16,10 +16,12 @@ are, and the buffer's zeros are ``+0.0``, so it never holds ``-0.0``: adding the
 changed nothing. A chain is rewritten from a sum of two pads whose pieces do not overlap; a sum
 with any other value (which may hold ``-0.0``) stops it.
 
-Only where XLA stores the chain's result (read by several operations, as an Adam update reads
-the gradient twice; an output; a reader that is not elementwise): a sum read once by elementwise
-work (an SGD update) is fused into its reader with all its pads, and the pieces are all XLA
-stores; there, one buffer from the first piece on would hold more, not less.
+The pass :mod:`memsafe.passes.inplace` applies it where the partial sums would not fit the
+room for temporaries, and only where XLA stores the chain's result (read by several
+operations, as an Adam update reads the gradient twice; an output; a reader that is not
+elementwise): a sum read once by elementwise work (an SGD update) is fused into its reader with
+all its pads, and the pieces are all XLA stores; there, one buffer from the first piece on
+would hold more, not less.
 """
 
 from __future__ import annotations
@@ -173,15 +175,20 @@ def _stored(graph: Graph, index: int) -> bool:
     return graph.eqns[info.consumers[0]].primitive.name not in primitives.ELEMENTWISE
 
 
-def find_rewrites(closed: ClosedJaxpr) -> list[Rewrite]:
-    """The chains of sums of zero pads in ``closed`` whose result is stored, as updates."""
+def find_rewrites(closed: ClosedJaxpr, room: int | None = None) -> list[Rewrite]:
+    """The chains of sums of zero pads in ``closed`` whose result is stored, as updates; with
+    ``room`` (bytes for temporaries), only those whose partial sums XLA may hold (one per sum
+    after the first piece's, as large as the result) are more than that room: where they fit,
+    the pads are left to the split pass, which reads a pad as pieces of a concatenation
+    (:mod:`memsafe.passes.distribute`) and may split through them where the updates stop it."""
     graph = Graph(closed)
     known: dict[int, Link | None] = {}
     links = {i: link for i in range(len(graph.eqns)) if (link := _link(graph, i, known))}
     inner = {graph.info(link.acc).producer for link in links.values() if link.acc is not None}
     chosen: list[int] = []
     for last in sorted(set(links) - inner):
-        if not _stored(graph, last):
+        held = (len(links[last].pieces) - 1) * graph.info(graph.eqns[last].outvars[0]).bytes
+        if not _stored(graph, last) or (room is not None and held <= room):
             continue
         index: int | None = last
         while index is not None:
