@@ -133,8 +133,8 @@ def test_zeros_keep_their_signs_and_nans_stay():
 
 
 def test_overlapping_first_pieces_and_other_values_stop_the_chain():
-    """Two first pieces that overlap (where -0.0 + -0.0 stays -0.0), and a sum with a value that
-    is no pad (it may hold -0.0 anywhere), are left as they are."""
+    """Two first pieces that overlap (where -0.0 + -0.0 stays -0.0), a sum with a value that is
+    no pad (it may hold -0.0 anywhere) and pads filled with -0.0 are left as they are."""
 
     def overlapping(a, b):
         return jnp.pad(a, ((0, 1), (0, 0))) + jnp.pad(b, ((1, 0), (0, 0)))
@@ -142,8 +142,12 @@ def test_overlapping_first_pieces_and_other_values_stop_the_chain():
     def with_other(a, y):
         return y + jnp.pad(a, ((0, 1), (0, 0)))
 
+    def negative_zeros(a, b):
+        return lax.pad(a, -0.0, ((0, 1, 0), (0, 0, 0))) + lax.pad(b, -0.0, ((1, 0, 0), (0, 0, 0)))
+
     a = jnp.ones((3, 2))
     assert _rewritten(overlapping, a, a)[1] == []
+    assert _rewritten(negative_zeros, a[:1], a[:1])[1] == []
     assert _rewritten(with_other, a, jnp.ones((4, 2)))[1] == []
 
 

@@ -56,8 +56,10 @@ def _piece(graph: Graph, atom: Any) -> Piece | None:
     pad = graph.eqns[info.producer]
     if pad.primitive.name != "pad" or not isinstance(pad.invars[0], Var):
         return None
-    fill = pad.invars[1]
+    fill = pad.invars[1]  # +0.0 (the argument of exactness counts on the zeros' sign)
     if not isinstance(fill, Literal) or np.asarray(fill.val).item() != 0:
+        return None
+    if np.signbit(np.asarray(fill.val)):
         return None
     config = pad.params["padding_config"]
     if any(lo < 0 or hi < 0 or mid != 0 for lo, hi, mid in config):
@@ -91,6 +93,8 @@ def _link(graph: Graph, index: int, known: dict[int, Link | None]) -> Link | Non
         return None
     shape = eqn.outvars[0].aval.shape
     if any(getattr(a.aval, "shape", None) != shape for a in eqn.invars):
+        return None
+    if np.dtype(eqn.outvars[0].aval.dtype).kind not in "fiu":  # real numbers
         return None
     for acc, pad in (eqn.invars, eqn.invars[::-1]):
         piece = _piece(graph, pad)
