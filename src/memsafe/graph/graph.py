@@ -149,17 +149,18 @@ def _remember(jaxpr: Any, eqns: tuple[JaxprEqn, ...], values: dict[Var, ValueInf
 
 #: Analyses kept per jaxpr (see :func:`memo`), by the jaxpr's ``id``, each with a weak
 #: reference that says the jaxpr is still that one and the shape it had.
-_MEMOS: dict[int, tuple[Any, tuple[Any, ...], dict[str, dict]]] = {}
+_MEMOS: dict[int, tuple[Any, tuple[Any, ...], dict[str, tuple[Any, dict]]]] = {}
 
 
-def memo(closed: Any, name: str) -> dict:
+def memo(closed: Any, name: str, valid: Any = None) -> dict:
     """A dict of analyses of ``closed``'s program (a ClosedJaxpr, or a Jaxpr) under ``name``, the
     same dict for as long as its jaxpr lives (unedited): what a pass computes of a program
     whatever its budget, kept for the search's next attempt at the same program (the roll
     pass's loops and rewrites), or what is read of a sub-program every block holds alike.
 
     What is stored must not refer to the jaxpr itself (nor to a :class:`Graph` of it), or the
-    jaxpr would live as long as its memo.
+    jaxpr would live as long as its memo. ``valid``: what the analyses were made under (the
+    rewrite policy); asked under another, the dict is a new, empty one.
     """
     jaxpr = getattr(closed, "jaxpr", closed)
     key = id(jaxpr)
@@ -173,4 +174,7 @@ def memo(closed: Any, name: str) -> dict:
 
         entry = (weakref.ref(jaxpr, forget), _shape_of(jaxpr), {})
         _MEMOS[key] = entry
-    return entry[2].setdefault(name, {})
+    kept = entry[2].get(name)
+    if kept is None or kept[0] != valid:
+        kept = entry[2][name] = (valid, {})
+    return kept[1]

@@ -241,10 +241,9 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     The scan pairs of a program are found once, and its rewrite for a choice of them made once:
     an attempt at another chunk scale that chooses the same pairs reuses it."""
     graph = Graph(closed)
-    kept = memo(closed, "remat")
-    if kept.get("policy") is not policy.REWRITE:
-        kept.clear()
-        kept.update(policy=policy.REWRITE, pairs=_pairs(graph), rewritten={})
+    kept = memo(closed, "remat", valid=policy.REWRITE)
+    if "pairs" not in kept:
+        kept.update(pairs=_pairs(graph), rewritten={})
     pairs: list[Pair] = kept["pairs"]
     key = tuple(
         n for n, p in enumerate(pairs) if _worth_it(graph, p, ctx.temp_budget) and not _decides(p)

@@ -297,12 +297,10 @@ class Found:
 
 def found(graph: Graph) -> Found:
     """The program's :class:`Found`, computed once per program (and rewrite policy)."""
-    kept = memo(graph.closed, "roll")
-    key = policy.REWRITE
-    if key not in kept:
-        kept.clear()
-        kept[key] = Found(loops(graph))
-    return kept[key]
+    kept = memo(graph.closed, "roll", valid=policy.REWRITE)
+    if "found" not in kept:
+        kept["found"] = Found(loops(graph))
+    return kept["found"]
 
 
 def _chosen(graph: Graph, budget: int) -> list[tuple[tuple[int, int, bool], Pair]]:
