@@ -175,15 +175,11 @@ def _unified(
                             "cond: its branches carry the split axis to different places of "
                             "one operand or result"
                         )
-        again = []
-        for k, b in enumerate(branches):
-            try:
-                again.append((b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)))
-            except NoRule as err:
-                raise NoRule(
-                    "cond: its branches carry the split axis to different operands or results: "
-                    f"branch {k} {_naming(eqn, b, ins, outs, ctx)} ({err})"
-                ) from None
+        again = _reach_each(
+            eqn, branches, ins, outs, ctx,
+            "cond: its branches carry the split axis to different operands or results: "
+            "branch {k} {what} ({err})",
+        )  # fmt: skip
         if len({_sides(r) for r in again}) == 1:  # every branch as the others
             return again
         reached = again
@@ -219,15 +215,31 @@ def _seeded(
     it too, computing it from chunked operands or making it at chunk shape (a broadcast, a
     zeros fill). Refused naming the operand and the result where a branch cannot."""
     branches = [_inlined(b) for b in eqn.params["branches"]]
+    reached = _reach_each(eqn, branches, ins, outs, ctx, "cond: branch {k} {what}: {err}")
+    if len({_sides(r) for r in reached}) == 1:
+        return reached
+    return _unified(eqn, branches, reached, ctx)
+
+
+def _reach_each(
+    eqn: JaxprEqn,
+    branches: list[ClosedJaxpr],
+    ins: dict[int, int],
+    outs: dict[int, int],
+    ctx: RuleContext,
+    refusal: str,
+) -> list[BodySplit]:
+    """Each branch reached from the inputs at ``ins`` and the results at ``outs`` together;
+    where one cannot be, ``refusal`` (formatted with the branch ``k``, what it cannot do,
+    :func:`_naming`, and the walk's error ``err``)."""
     reached = []
     for k, b in enumerate(branches):
         try:
             reached.append((b, loop_body.reach_seeded(b.jaxpr, ins, outs, ctx, sums=True)))
         except NoRule as err:
-            raise NoRule(f"cond: branch {k} {_naming(eqn, b, ins, outs, ctx)}: {err}") from None
-    if len({_sides(r) for r in reached}) == 1:
-        return reached
-    return _unified(eqn, branches, reached, ctx)
+            what = _naming(eqn, b, ins, outs, ctx)
+            raise NoRule(refusal.format(k=k, what=what, err=err)) from None
+    return reached
 
 
 def _naming(
