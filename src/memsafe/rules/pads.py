@@ -200,6 +200,3 @@ def find_rewrites(closed: ClosedJaxpr, room: int | None = None) -> list[Rewrite]
             acc = links[index].acc
             index = None if acc is None else graph.info(acc).producer
     return [_rewrite(graph, i, links[i]) for i in sorted(chosen)]
-
-
-REWRITES = (find_rewrites,)
