@@ -118,11 +118,15 @@ def scaled(start: Any, k: int) -> Any:
 
 
 def local_start(start: Any, length: int) -> Any:
-    """Where the chunk starting at global position ``start`` begins in a value of ``length``
-    along the axis. A value covering the whole axis: ``start`` itself. A device's share of an
-    axis sharded in equal shares of ``length`` (memsafe.split.strategies.sharded.mesh) holds
-    positions ``[d * length, (d + 1) * length)`` and every chunk lies within one share: ``start``
-    modulo ``length``."""
+    """Where the chunk starting at position ``start`` of the axis begins in a value that is
+    ``length`` long along it.
+
+    The core's contract for values and their axis: a value as long as the axis holds every
+    position, and ``start`` is already inside it (the remainder is ``start``). A value shorter
+    than the axis holds one of its equal shares, ``[d * length, (d + 1) * length)`` for some
+    ``d``, and a runner that gives such values to a chunk body keeps every chunk within one
+    share: the chunk begins at ``start`` modulo ``length``. The core makes no shorter values;
+    a runner that splits the axis into shares (``DevicesRunner``) relies on this."""
     return lax.rem(start, jnp.int32(length))
 
 
