@@ -19,48 +19,28 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.side_env import SideEnv
+
 ROOT = Path(__file__).resolve().parent
-ENV_DIR = ROOT / ".envs" / "gpflow"
 WORKER = ROOT / "gpflow_worker.py"
 #: Versions that install together on Python 3.11 with NumPy < 2.
-REQUIREMENTS = (
-    "gpflow==2.11.2",
-    "tensorflow==2.15.1",
-    "tensorflow-probability==0.23.0",
-    "numpy<2",
+ENV = SideEnv(
+    "gpflow",
+    ("gpflow==2.11.2", "tensorflow==2.15.1", "tensorflow-probability==0.23.0", "numpy<2"),
+    probe="import gpflow",
+    base="GPFLOW_ENV_PYTHON",
 )
-
-
-def env_python() -> Path:
-    return ENV_DIR / "bin" / "python"
+_QUIET_TF = {"TF_CPP_MIN_LOG_LEVEL": "3"}
 
 
 def available() -> bool:
     """Whether the GPflow environment exists and imports GPflow."""
-    if not env_python().exists():
-        return False
-    probe = subprocess.run(
-        [str(env_python()), "-c", "import gpflow"],
-        capture_output=True,
-        env={**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"},
-        check=False,
-    )
-    return probe.returncode == 0
+    return ENV.available(_QUIET_TF)
 
 
 def ensure_env(quiet: bool = True) -> Path:
     """Create the environment if it is missing; returns its Python."""
-    if available():
-        return env_python()
-    ENV_DIR.parent.mkdir(parents=True, exist_ok=True)
-    base = os.environ.get("GPFLOW_ENV_PYTHON", "python3")
-    subprocess.run([base, "-m", "venv", str(ENV_DIR)], check=True)
-    pip = [str(env_python()), "-m", "pip", "install"] + (["-q"] if quiet else [])
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, *REQUIREMENTS], check=True)
-    if not available():
-        raise RuntimeError(f"GPflow did not import in {ENV_DIR} after installing {REQUIREMENTS}")
-    return env_python()
+    return ENV.ensure(quiet, _QUIET_TF)
 
 
 def run(
