@@ -46,6 +46,16 @@ def test_found_by_campaigns(seed):
     assert not result.failed, result.describe()
 
 
+#: Campaign seeds memsafe once split and later refused (tests/fuzz/FOUND.md): each must split.
+REFUSED_AFTER_A_FIT = (716,)
+
+
+@pytest.mark.parametrize("seed", REFUSED_AFTER_A_FIT)
+def test_seeds_that_once_split_split(seed):
+    result = run_seed(seed)
+    assert result.outcome == "split", result.describe()
+
+
 #: Campaign seeds with some fields of the case changed, found answered wrongly, each fixed since
 #: (tests/fuzz/FOUND.md): seed 1318 under lax.cond, at 70% of the way to jax.jit's footprint.
 FOUND_VARIANTS = {"1318-cond": (1318, {"control": "cond", "frac": 0.7})}

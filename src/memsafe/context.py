@@ -29,6 +29,10 @@ class PassContext:
     :func:`memsafe.split.planner.best_split`). Such a split is a guess that can cost a loop per
     position, so the driver allows it only once an attempt at a shrunk chunk scale was over
     the limit (:meth:`memsafe.search.Search.attempts`).
+    ``held``: the split pass may measure the values a region holds whole against the room
+    where the chunk-scaled budget splits a candidate no other way (the retry of
+    :func:`memsafe.split.planner.best_split`); ``held_taken`` says that it did (the driver plans
+    again without it when no attempt fits, :meth:`memsafe.search.Search.run`).
     """
 
     memory_limit: int
@@ -39,6 +43,8 @@ class PassContext:
     mesh: Any = None
     roll: bool = True
     floored_held: bool = False
+    held: bool = True
+    held_taken: bool = False
     blockers: list[Blocker] = field(default_factory=list)
 
     @property

@@ -444,6 +444,7 @@ class Search:
         self.options, self.hidden, self.out_tree = compiler_options, hidden, out_tree
         self.on_mesh, self.time = on_mesh, time
         self.roll, self.rolled = True, False  # see run
+        self.held, self.took_held = True, False  # see run
         self._start: _Start | None = None  # see _scale_free
         self._later: dict[tuple[str, int], tuple] = {}  # see _rest
 
@@ -466,6 +467,7 @@ class Search:
             chunk_scale=scale,
             roll=self.roll,
             floored_held=floored_held,
+            held=self.held,
         )
         sharding = None if self.on_mesh is None else self.on_mesh.sharding()
         ctx.mesh = sharding  # records where the sharded loops want the inputs placed
@@ -479,6 +481,7 @@ class Search:
         program = self._rest(named[lead:], start.program, ctx)
         retried = {name for name, _ in passes.named_passes(passes.RETRIED_WITHOUT)}
         self.rolled |= any(getattr(r, "pass_name", "") in retried for r in attempt_plan.records)
+        self.took_held |= ctx.held_taken
         if previous is not None and attempt_plan.records == previous:
             return None
         emitted = emit(program, self.flat.out_avals)
@@ -619,20 +622,31 @@ class Search:
         return tried
 
     def run(self, plan: Plan, fixed: int, first: Tried | None) -> Program:
-        """The first attempt that fits (see :meth:`attempts`). Where none does and the roll
-        pass rolled repeated blocks into scans, the program as written is planned again without
-        rolling (a scan can stop a split the unrolled blocks allow: a ResNet's batch-norm
-        stages); raises the MemoryLimitError of the two that came closer."""
+        """The first attempt that fits (see :meth:`attempts`). Where none does, the program is
+        planned again with fewer means, each that the attempts used switched off in turn:
+
+        - where the roll pass rolled repeated blocks into scans, without rolling (a scan can
+          stop a split the unrolled blocks allow: a ResNet's batch-norm stages);
+        - where the split pass took a split measured against the room (``PassContext.held``),
+          without such splits: one taken at every scale can keep out a split that fits (fuzz
+          seed 716's gradient: a stacked mask's split in two, taken by that retry at the
+          smaller scales, held the program at 124 KiB against 94 KiB; without it, 62 KiB).
+
+        Raises the MemoryLimitError of the plan that came closest."""
+        errors: list[MemoryLimitError] = []
         try:
             return self.attempts(plan, fixed, first)
-        except MemoryLimitError as rolled:
-            if not self.rolled:
-                raise
-            self.roll = False
+        except MemoryLimitError as err:
+            errors.append(err)
+        for used, switch in ((lambda: self.rolled, "roll"), (lambda: self.took_held, "held")):
+            if not used():
+                continue
+            setattr(self, switch, False)
             try:
                 return self.attempts(plan, fixed, None)
-            except MemoryLimitError as unrolled:
-                raise min(rolled, unrolled, key=_closeness) from None
+            except MemoryLimitError as err:
+                errors.append(err)
+        raise min(errors, key=_closeness) from None
 
     def attempts(self, plan: Plan, fixed: int, first: Tried | None, scale: float = 1.0) -> Program:
         """The first attempt that fits (``first``, made already, or planned now from chunk

@@ -13,6 +13,7 @@ the split pass (:mod:`memsafe.passes.split`) runs that.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
@@ -224,7 +225,7 @@ def best_split(
     if room > budget:
         held = cheapest_split(graph, var, budget, mesh, floor, held=room)
         if not isinstance(held, list) and (floored_held or not held[1].floored):
-            return held
+            return held[0], dataclasses.replace(held[1], held=True)
     return got
 
 

@@ -172,6 +172,7 @@ def _split_bodies(
             ctx.plan,
             ctx.chunk_scale,
             floored_held=ctx.floored_held,
+            held=ctx.held,
         )
         if eqn.primitive.name in LOOP_BODIES:
             out = with_bodies(eqn, invals, lambda b: split_program(inline_calls(b), sub))
@@ -184,9 +185,10 @@ def _split_bodies(
 
 
 def _block_all(ctx: PassContext, sub: PassContext) -> None:
-    """Report in ``ctx`` what blocked splits in ``sub``."""
+    """Report in ``ctx`` what blocked splits in ``sub`` (and whether it took held splits)."""
     for blocker in sub.blockers:
         ctx.block(blocker)
+    ctx.held_taken |= sub.held_taken
 
 
 def _is_kept(eqn: Any, kept: dict[int, ClosedJaxpr]) -> bool:
@@ -291,8 +293,10 @@ def _chosen(
     for var in candidates(graph, budget, ctx.memory_limit):
         if _key(graph, var) in failed:
             continue
-        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx), ctx.room, ctx.floored_held)
+        room = ctx.room if ctx.held else 0
+        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx), room, ctx.floored_held)
         if isinstance(got, tuple):
+            ctx.held_taken |= got[1].held
             return (var, *got, absorbed(graph, got[0].region, var, budget))
         failed.add(_key(graph, var))
         info = graph.info(var)

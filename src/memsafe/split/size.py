@@ -40,6 +40,7 @@ class ChunkPlan:
     devices: int = 1  # devices sharing the axis, each looping over its share (strategies.sharded)
     floored: bool = False  # the model expects even this smallest chunk over the budget
     halved: bool = False  # the model expects the whole axis to fit: two chunks, to be verified
+    held: bool = False  # values held whole measured against the room (planner.best_split)
 
     @property
     def iterations(self) -> int:
