@@ -25,12 +25,31 @@ import jax
 import jax.numpy as jnp
 
 from memsafe import policy
-from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
+from memsafe._jax import (
+    ClosedJaxpr,
+    Literal,
+    Var,
+    bind_eqn,
+    dce,
+    jaxprs_in_params,
+    nbytes_of_aval,
+    source_line,
+)
 from memsafe.context import PassContext
 from memsafe.graph import Graph
 from memsafe.graph.graph import memo
 from memsafe.graph.interpret import Group, retrace
-from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops, signature
+from memsafe.graph.repeats import (
+    Carried,
+    Inner,
+    Loop,
+    Scanned,
+    Shared,
+    literal_key,
+    loops,
+    signature,
+    sunk,
+)
 from memsafe.log import logger
 from memsafe.plan import PassRecord, format_bytes
 
@@ -280,11 +299,13 @@ def _pair(graph: Graph, earlier: tuple[Loop, ...], later: tuple[Loop, ...]) -> P
 class Found:
     """What the pass reads of one program whatever the budget (kept for the search's next
     attempt at the same program, :func:`memsafe.graph.graph.memo`): its loops, the pair of
-    each two of them (by their positions, found when first asked for), and the program rewritten
-    for each choice of pairs (None where JAX did not take it)."""
+    each two of them (by their positions, found when first asked for), the bytes XLA would
+    merge of each loop's values (:func:`_merged`), and the program rewritten for each choice of
+    pairs (None where JAX did not take it)."""
 
     loops: list[tuple[Loop, ...]]
     pairs: dict[tuple[int, int], Pair] = field(default_factory=dict)
+    merges: dict[int, int] = field(default_factory=dict)
     rolled: dict[tuple[tuple[int, int, bool], ...], ClosedJaxpr | None] = field(
         default_factory=dict
     )
@@ -294,6 +315,11 @@ class Found:
             self.pairs[e, k] = _pair(graph, self.loops[e], self.loops[k])
         return self.pairs[e, k]
 
+    def merged(self, graph: Graph, k: int) -> int:
+        if k not in self.merges:
+            self.merges[k] = _merged(graph, self.loops[k][0])
+        return self.merges[k]
+
 
 def found(graph: Graph) -> Found:
     """The program's :class:`Found`, computed once per program (and rewrite policy)."""
@@ -301,6 +327,48 @@ def found(graph: Graph) -> Found:
     if "found" not in kept:
         kept["found"] = Found(loops(graph))
     return kept["found"]
+
+
+def _sunk(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """:func:`memsafe.graph.repeats.sunk` of ``closed``, made once per program (and rewrite
+    policy): the search's attempts find their loops in the same object again."""
+    kept = memo(closed, "roll", valid=policy.REWRITE)
+    if "sunk" not in kept:
+        kept["sunk"] = sunk(closed)
+    return kept["sunk"]
+
+
+def _merged(graph: Graph, loop: Loop) -> int:
+    """Bytes of the values ``loop``'s blocks compute again from the same operands as an
+    equation before the loop (a ``jax.checkpoint`` around each layer recomputes its forward in
+    its backward): XLA's common-subexpression elimination merges each with the earlier one and
+    keeps it alive from the forward to the backward, unless the loop runs as a scan. Equations
+    with effects or programs of their own are never taken for the same."""
+    numbers: dict[Any, Any] = {}
+    seen: dict[tuple[Any, ...], tuple[int, tuple[Any, ...]]] = {}
+    run, total = loop.run, 0
+
+    def number(atom: Any) -> Any:
+        if isinstance(atom, Literal):
+            return ("lit", literal_key(atom.val))
+        return numbers.setdefault(atom, ("var", len(numbers)))
+
+    for i, eqn in enumerate(graph.eqns):
+        if i >= run.stop:
+            break
+        outs = tuple(number(v) for v in eqn.outvars)
+        if eqn.effects or any(True for _ in jaxprs_in_params(eqn)):
+            continue
+        key = (signature(eqn), tuple(number(a) for a in eqn.invars))
+        if key not in seen:
+            seen[key] = (i, outs)
+            continue
+        first, same = seen[key]
+        for v, n in zip(eqn.outvars, same):
+            numbers[v] = n
+        if first < run.start <= i:
+            total += sum(nbytes_of_aval(v.aval) for v in eqn.outvars)
+    return total
 
 
 def _chosen(graph: Graph, budget: int) -> list[tuple[tuple[int, int, bool], Pair]]:
@@ -322,7 +390,11 @@ def _chosen(graph: Graph, budget: int) -> list[tuple[tuple[int, int, bool], Pair
             elif pair.recomputes > share:
                 pairs.append(((e, k, False), Pair(None, pair.later, 0, pair.recomputes)))
                 used.add(k)
-    return pairs
+    for k, later in enumerate(known.loops):
+        if k not in used and (merged := known.merged(graph, k)) > share:
+            pairs.append(((k, k, False), Pair(None, later[0], 0, merged)))
+            used.add(k)
+    return sorted(pairs, key=lambda kp: kp[1].later.run.start)
 
 
 def chosen(graph: Graph, budget: int) -> list[Pair]:
@@ -362,6 +434,13 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         return closed
     graph = Graph(closed)
     keyed = _chosen(graph, ctx.temp_budget)
+    if not keyed:  # the same blocks, cut by the pieces a chain of updates places in each?
+        moved = _sunk(closed)
+        if moved is not closed:
+            moved_graph = Graph(moved)
+            keyed = _chosen(moved_graph, ctx.temp_budget)
+            if keyed:
+                closed, graph = moved, moved_graph
     pairs = [pair for _, pair in keyed]
     rolled = sorted((lp for p in pairs for lp in p.loops), key=lambda lp: lp.run.start)
     if not rolled:
