@@ -12,6 +12,16 @@ together, where what the later run reads of the forward's is over the remat pass
 budget. The backward run iterates in reverse, so it reads the forward's stacked values as they
 are; parameters both runs read per block are stacked once. Blocks that differ (the first layer,
 whose input is not differentiated) stay as they are.
+
+A run whose blocks compute again, from the same operands, values computed before it (the
+backward of layers each under ``jax.checkpoint``, inlined: each block recomputes its layer's
+forward) is rolled alone where those values are over the same share, found or not as a loop
+before it: written one after another, XLA's common-subexpression elimination merges each
+recomputation with the forward and keeps them all alive; in a scan's body it cannot. Where the
+program's own order shows no loop worth rolling, the loops are looked for again with the cheap
+work only the results read moved to the end (:func:`memsafe.graph.repeats.sunk`): the pads or
+in-place updates that place each layer's piece of a stacked parameter's gradient, at a position
+of its own per layer, cut the backward's blocks otherwise.
 """
 
 from __future__ import annotations
