@@ -266,7 +266,8 @@ def test_stacked_checkpointed_layers_are_rolled_alone():
     block recomputes its layer from the forward's values, which XLA would merge with the forward
     and keep alive. Found once the pads of the parameters' gradients are moved to the end, the
     backward blocks are rolled into a scan alone (the forward's blocks differ by the slices they
-    read), with the unrolled program's answers."""
+    read), with the unrolled program's answers. The scan reads the stacked parameters whole and
+    slices them per iteration: it stacks no copy of their slices."""
     loss = _model(["relu", "residual"], [], skip=False, tied=False, checkpointed=True, stacked=True)
     params = {k: jnp.stack([p[k] for p in _params(4, 1)]) for k in ("w", "v", "g")}
     args = (params, jnp.ones((B, D)))
@@ -275,6 +276,8 @@ def test_stacked_checkpointed_layers_are_rolled_alone():
     new, plan = _rolled(closed)
     rolls = [r for r in plan.records if r.pass_name == "roll"]
     assert rolls and "recomputing" in rolls[0].description, plan
+    stacks = [e.outvars[0].aval.shape for e in new.jaxpr.eqns if e.primitive.name == "stack"]
+    assert stacks and all(shape[1:] != (D, D) for shape in stacks), stacks
     got = jax.tree.unflatten(jax.tree.structure(fun(*args)), _run(new, jax.tree.leaves(args)))
     assert_like_jit(got, fun, *args)
 

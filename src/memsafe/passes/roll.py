@@ -26,6 +26,7 @@ of its own per layer, cut the backward's blocks otherwise.
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from memsafe import policy
 from memsafe._jax import (
@@ -41,6 +43,7 @@ from memsafe._jax import (
     Var,
     bind_eqn,
     dce,
+    is_var,
     jaxprs_in_params,
     nbytes_of_aval,
     source_line,
@@ -72,6 +75,52 @@ class Stack:
 
 
 @dataclass(frozen=True)
+class Sliced:
+    """A scanned operand whose variables are each a static slice of one array, of one size
+    (``ws[i]``, a layer's slice of a stacked parameter), maybe reshaped: the scan reads the array
+    whole and each iteration's start indices, and its body slices the array, where a stack of
+    the slices would copy them (the whole parameter again)."""
+
+    array: Var
+    starts: tuple[tuple[int, ...], ...]  # per iteration, in the scan's order
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]  # the variables' shape
+
+    def indices(self) -> Any:
+        return np.asarray(self.starts, np.int32)
+
+    def read(self, array: Any, start: Any) -> Any:
+        """One iteration's variable, from the array and its start indices."""
+        starts = [start[d] for d in range(len(self.sizes))]
+        return jax.lax.dynamic_slice(array, starts, self.sizes).reshape(self.shape)
+
+
+def _sliced(graph: Graph, variables: Sequence[Var]) -> Sliced | None:
+    """``variables`` as slices of one array (each a unit-stride ``slice``, maybe reshaped or
+    squeezed after), or None."""
+    arrays, starts, sizes = set(), [], set()
+    for v in variables:
+        eqn = graph.producer(v)
+        if eqn is not None and (
+            eqn.primitive.name == "squeeze"
+            or (eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None)
+        ):
+            eqn = graph.producer(eqn.invars[0])
+        if eqn is None or eqn.primitive.name != "slice" or not is_var(eqn.invars[0]):
+            return None
+        if any(stride not in (None, 1) for stride in eqn.params["strides"] or ()):
+            return None
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        arrays.add(eqn.invars[0])
+        starts.append(tuple(int(a) for a in start))
+        sizes.add(tuple(int(b) - int(a) for a, b in zip(start, limit)))
+    if len(arrays) != 1 or len(sizes) != 1:
+        return None
+    shape = tuple(variables[0].aval.shape)
+    return Sliced(arrays.pop(), tuple(starts), sizes.pop(), shape)
+
+
+@dataclass(frozen=True)
 class Rolled:
     """A loop and the way its scan iterates: ``reverse`` for blocks in reverse program order
     (a backward pass), so iteration ``i`` runs block ``order[i]``."""
@@ -92,7 +141,7 @@ class _Rewrite:
     """The groups that replace the rolled loops' equations, and the stacks they share."""
 
     def __init__(self, graph: Graph, loops: Sequence[Loop]) -> None:
-        self.eqns = graph.eqns
+        self.graph, self.eqns = graph, graph.eqns
         self.stacks: set[Stack] = set()  # given by an earlier group
         self.groups = [self._group(lp) for lp in loops]
 
@@ -122,20 +171,33 @@ class _Rewrite:
         scanned = self._scanned(rolled)
         shared = loop.sources(Shared)
         inits = [c.init for c in loop.carries]
-        # each scanned operand: a stack given by an earlier group, or its variables to stack
-        operands = [[s] if s in self.stacks else list(s.vars) for s in scanned]
+        # each scanned operand: a stack given by an earlier group, slices of one array (read
+        # whole, sliced in the body), or its variables to stack
+        sliced = [None if s in self.stacks else _sliced(self.graph, s.vars) for s in scanned]
+        operands = [
+            [s] if s in self.stacks else [cut.array] if cut else list(s.vars)
+            for s, cut in zip(scanned, sliced)
+        ]
         carried = {c.source for c in loop.carries}
         stacked = list(dict.fromkeys(at for _, at in loop.read_outside if at not in carried))
-        gives, picks = self._gives(rolled, stacked, scanned)
+        gives, picks = self._gives(rolled, stacked, scanned, sliced)
 
         def run(values: list[Any]) -> list[Any]:
             consts, values = values[: len(shared)], values[len(shared) :]
             init, values = values[: len(inits)], values[len(inits) :]
-            xs = []
-            for needed in operands:
+            xs, arrays = [], []
+            for needed, cut in zip(operands, sliced):
                 part, values = values[: len(needed)], values[len(needed) :]
-                xs.append(part[0] if isinstance(needed[0], Stack) else jnp.stack(part))
-            body = _body(loop, dict(zip(shared, consts)), stacked)
+                arrays.append(part[0] if cut else None)
+                if cut:
+                    xs.append(cut.indices())
+                else:
+                    xs.append(part[0] if isinstance(needed[0], Stack) else jnp.stack(part))
+            reads = [
+                None if cut is None else functools.partial(cut.read, array)
+                for cut, array in zip(sliced, arrays)
+            ]
+            body = _body(loop, dict(zip(shared, consts)), stacked, reads)
             final, (ys, carried) = jax.lax.scan(
                 body, tuple(init), tuple(xs), reverse=rolled.reverse
             )
@@ -147,11 +209,15 @@ class _Rewrite:
         return Group(frozenset(range(first, loop.run.stop)), needs, gives, first, run)
 
     def _gives(
-        self, rolled: Rolled, stacked: list[Inner], scanned: list[Stack]
+        self,
+        rolled: Rolled,
+        stacked: list[Inner],
+        scanned: list[Stack],
+        sliced: Sequence[Sliced | None],
     ) -> tuple[tuple[Any, ...], list[Pick]]:
         """What the group gives (the values read after it, and its stacks for later groups:
-        those of ``stacked`` values and of the ``scanned`` operands), each with how it is
-        picked from the scan's results."""
+        those of ``stacked`` values and of the ``scanned`` operands it stacks, not those it
+        slices from an array), each with how it is picked from the scan's results."""
         loop, eqns = rolled.loop, self.eqns
         carries = {c.source: k for k, c in enumerate(loop.carries)}
         gives: list[Any] = []
@@ -165,9 +231,10 @@ class _Rewrite:
         for n, at in enumerate(stacked):
             gives.append(self._in_order(rolled, lambda b, at=at: loop.var(eqns, b, at)))
             picks.append(lambda r, n=n: r.ys[n])
-        for n, stack in enumerate(scanned):
-            gives.append(stack)
-            picks.append(lambda r, n=n: r.xs[n])
+        for n, (stack, cut) in enumerate(zip(scanned, sliced)):
+            if cut is None:
+                gives.append(stack)
+                picks.append(lambda r, n=n: r.xs[n])
         new = [(g, p) for g, p in zip(gives, picks) if g not in self.stacks]
         self.stacks.update(g for g, _ in new if isinstance(g, Stack))
         return tuple(g for g, _ in new), [p for _, p in new]
@@ -225,14 +292,21 @@ class _Frame:
         return self.xs[src]
 
 
-def _body(loop: Loop, consts: dict[Var, Any], stacked: list[Inner]) -> Callable[..., Any]:
+def _body(
+    loop: Loop,
+    consts: dict[Var, Any],
+    stacked: list[Inner],
+    reads: Sequence[Callable[[Any], Any] | None],
+) -> Callable[..., Any]:
     """The scan body of ``loop``: the first block's equations, each operand read from its
-    source; it carries the carries' sources on, and stacks the values at ``stacked`` and the
-    incoming carries."""
+    source (a scanned one through its entry of ``reads`` where it has one: its slice of an
+    array, from the iteration's start indices); it carries the carries' sources on, and stacks
+    the values at ``stacked`` and the incoming carries."""
     sources = [c.source for c in loop.carries]
     scanned = loop.sources(Scanned)
 
     def body(carry: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = tuple(v if read is None else read(v) for v, read in zip(x, reads, strict=True))
         frame = _Frame([], dict(zip(sources, carry)), consts, dict(zip(scanned, x)))
         for eqn, row in zip(loop.body, loop.reads):
             frame.outs.append(bind_eqn(eqn, [src.value(frame) for src in row]))
