@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import memsafe
+from memsafe import primitives
 from memsafe._jax import ClosedJaxpr, is_var, jaxpr_as_fun
 from memsafe.context import PassContext
 from memsafe.graph import Graph, inline_calls
@@ -240,9 +241,11 @@ def test_the_program_as_written_is_planned_again_where_no_rolled_attempt_fits():
 
 def test_cheap_work_only_the_results_read_is_moved_to_the_end():
     """``repeats.sunk``: the gradient of a stacked parameter read per layer sums one zero pad per
-    layer, each with its own padding (the pads cut the backward's repeated blocks); moved to the
-    end with the cheap work that only the results read, the program computes the same, and the
-    work the next layer reads (the cotangent) stays where it was."""
+    layer, each with its own padding, and the forward reads one slice per layer, each at its own
+    position (both cut the repeated blocks). Moved to the end, the pads with the cheap work only
+    the results read, and to the start, the slices of the inputs, the program computes the same,
+    the rest keeps its order (the cotangent the next layer reads stays where it was), and the
+    backward's blocks are found as a loop."""
     loss = _model(["dense_tanh", "residual"], [], skip=False, tied=False, stacked=True)
     params = {k: jnp.stack([p[k] for p in _params(4, 0)]) for k in ("w", "v", "g")}
     args = (params, jnp.ones((B, D)))
@@ -251,10 +254,11 @@ def test_cheap_work_only_the_results_read_is_moved_to_the_end():
     assert moved is not closed
     eqns, new = closed.jaxpr.eqns, moved.jaxpr.eqns
     assert sorted(map(id, eqns)) == sorted(map(id, new))
-    last = max(i for i, e in enumerate(new) if e.primitive.name == "dot_general")
-    assert all(i > last for i, e in enumerate(new) if e.primitive.name == "pad")
-    stayed = {id(e) for e in new[: last + 1]}
-    assert [id(e) for e in eqns if id(e) in stayed] == [id(e) for e in new[: last + 1]]
+    dots = [i for i, e in enumerate(new) if e.primitive.name == "dot_general"]
+    assert all(i > dots[-1] for i, e in enumerate(new) if e.primitive.name == "pad")
+    assert all(i < dots[0] for i, e in enumerate(new) if e.primitive.name == "slice")
+    fixed = {id(e) for e in new if e.primitive.name not in primitives.CHEAP}
+    assert [id(e) for e in eqns if id(e) in fixed] == [id(e) for e in new if id(e) in fixed]
     flat = jax.tree.leaves(args)
     for a, b in zip(_run(moved, flat), _run(closed, flat), strict=True):
         np.testing.assert_array_equal(a, b)

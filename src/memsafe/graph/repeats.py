@@ -432,8 +432,15 @@ def sunk(closed: ClosedJaxpr) -> ClosedJaxpr:
     # keys: (position, depth); a moved equation takes its first reader's key one step earlier
     # (the end's key where only the results read it), so that it precedes every reader it has
     keys: list[tuple[int, int]] = [(i, 0) for i in range(n)]
+    early = {*closed.jaxpr.invars, *closed.jaxpr.constvars}
+    for i, eqn in enumerate(eqns):  # layout of the inputs alone: first
+        layout = primitives.facts(eqn.primitive.name).kind is primitives.Kind.LAYOUT
+        read = [a for a in eqn.invars if is_var(a)]
+        if layout and read and _movable(eqn) and all(a in early for a in read):
+            early.update(eqn.outvars)
+            keys[i] = (-1, i)
     for i in range(n - 1, -1, -1):
-        if not _movable(eqns[i]):
+        if not _movable(eqns[i]) or keys[i][0] < 0:
             continue
         after = [keys[r] for v in eqns[i].outvars for r in readers.get(v, ())]
         first = min(after, default=(n, 0))

@@ -318,10 +318,19 @@ def _body(
 
 def _aligned(graph: Graph, later: Loop, earlier: Loop) -> int:
     """Bytes of ``earlier``'s values that ``later`` reads as whole stacks: an operand that
-    reads the same value of every block of ``earlier``, in block order or in reverse."""
+    reads the same value of every block of ``earlier``, or the carry each block of ``earlier``
+    starts from (its layer's input, which a ``jax.checkpoint`` around each layer keeps), in
+    block order or in reverse."""
     run, total, count = earlier.run, 0, earlier.run.count
     whole = (tuple(range(count)), tuple(reversed(range(count))))
+    incoming = set()
+    for c in earlier.carries:
+        ins = (c.init, *(earlier.var(graph.eqns, b, c.source) for b in range(count - 1)))
+        incoming |= {ins, ins[::-1]}
     for src in later.sources(Scanned):
+        if src.vars in incoming:
+            total += sum(nbytes_of_aval(v.aval) for v in src.vars)
+            continue
         producers = [graph.info(v).producer for v in src.vars]
         if any(p is None or not run.start <= p < run.stop for p in producers):
             continue
@@ -518,13 +527,13 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         return closed
     graph = Graph(closed)
     keyed = _chosen(graph, ctx.temp_budget)
-    if not keyed:  # the same blocks, cut by the pieces a chain of updates places in each?
+    if not any(pair.forward for _, pair in keyed):  # blocks cut by the pieces they place?
         moved = _sunk(closed)
         if moved is not closed:
             moved_graph = Graph(moved)
-            keyed = _chosen(moved_graph, ctx.temp_budget)
-            if keyed:
-                closed, graph = moved, moved_graph
+            other = _chosen(moved_graph, ctx.temp_budget)
+            if sum(len(p.loops) for _, p in other) > sum(len(p.loops) for _, p in keyed):
+                closed, graph, keyed = moved, moved_graph, other
     pairs = [pair for _, pair in keyed]
     rolled = sorted((lp for p in pairs for lp in p.loops), key=lambda lp: lp.run.start)
     if not rolled:
