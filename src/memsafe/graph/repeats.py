@@ -408,9 +408,15 @@ def _movable(eqn: JaxprEqn) -> bool:
 
 
 def sunk(closed: ClosedJaxpr) -> ClosedJaxpr:
-    """``closed`` with the cheap equations (and in-place updates) that only the program's
+    """``closed`` with the layout equations that read its inputs alone (through other such
+    equations) moved to its start, and the cheap equations (and in-place updates) that only its
     results read, through other such equations alone, moved to its end; the others in their
     order. ``closed`` itself where nothing moves.
+
+    Each layer of a Python loop over a stacked parameter reads its slice (``ws[i]``), each at
+    a position of its own: written in each layer's block, the slices make the blocks differ;
+    moved to the start, they are values from outside the run, one per block (read by a rolled
+    scan as the parameter whole, sliced per iteration).
 
     The gradient of a stacked parameter read a slice per layer in a Python loop sums (or writes
     in place) one piece per layer into one buffer, each piece at its own position: the pads and

@@ -18,10 +18,15 @@ backward of layers each under ``jax.checkpoint``, inlined: each block recomputes
 forward) is rolled alone where those values are over the same share, found or not as a loop
 before it: written one after another, XLA's common-subexpression elimination merges each
 recomputation with the forward and keeps them all alive; in a scan's body it cannot. Where the
-program's own order shows no loop worth rolling, the loops are looked for again with the cheap
-work only the results read moved to the end (:func:`memsafe.graph.repeats.sunk`): the pads or
-in-place updates that place each layer's piece of a stacked parameter's gradient, at a position
-of its own per layer, cut the backward's blocks otherwise.
+program's own order rolls no forward run, the loops are looked for again with the slices of
+the inputs moved to the start and the cheap work only the results read moved to the end
+(:func:`memsafe.graph.repeats.sunk`), and that order is taken where it rolls more runs: each
+layer's slice of a stacked parameter (``ws[i]``) and the pads or in-place updates that place
+each layer's piece of its gradient, each at a position of its own, cut the forward's and the
+backward's blocks otherwise. A forward run is paired with a later one that reads, as whole
+stacks, its blocks' values or the carries its blocks start from (a ``jax.checkpoint`` around
+each layer keeps only the layers' inputs). A scanned operand whose values are static slices of
+one array is read by the scan as that array, sliced per iteration.
 """
 
 from __future__ import annotations
