@@ -240,9 +240,9 @@ def _ctx(budget: int):
 def test_the_roll_pass_finds_a_programs_loops_and_rewrites_it_once(monkeypatch):
     """Attempts at other chunk scales (budgets) that choose the same pairs take the rewrite
     made first, the same program, and record the same; the loops are found once per program
-    (and once in its order with the results' cheap work moved to the end, where its own order
-    chose nothing: ``repeats.sunk``); another program object of the same text is rewritten
-    alike."""
+    (and once in its order with the inputs' slices first and the results' cheap work last,
+    where its own order rolls no forward run: ``repeats.sunk``); another program object of the
+    same text is rewritten alike."""
     from memsafe.passes import roll
 
     closed = _layers_grad()
