@@ -239,8 +239,10 @@ def _ctx(budget: int):
 
 def test_the_roll_pass_finds_a_programs_loops_and_rewrites_it_once(monkeypatch):
     """Attempts at other chunk scales (budgets) that choose the same pairs take the rewrite
-    made first, the same program, and record the same; the loops are found once per program;
-    another program object of the same text is rewritten alike."""
+    made first, the same program, and record the same; the loops are found once per program
+    (and once in its order with the inputs' slices first and the results' cheap work last,
+    where its own order rolls no forward run: ``repeats.sunk``); another program object of the
+    same text is rewritten alike."""
     from memsafe.passes import roll
 
     closed = _layers_grad()
@@ -252,11 +254,13 @@ def test_the_roll_pass_finds_a_programs_loops_and_rewrites_it_once(monkeypatch):
     assert roll.run(closed, second) is new
     assert second.plan.records == first.plan.records
     assert roll.run(closed, _ctx(2**40)) is closed  # nothing worth rolling at this budget
-    assert (len(found), len(traced)) == (1, 1)
+    assert (len(found), len(traced)) == (2, 1)
+    assert roll.run(closed, _ctx(2**41)) is closed  # both orders' loops are kept
+    assert (len(found), len(traced)) == (2, 1)
     again = _layers_grad()  # another jaxpr object: found and rewritten again, alike
     assert again.jaxpr is not closed.jaxpr
     assert str(roll.run(again, _ctx(1)).jaxpr) == str(new.jaxpr)
-    assert (len(found), len(traced)) == (2, 2)
+    assert (len(found), len(traced)) == (3, 2)
 
 
 def test_the_remat_pass_rewrites_a_program_once_per_choice(monkeypatch):

@@ -99,6 +99,9 @@ class Facts:
             contractions, selections, concatenations and the linear layout ops; None: none).
         adds: it adds its two operands (``a + b``): a running sum's step
             (``memsafe.split.strategies.replay`` recognises a carry that only accumulates by it).
+        updates: it writes a piece into its first operand at a position
+            (``dynamic_update_slice``): a step of a chain of in-place updates, moved with the
+            chain where the roll pass reorders a program (``memsafe.graph.repeats.sunk``).
         replays: a loop its split rule may run once per chunk of a carry that only
             accumulates, where no other split of a value exists
             (``memsafe.split.strategies.replay``).
@@ -129,6 +132,7 @@ class Facts:
     windowed: bool = False
     linear: Linear | None = None
     adds: bool = False
+    updates: bool = False
     replays: bool = False
     control: str | None = None
     shape_free: bool = False
@@ -306,7 +310,7 @@ TABLE: dict[str, Facts] = {
     "dot_general": Facts(
         Kind.OTHER, linear=Linear((0, 1), False), shape_free=True, flops=_contraction_flops
     ),
-    "dynamic_update_slice": Facts(Kind.OTHER, linear=Linear(slice(0, 2))),
+    "dynamic_update_slice": Facts(Kind.OTHER, linear=Linear(slice(0, 2)), updates=True),
     **dict.fromkeys(
         [
             "gather",
@@ -472,6 +476,8 @@ CUSTOM_DIFF = Names(lambda f: f.custom_diff)
 WINDOWED = Names(lambda f: f.windowed)
 #: Additions of two operands (a running sum's step).
 ADDS = Names(lambda f: f.adds)
+#: Primitives that write a piece into their first operand (see ``Facts.updates``).
+UPDATES = Names(lambda f: f.updates)
 #: Loops whose split rule may replay them per chunk of an accumulator carry.
 REPLAYS = Names(lambda f: f.replays)
 #: Loops over a body (``scan``, ``while``).
@@ -501,6 +507,7 @@ DERIVED = {
     "CUSTOM_DIFF": CUSTOM_DIFF,
     "WINDOWED": WINDOWED,
     "ADDS": ADDS,
+    "UPDATES": UPDATES,
     "REPLAYS": REPLAYS,
     "LOOPS": LOOPS,
     "CONTROL": CONTROL,

@@ -17,8 +17,16 @@ from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
-from memsafe import policy
-from memsafe._jax import JaxprEqn, Literal, Var, is_var, jaxprs_in_params, nbytes_of_aval
+from memsafe import policy, primitives
+from memsafe._jax import (
+    ClosedJaxpr,
+    JaxprEqn,
+    Literal,
+    Var,
+    is_var,
+    jaxprs_in_params,
+    nbytes_of_aval,
+)
 from memsafe.graph.graph import Graph, memo
 
 
@@ -144,7 +152,7 @@ class Loop:
 # -- finding runs -----------------------------------------------------------------------------
 
 
-def _literal_key(value: Any) -> tuple[str, bytes]:
+def literal_key(value: Any) -> tuple[str, bytes]:
     a = np.asarray(value)
     return a.dtype.str, a.tobytes()
 
@@ -165,7 +173,7 @@ def _param_key(value: Any) -> Any:
 
 
 def _operand_key(atom: Any) -> tuple[Any, ...]:
-    return ("lit", _literal_key(atom.val)) if isinstance(atom, Literal) else _aval_key(atom)
+    return ("lit", literal_key(atom.val)) if isinstance(atom, Literal) else _aval_key(atom)
 
 
 def _eqn_key(eqn: JaxprEqn, ins: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -197,7 +205,7 @@ def _program_key(jaxpr: Any) -> tuple[Any, ...]:
 
     def read(atom: Any) -> tuple[Any, ...]:
         if isinstance(atom, Literal):
-            return ("lit", _literal_key(atom.val))
+            return ("lit", literal_key(atom.val))
         return ("var", number.get(atom, -1), _aval_key(atom))
 
     eqns = []
@@ -271,7 +279,7 @@ def _where(graph: Graph, run: Run, block: int, atom: Any) -> Source | _Before | 
     the block before, from outside the run (as :class:`Shared`, for now); None for a value of a
     block before that."""
     if isinstance(atom, Literal):
-        return Fixed(_literal_key(atom.val), atom.val)
+        return Fixed(literal_key(atom.val), atom.val)
     i = graph.info(atom).producer
     if i is None or not run.start <= i < run.stop:
         return Shared(atom)
@@ -385,3 +393,67 @@ def loops(graph: Graph) -> list[tuple[Loop, ...]]:
 
 def _overlaps(a: Run, b: Run) -> bool:
     return a.start < b.stop and b.start < a.stop
+
+
+# -- an order in which repeats show -----------------------------------------------------------
+
+
+def _movable(eqn: JaxprEqn) -> bool:
+    """Whether :func:`sunk` moves ``eqn``: cheap work (layout, arithmetic) or an in-place update,
+    with no effects and no program of its own."""
+    name = eqn.primitive.name
+    if eqn.effects or any(True for _ in jaxprs_in_params(eqn)):
+        return False
+    return name in primitives.CHEAP or name in primitives.UPDATES
+
+
+def sunk(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """``closed`` with the layout equations that read its inputs alone (through other such
+    equations) moved to its start, and the cheap equations (and in-place updates) that only its
+    results read, through other such equations alone, moved to its end; the others in their
+    order. ``closed`` itself where nothing moves.
+
+    Each layer of a Python loop over a stacked parameter reads its slice (``ws[i]``), each at
+    a position of its own: written in each layer's block, the slices make the blocks differ;
+    moved to the start, they are values from outside the run, one per block (read by a rolled
+    scan as the parameter whole, sliced per iteration).
+
+    The gradient of a stacked parameter read a slice per layer in a Python loop sums (or writes
+    in place) one piece per layer into one buffer, each piece at its own position: the pads and
+    updates that place the pieces differ from layer to layer (their positions are parameters and
+    literals), and written in the middle of each layer's backward they cut the run of repeated
+    blocks in pieces too short to be found. The chain is read only by the results (an
+    optimizer's update, itself cheap work), so moved to the end with the cheap work that only
+    feeds it, it leaves the layers' blocks the same. Work read by anything else stays where it
+    is (a residual connection's sum of cotangents, read by the next layer's backward). A
+    program's meaning does not depend on the order of its equations (a topological order;
+    equations with effects never move): only the loops found in it do."""
+    eqns = closed.jaxpr.eqns
+    n = len(eqns)
+    readers: dict[Any, list[int]] = {}
+    for i, eqn in enumerate(eqns):
+        for a in eqn.invars:
+            if is_var(a):
+                readers.setdefault(a, []).append(i)
+    # keys: (position, depth); a moved equation takes its first reader's key one step earlier
+    # (the end's key where only the results read it), so that it precedes every reader it has
+    keys: list[tuple[int, int]] = [(i, 0) for i in range(n)]
+    early = {*closed.jaxpr.invars, *closed.jaxpr.constvars}
+    for i, eqn in enumerate(eqns):  # layout of the inputs alone: first
+        layout = primitives.facts(eqn.primitive.name).kind is primitives.Kind.LAYOUT
+        read = [a for a in eqn.invars if is_var(a)]
+        if layout and read and _movable(eqn) and all(a in early for a in read):
+            early.update(eqn.outvars)
+            keys[i] = (-1, i)
+    for i in range(n - 1, -1, -1):
+        if not _movable(eqns[i]) or keys[i][0] < 0:
+            continue
+        after = [keys[r] for v in eqns[i].outvars for r in readers.get(v, ())]
+        first = min(after, default=(n, 0))
+        if first[0] == n:
+            keys[i] = (n, first[1] - 1)
+    order = sorted(range(n), key=lambda i: (keys[i], i))
+    if order == list(range(n)):
+        return closed
+    jaxpr = closed.jaxpr.replace(eqns=[eqns[i] for i in order])
+    return ClosedJaxpr(jaxpr, closed.consts)

@@ -12,10 +12,26 @@ together, where what the later run reads of the forward's is over the remat pass
 budget. The backward run iterates in reverse, so it reads the forward's stacked values as they
 are; parameters both runs read per block are stacked once. Blocks that differ (the first layer,
 whose input is not differentiated) stay as they are.
+
+A run whose blocks compute again, from the same operands, values computed before it (the
+backward of layers each under ``jax.checkpoint``, inlined: each block recomputes its layer's
+forward) is rolled alone where those values are over the same share, found or not as a loop
+before it: written one after another, XLA's common-subexpression elimination merges each
+recomputation with the forward and keeps them all alive; in a scan's body it cannot. Where the
+program's own order rolls no forward run, the loops are looked for again with the slices of
+the inputs moved to the start and the cheap work only the results read moved to the end
+(:func:`memsafe.graph.repeats.sunk`), and that order is taken where it rolls more runs: each
+layer's slice of a stacked parameter (``ws[i]``) and the pads or in-place updates that place
+each layer's piece of its gradient, each at a position of its own, cut the forward's and the
+backward's blocks otherwise. A forward run is paired with a later one that reads, as whole
+stacks, its blocks' values or the carries its blocks start from (a ``jax.checkpoint`` around
+each layer keeps only the layers' inputs). A scanned operand whose values are static slices of
+one array is read by the scan as that array, sliced per iteration.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,14 +39,35 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from memsafe import policy
-from memsafe._jax import ClosedJaxpr, Var, bind_eqn, dce, nbytes_of_aval, source_line
+from memsafe._jax import (
+    ClosedJaxpr,
+    Literal,
+    Var,
+    bind_eqn,
+    dce,
+    is_var,
+    jaxprs_in_params,
+    nbytes_of_aval,
+    source_line,
+)
 from memsafe.context import PassContext
 from memsafe.graph import Graph
 from memsafe.graph.graph import memo
 from memsafe.graph.interpret import Group, retrace
-from memsafe.graph.repeats import Carried, Inner, Loop, Scanned, Shared, loops, signature
+from memsafe.graph.repeats import (
+    Carried,
+    Inner,
+    Loop,
+    Scanned,
+    Shared,
+    literal_key,
+    loops,
+    signature,
+    sunk,
+)
 from memsafe.log import logger
 from memsafe.plan import PassRecord, format_bytes
 
@@ -40,6 +77,52 @@ class Stack:
     """A stacked value's key among a rewrite's values: the variables it stacks, in order."""
 
     vars: tuple[Var, ...]
+
+
+@dataclass(frozen=True)
+class Sliced:
+    """A scanned operand whose variables are each a static slice of one array, of one size
+    (``ws[i]``, a layer's slice of a stacked parameter), maybe reshaped: the scan reads the array
+    whole and each iteration's start indices, and its body slices the array, where a stack of
+    the slices would copy them (the whole parameter again)."""
+
+    array: Var
+    starts: tuple[tuple[int, ...], ...]  # per iteration, in the scan's order
+    sizes: tuple[int, ...]
+    shape: tuple[int, ...]  # the variables' shape
+
+    def indices(self) -> Any:
+        return np.asarray(self.starts, np.int32)
+
+    def read(self, array: Any, start: Any) -> Any:
+        """One iteration's variable, from the array and its start indices."""
+        starts = [start[d] for d in range(len(self.sizes))]
+        return jax.lax.dynamic_slice(array, starts, self.sizes).reshape(self.shape)
+
+
+def _sliced(graph: Graph, variables: Sequence[Var]) -> Sliced | None:
+    """``variables`` as slices of one array (each a unit-stride ``slice``, maybe reshaped or
+    squeezed after), or None."""
+    arrays, starts, sizes = set(), [], set()
+    for v in variables:
+        eqn = graph.producer(v)
+        if eqn is not None and (
+            eqn.primitive.name == "squeeze"
+            or (eqn.primitive.name == "reshape" and eqn.params.get("dimensions") is None)
+        ):
+            eqn = graph.producer(eqn.invars[0])
+        if eqn is None or eqn.primitive.name != "slice" or not is_var(eqn.invars[0]):
+            return None
+        if any(stride not in (None, 1) for stride in eqn.params["strides"] or ()):
+            return None
+        start, limit = eqn.params["start_indices"], eqn.params["limit_indices"]
+        arrays.add(eqn.invars[0])
+        starts.append(tuple(int(a) for a in start))
+        sizes.add(tuple(int(b) - int(a) for a, b in zip(start, limit)))
+    if len(arrays) != 1 or len(sizes) != 1:
+        return None
+    shape = tuple(variables[0].aval.shape)
+    return Sliced(arrays.pop(), tuple(starts), sizes.pop(), shape)
 
 
 @dataclass(frozen=True)
@@ -63,7 +146,7 @@ class _Rewrite:
     """The groups that replace the rolled loops' equations, and the stacks they share."""
 
     def __init__(self, graph: Graph, loops: Sequence[Loop]) -> None:
-        self.eqns = graph.eqns
+        self.graph, self.eqns = graph, graph.eqns
         self.stacks: set[Stack] = set()  # given by an earlier group
         self.groups = [self._group(lp) for lp in loops]
 
@@ -93,20 +176,33 @@ class _Rewrite:
         scanned = self._scanned(rolled)
         shared = loop.sources(Shared)
         inits = [c.init for c in loop.carries]
-        # each scanned operand: a stack given by an earlier group, or its variables to stack
-        operands = [[s] if s in self.stacks else list(s.vars) for s in scanned]
+        # each scanned operand: a stack given by an earlier group, slices of one array (read
+        # whole, sliced in the body), or its variables to stack
+        sliced = [None if s in self.stacks else _sliced(self.graph, s.vars) for s in scanned]
+        operands = [
+            [s] if s in self.stacks else [cut.array] if cut else list(s.vars)
+            for s, cut in zip(scanned, sliced)
+        ]
         carried = {c.source for c in loop.carries}
         stacked = list(dict.fromkeys(at for _, at in loop.read_outside if at not in carried))
-        gives, picks = self._gives(rolled, stacked, scanned)
+        gives, picks = self._gives(rolled, stacked, scanned, sliced)
 
         def run(values: list[Any]) -> list[Any]:
             consts, values = values[: len(shared)], values[len(shared) :]
             init, values = values[: len(inits)], values[len(inits) :]
-            xs = []
-            for needed in operands:
+            xs, arrays = [], []
+            for needed, cut in zip(operands, sliced):
                 part, values = values[: len(needed)], values[len(needed) :]
-                xs.append(part[0] if isinstance(needed[0], Stack) else jnp.stack(part))
-            body = _body(loop, dict(zip(shared, consts)), stacked)
+                arrays.append(part[0] if cut else None)
+                if cut:
+                    xs.append(cut.indices())
+                else:
+                    xs.append(part[0] if isinstance(needed[0], Stack) else jnp.stack(part))
+            reads = [
+                None if cut is None else functools.partial(cut.read, array)
+                for cut, array in zip(sliced, arrays)
+            ]
+            body = _body(loop, dict(zip(shared, consts)), stacked, reads)
             final, (ys, carried) = jax.lax.scan(
                 body, tuple(init), tuple(xs), reverse=rolled.reverse
             )
@@ -118,11 +214,15 @@ class _Rewrite:
         return Group(frozenset(range(first, loop.run.stop)), needs, gives, first, run)
 
     def _gives(
-        self, rolled: Rolled, stacked: list[Inner], scanned: list[Stack]
+        self,
+        rolled: Rolled,
+        stacked: list[Inner],
+        scanned: list[Stack],
+        sliced: Sequence[Sliced | None],
     ) -> tuple[tuple[Any, ...], list[Pick]]:
         """What the group gives (the values read after it, and its stacks for later groups:
-        those of ``stacked`` values and of the ``scanned`` operands), each with how it is
-        picked from the scan's results."""
+        those of ``stacked`` values and of the ``scanned`` operands it stacks, not those it
+        slices from an array), each with how it is picked from the scan's results."""
         loop, eqns = rolled.loop, self.eqns
         carries = {c.source: k for k, c in enumerate(loop.carries)}
         gives: list[Any] = []
@@ -136,9 +236,10 @@ class _Rewrite:
         for n, at in enumerate(stacked):
             gives.append(self._in_order(rolled, lambda b, at=at: loop.var(eqns, b, at)))
             picks.append(lambda r, n=n: r.ys[n])
-        for n, stack in enumerate(scanned):
-            gives.append(stack)
-            picks.append(lambda r, n=n: r.xs[n])
+        for n, (stack, cut) in enumerate(zip(scanned, sliced)):
+            if cut is None:
+                gives.append(stack)
+                picks.append(lambda r, n=n: r.xs[n])
         new = [(g, p) for g, p in zip(gives, picks) if g not in self.stacks]
         self.stacks.update(g for g, _ in new if isinstance(g, Stack))
         return tuple(g for g, _ in new), [p for _, p in new]
@@ -196,14 +297,21 @@ class _Frame:
         return self.xs[src]
 
 
-def _body(loop: Loop, consts: dict[Var, Any], stacked: list[Inner]) -> Callable[..., Any]:
+def _body(
+    loop: Loop,
+    consts: dict[Var, Any],
+    stacked: list[Inner],
+    reads: Sequence[Callable[[Any], Any] | None],
+) -> Callable[..., Any]:
     """The scan body of ``loop``: the first block's equations, each operand read from its
-    source; it carries the carries' sources on, and stacks the values at ``stacked`` and the
-    incoming carries."""
+    source (a scanned one through its entry of ``reads`` where it has one: its slice of an
+    array, from the iteration's start indices); it carries the carries' sources on, and stacks
+    the values at ``stacked`` and the incoming carries."""
     sources = [c.source for c in loop.carries]
     scanned = loop.sources(Scanned)
 
     def body(carry: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[Any, ...]:
+        x = tuple(v if read is None else read(v) for v, read in zip(x, reads, strict=True))
         frame = _Frame([], dict(zip(sources, carry)), consts, dict(zip(scanned, x)))
         for eqn, row in zip(loop.body, loop.reads):
             frame.outs.append(bind_eqn(eqn, [src.value(frame) for src in row]))
@@ -215,10 +323,19 @@ def _body(loop: Loop, consts: dict[Var, Any], stacked: list[Inner]) -> Callable[
 
 def _aligned(graph: Graph, later: Loop, earlier: Loop) -> int:
     """Bytes of ``earlier``'s values that ``later`` reads as whole stacks: an operand that
-    reads the same value of every block of ``earlier``, in block order or in reverse."""
+    reads the same value of every block of ``earlier``, or the carry each block of ``earlier``
+    starts from (its layer's input, which a ``jax.checkpoint`` around each layer keeps), in
+    block order or in reverse."""
     run, total, count = earlier.run, 0, earlier.run.count
     whole = (tuple(range(count)), tuple(reversed(range(count))))
+    incoming = set()
+    for c in earlier.carries:
+        ins = (c.init, *(earlier.var(graph.eqns, b, c.source) for b in range(count - 1)))
+        incoming |= {ins, ins[::-1]}
     for src in later.sources(Scanned):
+        if src.vars in incoming:
+            total += sum(nbytes_of_aval(v.aval) for v in src.vars)
+            continue
         producers = [graph.info(v).producer for v in src.vars]
         if any(p is None or not run.start <= p < run.stop for p in producers):
             continue
@@ -280,11 +397,13 @@ def _pair(graph: Graph, earlier: tuple[Loop, ...], later: tuple[Loop, ...]) -> P
 class Found:
     """What the pass reads of one program whatever the budget (kept for the search's next
     attempt at the same program, :func:`memsafe.graph.graph.memo`): its loops, the pair of
-    each two of them (by their positions, found when first asked for), and the program rewritten
-    for each choice of pairs (None where JAX did not take it)."""
+    each two of them (by their positions, found when first asked for), the bytes XLA would
+    merge of each loop's values (:func:`_merged`), and the program rewritten for each choice of
+    pairs (None where JAX did not take it)."""
 
     loops: list[tuple[Loop, ...]]
     pairs: dict[tuple[int, int], Pair] = field(default_factory=dict)
+    merges: dict[int, int] = field(default_factory=dict)
     rolled: dict[tuple[tuple[int, int, bool], ...], ClosedJaxpr | None] = field(
         default_factory=dict
     )
@@ -294,6 +413,11 @@ class Found:
             self.pairs[e, k] = _pair(graph, self.loops[e], self.loops[k])
         return self.pairs[e, k]
 
+    def merged(self, graph: Graph, k: int) -> int:
+        if k not in self.merges:
+            self.merges[k] = _merged(graph, self.loops[k][0])
+        return self.merges[k]
+
 
 def found(graph: Graph) -> Found:
     """The program's :class:`Found`, computed once per program (and rewrite policy)."""
@@ -301,6 +425,48 @@ def found(graph: Graph) -> Found:
     if "found" not in kept:
         kept["found"] = Found(loops(graph))
     return kept["found"]
+
+
+def _sunk(closed: ClosedJaxpr) -> ClosedJaxpr:
+    """:func:`memsafe.graph.repeats.sunk` of ``closed``, made once per program (and rewrite
+    policy): the search's attempts find their loops in the same object again."""
+    kept = memo(closed, "roll", valid=policy.REWRITE)
+    if "sunk" not in kept:
+        kept["sunk"] = sunk(closed)
+    return kept["sunk"]
+
+
+def _merged(graph: Graph, loop: Loop) -> int:
+    """Bytes of the values ``loop``'s blocks compute again from the same operands as an
+    equation before the loop (a ``jax.checkpoint`` around each layer recomputes its forward in
+    its backward): XLA's common-subexpression elimination merges each with the earlier one and
+    keeps it alive from the forward to the backward, unless the loop runs as a scan. Equations
+    with effects or programs of their own are never taken for the same."""
+    numbers: dict[Any, Any] = {}
+    seen: dict[tuple[Any, ...], tuple[int, tuple[Any, ...]]] = {}
+    run, total = loop.run, 0
+
+    def number(atom: Any) -> Any:
+        if isinstance(atom, Literal):
+            return ("lit", literal_key(atom.val))
+        return numbers.setdefault(atom, ("var", len(numbers)))
+
+    for i, eqn in enumerate(graph.eqns):
+        if i >= run.stop:
+            break
+        outs = tuple(number(v) for v in eqn.outvars)
+        if eqn.effects or any(True for _ in jaxprs_in_params(eqn)):
+            continue
+        key = (signature(eqn), tuple(number(a) for a in eqn.invars))
+        if key not in seen:
+            seen[key] = (i, outs)
+            continue
+        first, same = seen[key]
+        for v, n in zip(eqn.outvars, same):
+            numbers[v] = n
+        if first < run.start <= i:
+            total += sum(nbytes_of_aval(v.aval) for v in eqn.outvars)
+    return total
 
 
 def _chosen(graph: Graph, budget: int) -> list[tuple[tuple[int, int, bool], Pair]]:
@@ -322,7 +488,11 @@ def _chosen(graph: Graph, budget: int) -> list[tuple[tuple[int, int, bool], Pair
             elif pair.recomputes > share:
                 pairs.append(((e, k, False), Pair(None, pair.later, 0, pair.recomputes)))
                 used.add(k)
-    return pairs
+    for k, later in enumerate(known.loops):
+        if k not in used and (merged := known.merged(graph, k)) > share:
+            pairs.append(((k, k, False), Pair(None, later[0], 0, merged)))
+            used.add(k)
+    return sorted(pairs, key=lambda kp: kp[1].later.run.start)
 
 
 def chosen(graph: Graph, budget: int) -> list[Pair]:
@@ -362,6 +532,13 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
         return closed
     graph = Graph(closed)
     keyed = _chosen(graph, ctx.temp_budget)
+    if not any(pair.forward for _, pair in keyed):  # blocks cut by the pieces they place?
+        moved = _sunk(closed)
+        if moved is not closed:
+            moved_graph = Graph(moved)
+            other = _chosen(moved_graph, ctx.temp_budget)
+            if sum(len(p.loops) for _, p in other) > sum(len(p.loops) for _, p in keyed):
+                closed, graph, keyed = moved, moved_graph, other
     pairs = [pair for _, pair in keyed]
     rolled = sorted((lp for p in pairs for lp in p.loops), key=lambda lp: lp.run.start)
     if not rolled:
