@@ -428,13 +428,9 @@ def sunk(closed: ClosedJaxpr) -> ClosedJaxpr:
     is (a residual connection's sum of cotangents, read by the next layer's backward). A
     program's meaning does not depend on the order of its equations (a topological order;
     equations with effects never move): only the loops found in it do."""
+    graph = Graph(closed)
     eqns = closed.jaxpr.eqns
     n = len(eqns)
-    readers: dict[Any, list[int]] = {}
-    for i, eqn in enumerate(eqns):
-        for a in eqn.invars:
-            if is_var(a):
-                readers.setdefault(a, []).append(i)
     # keys: (position, depth); a moved equation takes its first reader's key one step earlier
     # (the end's key where only the results read it), so that it precedes every reader it has
     keys: list[tuple[int, int]] = [(i, 0) for i in range(n)]
@@ -448,7 +444,7 @@ def sunk(closed: ClosedJaxpr) -> ClosedJaxpr:
     for i in range(n - 1, -1, -1):
         if not _movable(eqns[i]) or keys[i][0] < 0:
             continue
-        after = [keys[r] for v in eqns[i].outvars for r in readers.get(v, ())]
+        after = [keys[r] for v in eqns[i].outvars for r in graph.info(v).consumers]
         first = min(after, default=(n, 0))
         if first[0] == n:
             keys[i] = (n, first[1] - 1)
