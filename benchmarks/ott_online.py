@@ -92,6 +92,7 @@ def worker(method: str, n: int, m: int, iterations: int, limit: str) -> dict[str
     value, iters = jax.block_until_ready(fun(x, y))
     out["run_s"] = time.perf_counter() - start
     out["value"], out["iterations"] = float(value), int(iters)
+    # benchmarks.measure.peak_rss, which the peer's environment cannot import (it imports memsafe)
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return out
 
