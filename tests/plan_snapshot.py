@@ -14,6 +14,7 @@ and loaded there with ``-p plan_snapshot``.
 from __future__ import annotations
 
 import copy
+import hashlib
 import importlib
 import json
 import os
@@ -89,6 +90,13 @@ def plan_record(plan: Any, root: str = "") -> dict[str, Any]:
     }
 
 
+def program_digest(closed: Any) -> str:
+    """A digest of the program that runs (its jaxpr's text: equations, shapes, literals, in
+    order; variable names are given in order of appearance), equal for the same program built
+    in two processes or two checkouts."""
+    return hashlib.sha256(str(closed).encode()).hexdigest()[:16]
+
+
 class Recorder:
     """Wraps ``memsafe.build.build_program`` and writes one JSON line per call.
 
@@ -147,6 +155,7 @@ class Recorder:
                 raise
             record["build_s"] = round(time.perf_counter() - start, 3)
             record.update(plan_record(program.plan, self.root))
+            record["program"] = program_digest(program.closed)
             self.write(record)
             return program
 

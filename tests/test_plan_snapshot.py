@@ -84,6 +84,34 @@ def test_changed_chunk_is_reported(tmp_path: Path) -> None:
     assert "after: 49.2 KiB -> 78.1 KiB (+58.8%)" in text
 
 
+def test_a_different_program_under_the_same_plan_is_reported(tmp_path: Path) -> None:
+    # Records that carry the digest of the program that runs are identical only where the
+    # programs are; a record without one (an older snapshot) compares by its plan alone.
+    old = _record(program="0123456789abcdef")
+    same, other, older = (copy.deepcopy(old) for _ in range(3))
+    other["program"] = "fedcba9876543210"
+    del older["program"]
+    summary, _ = _diff(_write(tmp_path / "a", old), _write(tmp_path / "b", same))
+    assert (summary.identical, summary.changed) == (1, 0)
+    summary, text = _diff(_write(tmp_path / "c", old), _write(tmp_path / "d", other))
+    assert (summary.identical, summary.changed) == (0, 1)
+    assert "program text 0123456789abcdef -> fedcba9876543210" in text
+    summary, _ = _diff(_write(tmp_path / "e", older), _write(tmp_path / "f", other))
+    assert (summary.identical, summary.changed) == (1, 0)
+
+
+def test_the_digest_is_the_programs_own() -> None:
+    # Two builds of one program in one process give one digest; another program another.
+    import jax
+    import jax.numpy as jnp
+    from plan_snapshot import program_digest
+
+    f = lambda x: jnp.sin(x) * 2
+    a, b = (jax.make_jaxpr(f)(jnp.ones(3)) for _ in range(2))
+    c = jax.make_jaxpr(lambda x: jnp.cos(x) * 2)(jnp.ones(3))
+    assert program_digest(a) == program_digest(b) != program_digest(c)
+
+
 def test_new_failure_and_programs_on_one_side(tmp_path: Path) -> None:
     other = _record(node="tests/test_split.py::test_other")
     failed = _record(error={"type": "MemoryLimitError", "message": "knn: no rewrite fits\n..."})

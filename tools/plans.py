@@ -9,7 +9,9 @@ benchmarks) with this checkout's plugin.
 ``python -m tools.plans diff OLD_DIR NEW_DIR [--verbose]`` matches programs by (test node id,
 function name, argument avals, memory limit, occurrence index), prints what changed in each, and
 ends with a one-line summary. Source line numbers are ignored (file names are kept); footprints
-within 0.5% count as equal (``--verbose`` shows them).
+within 0.5% count as equal (``--verbose`` shows them). Records that carry a digest of the program
+that runs (``program``, :func:`plan_snapshot.program_digest`) also differ where the digests do:
+an identical record is the same program, equation by equation.
 
 This module imports neither jax nor memsafe unless it takes a snapshot.
 """
@@ -276,6 +278,9 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> Comparison:
         for i, (a, b) in enumerate(zip(old_att, new_att)):
             if a["total"] != b["total"] and len(old_att) > 1:
                 _footprint(cmp, f"attempt {i}", a["total"], b["total"])
+    old_prog, new_prog = old.get("program"), new.get("program")
+    if old_prog and new_prog and old_prog != new_prog:
+        cmp.lines.append(f"program text {old_prog} -> {new_prog}")
     return cmp
 
 
