@@ -10,17 +10,17 @@ log-sum-exp rows.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import jax.numpy as jnp
 
-from memsafe._jax import Literal, Var
+from memsafe._jax import JaxprEqn, Literal, Var
 from memsafe.fused import reduce
 from memsafe.fused.kernel import Layout, stream
 from memsafe.fused.tile import bind_tile
-from memsafe.graph import Graph
+from memsafe.graph import Graph, evaluate_eqns
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping
 from memsafe.split.sinks import Sink
@@ -29,6 +29,25 @@ from memsafe.split.strategies.online import OnlinePlan, Rescale
 
 def _read(env: dict[Var, Any], atom: Any) -> Any:
     return atom.val if isinstance(atom, Literal) else env[atom]
+
+
+@dataclass(frozen=True)
+class _TileValues:
+    """A tile's values by variable (:class:`memsafe.graph.interpret.Values`); of an equation in
+    ``kept`` (an online plan's pass-through products), only the operand it keeps is read (the
+    other, a late factor, is applied after the kernel and is not one of its inputs)."""
+
+    env: dict[Var, Any]
+    kept: dict[int, int]
+
+    def operands(self, i: int, eqn: JaxprEqn) -> list[Any]:
+        k = self.kept.get(i)
+        return [
+            _read(self.env, a) if k is None or j == k else None for j, a in enumerate(eqn.invars)
+        ]
+
+    def define(self, i: int, eqn: JaxprEqn, outs: Sequence[Any]) -> None:
+        self.env.update(zip(eqn.outvars, outs))
 
 
 @dataclass(frozen=True)
@@ -44,17 +63,15 @@ class _Tiles:
         env.update(load(start))
         return env
 
-    def bind(self, env: dict[Var, Any], i: int) -> None:
-        """Equation ``i`` on the tile, its results into ``env``."""
-        eqn = self.graph.eqns[i]
-        shapes = [self.layout.shape(o) for o in eqn.outvars]
-        env.update(zip(eqn.outvars, bind_tile(eqn, [_read(env, a) for a in eqn.invars], shapes)))
+    def tile(self, i: int, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+        """Equation ``i`` on the tile, from its operands ``invals``."""
+        return bind_tile(eqn, invals, [self.layout.shape(o) for o in eqn.outvars])
 
-    def partial(self, env: dict[Var, Any], i: int, start: Any, fresh: Any) -> Any:
-        """Sink ``i``'s partial on the tile (shared positions left out, :mod:`.reduce`)."""
+    def partial(self, i: int, invals: list[Any], start: Any, fresh: Any) -> Any:
+        """Sink ``i``'s partial on the tile, from its operands ``invals`` (shared positions left
+        out, :mod:`.reduce`)."""
         eqn, sink = self.graph.eqns[i], self.region.maps[i]
         assert isinstance(sink, Sink)
-        invals = [_read(env, a) for a in eqn.invars]
         return reduce.partial(eqn, sink, invals, start, self.layout.cols, fresh)
 
 
@@ -75,11 +92,15 @@ class StagedBody(_Tiles):
             start, fresh = self.layout.tile_at(j)
             env = self.env(fixed, load, start)
             parts = []
-            for i in self.order:
+
+            def bind(i: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any]:
                 if isinstance(maps[i], Mapping):
-                    self.bind(env, i)
-                elif i in self.sinks:
-                    parts.append(self.partial(env, i, start, fresh))
+                    return self.tile(i, eqn, invals)
+                parts.append(self.partial(i, invals, start, fresh))
+                return ()  # the partial is the kernel's, not a value of the tile
+
+            order = [i for i in self.order if isinstance(maps[i], Mapping) or i in self.sinks]
+            evaluate_eqns(eqns, order, env, bind)
             if state is None:
                 return parts
             return [
@@ -111,21 +132,23 @@ class OnlineBody(_Tiles):
             env = self.env(fixed, load, start)
             running: dict[int, Any] = {}
             partials: dict[int, Any] = {}
-            for i in self.order:
+
+            def bind(i: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any]:
                 m = maps.get(i)
-                if m is None or (isinstance(m, Mapping) and i not in plan.passthrough):
-                    self.bind(env, i)  # a chain equation (outside the region) or a mapped one
-                elif i in plan.passthrough:
-                    self._pass_through(env, i)
-                elif i in plan.sources:
-                    part = self.partial(env, i, start, fresh)
-                    if state is not None:
-                        old = state[0][plan.sources.index(i)]
-                        part = m.reducer.fold(eqns[i], old, part)
-                    running[i] = part
-                    env.update(zip(eqns[i].outvars, m.reducer.finish(part)))
-                else:
-                    partials[i] = self.partial(env, i, start, fresh)
+                if i in plan.passthrough:
+                    return [self._pass_through(invals, i)]
+                if m is None or isinstance(m, Mapping):
+                    return self.tile(i, eqn, invals)  # a chain equation or a mapped one
+                part = self.partial(i, invals, start, fresh)
+                if i not in plan.sources:
+                    partials[i] = part
+                    return ()
+                if state is not None:
+                    part = m.reducer.fold(eqn, state[0][plan.sources.index(i)], part)
+                running[i] = part
+                return m.reducer.finish(part)  # the running maximum, read by the chain
+
+            evaluate_eqns(eqns, self.order, _TileValues(env, plan.passthrough), bind)
             parts = (
                 [running[i] for i in plan.sources],
                 [env[u] for u in plan.shifts],
@@ -135,10 +158,9 @@ class OnlineBody(_Tiles):
 
         return carry.results(stream(self.layout, step))
 
-    def _pass_through(self, env: dict[Var, Any], i: int) -> None:
+    def _pass_through(self, invals: list[Any], i: int) -> Any:
         """A product with (or division by) a late factor: its kept operand, broadcast to the
         result's tile (the factor is applied after the kernel)."""
-        eqn = self.graph.eqns[i]
-        kept = _read(env, eqn.invars[self.plan.passthrough[i]])
-        out = eqn.outvars[0]
-        env[out] = jnp.broadcast_to(kept, self.layout.shape(out)).astype(out.aval.dtype)
+        out = self.graph.eqns[i].outvars[0]
+        kept = invals[self.plan.passthrough[i]]
+        return jnp.broadcast_to(kept, self.layout.shape(out)).astype(out.aval.dtype)

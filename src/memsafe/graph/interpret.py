@@ -8,9 +8,9 @@ edits jaxpr objects by hand; it says what to compute instead, and JAX builds the
 from __future__ import annotations
 
 import heapq
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, MutableMapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import jax
 import numpy as np
@@ -93,37 +93,67 @@ def evaluate(
     return [read(a) for a in jaxpr.outvars]
 
 
+class Values(Protocol):
+    """Where :func:`evaluate_eqns` reads an equation's operands and puts its results: a dict by
+    variable, or an environment of its own, such as a chunk body's
+    (:class:`memsafe.split.loop.ChunkEnv`: region values at chunk shape, the others whole)."""
+
+    def operands(self, i: int, eqn: JaxprEqn) -> list[Any]:
+        """The operands of equation ``i`` (``eqn``)."""
+        ...
+
+    def define(self, i: int, eqn: JaxprEqn, outs: Sequence[Any]) -> None:
+        """Record the results ``outs`` of equation ``i`` (``eqn``)."""
+        ...
+
+
+#: What :func:`evaluate_eqns` evaluates into (and returns): a mapping by variable (a dict, a
+#: ``ChainMap`` whose first map takes the results) or :class:`Values`.
+Env = TypeVar("Env", MutableMapping[Any, Any], Values)
+
+
+@dataclass(frozen=True)
+class _ByVariable:
+    """:class:`Values` in a mapping by variable (literals read by value)."""
+
+    env: MutableMapping[Any, Any]
+
+    def operands(self, i: int, eqn: JaxprEqn) -> list[Any]:
+        env = self.env
+        return [a.val if isinstance(a, Literal) else env[a] for a in eqn.invars]
+
+    def define(self, i: int, eqn: JaxprEqn, outs: Sequence[Any]) -> None:
+        self.env.update(zip(eqn.outvars, outs))
+
+
 def evaluate_eqns(
     eqns: Sequence[JaxprEqn],
     order: Iterable[int],
-    env: dict[Any, Any],
+    env: Env,
     bind: Callable[[int, JaxprEqn, list[Any]], Sequence[Any]] | None = None,
-) -> dict[Any, Any]:
+) -> Env:
     """Evaluate the equations ``eqns[i]`` for ``i`` in ``order`` (a cone of a program: what a
-    value needs), reading their operands from ``env`` (literals by value) and writing their
-    results into it.
+    value needs), reading their operands from ``env`` and writing their results into it.
 
     Args:
         eqns: a program's equations.
         order: the indices to evaluate, each after those it reads.
-        env: values by variable: those the equations read from outside ``order``; updated in
-            place.
+        env: values by variable (those the equations read from outside ``order``; literals are
+            read by value), a mapping updated in place; or a :class:`Values` of the caller's
+            own.
         bind: ``bind(index, eqn, operands)``, the results of an equation (a chunk body re-binds
-            the equations its split axis passes through at chunk shape); None: the equation as
-            it is.
+            the equations its split axis passes through at chunk shape; the results it returns
+            are what ``env`` records, none for an equation that defines nothing there, such as
+            a sink whose partial the caller keeps); None: the equation as it is.
 
     Returns:
         ``env``.
     """
-
-    def read(atom: Any) -> Any:
-        return atom.val if isinstance(atom, Literal) else env[atom]
-
+    values = _ByVariable(env) if isinstance(env, MutableMapping) else env
     for i in order:
         eqn = eqns[i]
-        invals = [read(a) for a in eqn.invars]
-        outs = bind_eqn(eqn, invals) if bind is None else bind(i, eqn, invals)
-        env.update(zip(eqn.outvars, outs))
+        invals = values.operands(i, eqn)
+        values.define(i, eqn, bind_eqn(eqn, invals) if bind is None else bind(i, eqn, invals))
     return env
 
 

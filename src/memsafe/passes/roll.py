@@ -44,9 +44,9 @@ import numpy as np
 from memsafe import policy
 from memsafe._jax import (
     ClosedJaxpr,
+    JaxprEqn,
     Literal,
     Var,
-    bind_eqn,
     dce,
     is_var,
     jaxprs_in_params,
@@ -56,7 +56,7 @@ from memsafe._jax import (
 from memsafe.context import PassContext
 from memsafe.graph import Graph
 from memsafe.graph.graph import memo
-from memsafe.graph.interpret import Group, retrace
+from memsafe.graph.interpret import Group, evaluate_eqns, retrace
 from memsafe.graph.repeats import (
     Carried,
     Inner,
@@ -279,10 +279,19 @@ def _pick(
 class _Frame:
     """The values one iteration of a rolled loop's body reads (a :class:`repeats.Frame`)."""
 
-    outs: list[list[Any]]
+    rows: Sequence[Sequence[Any]]  # each body equation's operands, as sources
     carry: dict[Inner, Any]
     consts: dict[Var, Any]
     xs: dict[Scanned, Any]
+    outs: dict[int, Sequence[Any]] = field(default_factory=dict)
+
+    def operands(self, i: int, eqn: JaxprEqn) -> list[Any]:
+        """Body equation ``i``'s operands, each read from its source
+        (:class:`memsafe.graph.interpret.Values`)."""
+        return [src.value(self) for src in self.rows[i]]
+
+    def define(self, i: int, eqn: JaxprEqn, outs: Sequence[Any]) -> None:
+        self.outs[i] = outs
 
     def inner(self, at: Inner) -> Any:
         return self.outs[at.position][at.out]
@@ -312,9 +321,8 @@ def _body(
 
     def body(carry: tuple[Any, ...], x: tuple[Any, ...]) -> tuple[Any, ...]:
         x = tuple(v if read is None else read(v) for v, read in zip(x, reads, strict=True))
-        frame = _Frame([], dict(zip(sources, carry)), consts, dict(zip(scanned, x)))
-        for eqn, row in zip(loop.body, loop.reads):
-            frame.outs.append(bind_eqn(eqn, [src.value(frame) for src in row]))
+        frame = _Frame(loop.reads, dict(zip(sources, carry)), consts, dict(zip(scanned, x)))
+        evaluate_eqns(loop.body, range(len(loop.body)), frame)
         new = tuple(frame.inner(at) for at in sources)
         return new, (tuple(frame.inner(at) for at in stacked), carry)
 

@@ -15,6 +15,7 @@ The reorder pass (:mod:`memsafe.passes.reorder`) and ``rewritten``
 from __future__ import annotations
 
 import functools
+from collections import ChainMap
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,14 +30,13 @@ from memsafe._jax import (
     ClosedJaxpr,
     Literal,
     Var,
-    bind_eqn,
     dce,
     eqn_context,
     make_closed_jaxpr,
     nbytes_of_aval,
     source_line,
 )
-from memsafe.graph import Graph, evaluate
+from memsafe.graph import Graph, evaluate, evaluate_eqns
 from memsafe.plan import RuleRecord
 
 
@@ -273,14 +273,7 @@ def _as_written(eqns: Any, chain: Chain, env: dict[Any, Any]) -> Any:
     where a factor is not finite, another order gives other NaNs and infinities (an inf row of
     ``x`` in ``(x @ y.T) @ v`` is NaN where the products' signs mix, inf in ``x @ (y.T @ v)``)."""
     local: dict[Any, Any] = {}
-
-    def read(atom: Any) -> Any:
-        if isinstance(atom, Literal):
-            return atom.val
-        return local[atom] if atom in local else env[atom]
-
-    for i in sorted(chain.region):
-        local.update(zip(eqns[i].outvars, bind_eqn(eqns[i], [read(a) for a in eqns[i].invars])))
+    evaluate_eqns(eqns, sorted(chain.region), ChainMap(local, env))
     return local[chain.root]
 
 

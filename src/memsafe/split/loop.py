@@ -405,7 +405,11 @@ class ChunkEnv:
     """The values of one chunk body: chunk-shaped region values and values read whole. Region
     values hold the positions the chunk covers (``region.span``, :mod:`memsafe.split.span`):
     ``start`` and ``n`` are the covered ones, and sinks and written values take the chunk's own
-    through the span."""
+    through the span.
+
+    A chunk body evaluates its equations with :func:`memsafe.graph.interpret.evaluate_eqns`
+    into this environment (it is the interpreter's :class:`~memsafe.graph.interpret.Values`),
+    binding mapped equations with :meth:`step` and sinks with :meth:`partial`."""
 
     graph: Graph
     region: Region
@@ -457,15 +461,34 @@ class ChunkEnv:
             for k, (a, ax) in enumerate(zip(eqn.invars, m.ins))
         ]
 
-    def partial(self, i: int) -> Partial:
-        """The partial result of sink ``i`` on this chunk."""
+    def operands(self, i: int, eqn: JaxprEqn) -> list[Any]:
+        """Operands of equation ``i`` (:class:`memsafe.graph.interpret.Values`): a region
+        equation's as :meth:`invals`, another's read whole."""
+        if i in self.region.maps:
+            return self.invals(i)
+        return [self.read(a, None) for a in eqn.invars]
+
+    def define(self, i: int, eqn: JaxprEqn, outs: Sequence[Any]) -> None:
+        """Record equation ``i``'s results (:class:`memsafe.graph.interpret.Values`): a mapped
+        equation's results along the axis at chunk shape, the others' (an equation outside the
+        region, a sink's finished results) whole."""
+        m = self.region.maps.get(i)
+        if isinstance(m, Mapping):
+            mapped = zip(eqn.outvars, outs, m.outs)
+            self.local.update((o, v) for o, v, ax in mapped if ax is not None)
+        else:
+            self.whole.update(zip(eqn.outvars, outs))
+
+    def partial(self, i: int, invals: list[Any]) -> Partial:
+        """The partial result of sink ``i`` on this chunk, from its operands ``invals``."""
         sink = self.region.maps[i]
         assert isinstance(sink, Sink)
         eqn = self.graph.eqns[i]
-        return self.region.span.partial(sink, eqn, self.invals(i), self.start, self.n)
+        return self.region.span.partial(sink, eqn, invals, self.start, self.n)
 
-    def pin(self, i: int) -> None:
-        """Hold equation ``i``'s floating-point results behind ``lax.optimization_barrier``.
+    def pinned(self, i: int, outs: Sequence[Any]) -> list[Any]:
+        """Equation ``i``'s results ``outs``, those along the axis of a floating-point dtype
+        held behind ``lax.optimization_barrier``.
 
         A value that several loops recompute and one of them compares (the gradient of ``max``
         or ``segment_max`` compares each value with the maximum an earlier loop found) must
@@ -474,19 +497,23 @@ class ChunkEnv:
         the maxima than in the loop that compared with them (a graph network's gradient, 37%
         off). Each pinned equation reads pinned operands or the loop's own inputs and feeds a
         barrier, so XLA sees it alone, the same in every loop, and rounds it the same."""
-        for o in self.graph.eqns[i].outvars:
-            v = self.local.get(o)
-            if v is not None and jnp.issubdtype(v.dtype, jnp.inexact):
-                self.local[o] = lax.optimization_barrier(v)
+        m = self.region.maps[i]
+        assert isinstance(m, Mapping)
+        return [
+            lax.optimization_barrier(v)
+            if ax is not None and jnp.issubdtype(v.dtype, jnp.inexact)
+            else v
+            for v, ax in zip(outs, m.outs)
+        ]
 
-    def bind(self, i: int) -> None:
-        """Evaluate mapped equation ``i`` at chunk shape into ``local``; a scan along the axis
-        reads what the chunks before it carried and records what it carries on."""
-        eqn, m = self.graph.eqns[i], self.region.maps[i]
+    def step(self, i: int, eqn: JaxprEqn, invals: list[Any]) -> list[Any]:
+        """Mapped equation ``i`` at chunk shape on its operands ``invals`` (a ``bind`` of
+        :func:`memsafe.graph.interpret.evaluate_eqns`); a scan along the axis reads what the
+        chunks before it carried and records what it carries on."""
+        m = self.region.maps[i]
         assert isinstance(m, Mapping)
         run = self.region.running(self.graph, i)
         prev = None if run is None or self.carried is None else self.carried.get(i)
-        invals = self.invals(i)
         if isinstance(prev, Opening):  # a chunk that opens a run of its own (strategies.sharded)
             invals, prev = prev.operands(run, eqn, invals, m), None
         if prev is not None:
@@ -498,4 +525,4 @@ class ChunkEnv:
         )  # fmt: skip
         if run is not None:
             outs, self.carries[i] = run.record(eqn, outs, m, self.n, prev)
-        self.local.update((o, v) for o, v, ax in zip(eqn.outvars, outs, m.outs) if ax is not None)
+        return outs

@@ -24,6 +24,7 @@ the split axis and along every axis the factor is constant on.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -35,7 +36,7 @@ from jax import lax
 from memsafe import policy
 from memsafe._jax import JaxprEqn, Literal, Var, bind_eqn, is_var
 from memsafe.graph import Graph
-from memsafe.graph.interpret import Group
+from memsafe.graph.interpret import Group, evaluate_eqns
 from memsafe.primitives import Scaling, facts
 from memsafe.split import loop as chunk_loop
 from memsafe.split import peephole
@@ -503,9 +504,7 @@ class Rescale(Carry):
         env: dict[Any, Any] = dict(zip(self.plan.whole, whole))
         for i, part in zip(self.plan.sources, maxes):
             env.update(zip(eqns[i].outvars, self.region.maps[i].reducer.finish(part)))
-        for i in self.plan.chain:
-            ins = [a.val if isinstance(a, Literal) else env[a] for a in eqns[i].invars]
-            env.update(zip(eqns[i].outvars, bind_eqn(eqns[i], ins)))
+        evaluate_eqns(eqns, self.plan.chain, env)
         return [env[u] for u in self.plan.shifts]
 
     def results(self, state: tuple) -> list[Any]:
@@ -595,25 +594,29 @@ class _OnlineBody:
         )
         running: dict[int, Any] = {}
         partials: dict[int, Any] = {}
-        for i in self.order:
-            if i in plan.chain:
-                outs = bind_eqn(eqns[i], [env.read(a, None) for a in eqns[i].invars])
-                env.whole.update(zip(eqns[i].outvars, outs))
+
+        def bind(i: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any]:
+            if i in plan.chain:  # read whole; results whole (ChunkEnv.define)
+                outs = bind_eqn(eqn, [env.read(a, None) for a in eqn.invars])
                 if i not in region.maps:
-                    continue
-            if i in peep.skip:
-                continue
+                    return outs
+                env.whole.update(zip(eqn.outvars, outs))  # a generator: the chain's, whole
+                if i in peep.skip:
+                    return ()
             m = region.maps[i]
             if i in plan.passthrough:
-                self._pass_through(env, i, n)
-            elif not isinstance(m, Sink):
-                env.bind(i)
-            elif i in plan.sources:
-                part = self._running(i, env.partial(i), old)
+                return [self._pass_through(invals, i, n)]
+            if not isinstance(m, Sink):
+                return env.step(i, eqn, invals)
+            if i in plan.sources:
+                part = self._running(i, env.partial(i, invals), old)
                 running[i] = part
-                env.whole.update(zip(eqns[i].outvars, m.reducer.finish(part)))
-            else:
-                partials[i] = env.partial(i)
+                return m.reducer.finish(part)  # the running maximum, read whole by the chain
+            partials[i] = env.partial(i, invals)
+            return ()
+
+        order = [i for i in self.order if i in plan.chain or i not in peep.skip]
+        evaluate_eqns(eqns, order, _Kept(env, plan.passthrough), bind)
         parts = (
             [running[i] for i in plan.sources],
             [env.whole[u] for u in plan.shifts],
@@ -633,15 +636,33 @@ class _OnlineBody:
             return chunk_loop.first_or_folded(old.first, part, folded)
         return reducer.fold(eqn, old[k], part)
 
-    def _pass_through(self, env: ChunkEnv, i: int, n: int) -> None:
+    def _pass_through(self, invals: list[Any], i: int, n: int) -> Any:
         """A product with (or division by) a late factor: the kept operand, broadcast."""
-        eqn, m = self.graph.eqns[i], self.region.maps[i]
-        pos = self.plan.passthrough[i]
-        val = env.read(eqn.invars[pos], m.ins[pos])
-        out = eqn.outvars[0]
+        m = self.region.maps[i]
+        out = self.graph.eqns[i].outvars[0]
         shape = list(out.aval.shape)
         shape[m.outs[0]] = n
-        env.local[out] = jnp.broadcast_to(val, shape).astype(out.aval.dtype)
+        return jnp.broadcast_to(invals[self.plan.passthrough[i]], shape).astype(out.aval.dtype)
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A chunk's values (:class:`memsafe.graph.interpret.Values`) where a pass-through product
+    reads only the operand it keeps (the other, a late factor, is applied after the loop and
+    is not one of its inputs)."""
+
+    env: ChunkEnv
+    kept: dict[int, int]
+
+    def operands(self, i: int, eqn: JaxprEqn) -> list[Any]:
+        k = self.kept.get(i)
+        if k is None:
+            return self.env.operands(i, eqn)
+        ins = self.env.region.maps[i].ins
+        return [self.env.read(a, ins[j]) if j == k else None for j, a in enumerate(eqn.invars)]
+
+    def define(self, i: int, eqn: JaxprEqn, outs: Sequence[Any]) -> None:
+        self.env.define(i, eqn, outs)
 
 
 def late_factors(graph: Graph, region: Region, plan: OnlinePlan) -> Group:

@@ -62,7 +62,7 @@ def decides_on_recomputed(graph: Graph, region: Region) -> bool:
 def pinned(graph: Graph, region: Region) -> frozenset[int]:
     """Equations of ``region`` that several of its loops evaluate and that a comparison of the
     region depends on (in its own equation or in a loop or branch it runs):
-    :meth:`memsafe.split.loop.ChunkEnv.pin` holds their floating-point results behind a
+    :meth:`memsafe.split.loop.ChunkEnv.pinned` holds their floating-point results behind a
     barrier in every loop, so each is compiled alone, and the value a later loop compares is
     the one an earlier loop reduced.
 

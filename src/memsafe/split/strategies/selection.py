@@ -47,7 +47,7 @@ from jax import lax
 
 from memsafe import policy
 from memsafe._jax import ClosedJaxpr, Var, eval_jaxpr
-from memsafe.graph import Graph
+from memsafe.graph import Graph, evaluate_eqns
 from memsafe.split import body as body_split
 from memsafe.split import peephole, sinks, speed, topk
 from memsafe.split.loop import (
@@ -119,9 +119,8 @@ class _Operand:
         return peephole.plan(self.graph, self.region, self.eqns, n)
 
     def _run(self, env: ChunkEnv) -> Any:
-        for i in self.eqns:
-            if i != self.sink and i not in env.peep.skip:
-                env.bind(i)
+        order = [i for i in self.eqns if i != self.sink and i not in env.peep.skip]
+        evaluate_eqns(self.graph.eqns, order, env, env.step)
         return env.invals(self.sink)[0]
 
 

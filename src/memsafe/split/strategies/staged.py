@@ -9,15 +9,16 @@ memsafe.split.strategies.recompute.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import jax
 from jax import lax
 
-from memsafe._jax import Literal
+from memsafe._jax import JaxprEqn, Literal
 from memsafe.graph import Graph
-from memsafe.graph.interpret import Group
+from memsafe.graph.interpret import Group, evaluate_eqns
 from memsafe.split import loop as chunk_loop
 from memsafe.split import peephole
 from memsafe.split.emit import Loop, LoopPlan, LoopStrategy, OneDevice, Split, plan_loops, unwrapped
@@ -70,7 +71,7 @@ def _loop_group(
     """One stage as a group of the interpreter: its loop over every chunk, run by ``runner``,
     or as the first of ``strategies`` that applies runs it. With ``same``, the values are
     computed as in every other loop of the region (no peephole moves, no loop strategies), and
-    the results of the equations in ``pinned`` held behind a barrier (:meth:`ChunkEnv.pin`)."""
+    the results of the equations in ``pinned`` held behind a barrier (:meth:`ChunkEnv.pinned`)."""
     sharded = isinstance(runner, DevicesRunner)
     plain = region.span.plain  # peephole moves and loop strategies assume a chunk is its own
     other = (runner is chunk_loop.run or sharded) and not same and plain
@@ -96,20 +97,26 @@ def _loop_group(
     written = Written.of(loop.surviving, region.axis_of, region.span.scale_of)
     n_sliced = len(loop.sliced)
 
+    order = [  # sinks of earlier stages are read, not evaluated
+        i
+        for i in loop.eqns
+        if i not in peep.skip and (i in loop.sinks or not isinstance(region.maps[i], Sink))
+    ]
+
     def body(start: Any, n: int, ops: list[Any], fed: Any) -> tuple[list, list]:
         whole = dict(zip(loop.whole, ops[n_sliced:]))
         sliced = list(zip(loop.sliced, ops[:n_sliced]))
         env = ChunkEnv.slice_in(graph, region, peep, start, n, sliced, whole, fed)
         parts = []
-        for i in loop.eqns:
-            if i in peep.skip:
-                continue
-            if not isinstance(region.maps[i], Sink):
-                env.bind(i)
-                if i in pinned:
-                    env.pin(i)
-            elif i in loop.sinks:
-                parts.append(env.partial(i))
+
+        def bind(i: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any]:
+            if isinstance(region.maps[i], Sink):
+                parts.append(env.partial(i, invals))
+                return ()  # the partial is the loop's, not a value of the chunk
+            outs = env.step(i, eqn, invals)
+            return env.pinned(i, outs) if i in pinned else outs
+
+        evaluate_eqns(eqns, order, env, bind)
         return (parts, [env.carries[i] for i in running]), [env.written(v) for v in loop.surviving]
 
     axes = chunk_loop.operand_axes(region.axis_of, loop.sliced, loop.whole)
@@ -179,7 +186,7 @@ class StagedSplit(OneDevice):
     #: (no peephole moves, no tiles; :mod:`memsafe.split.strategies.recompute`).
     same: bool = False
     #: Equations whose results a comparison reads, computed alone in every loop that evaluates
-    #: them (:meth:`ChunkEnv.pin`, :func:`memsafe.split.strategies.recompute.pinned`).
+    #: them (:meth:`ChunkEnv.pinned`, :func:`memsafe.split.strategies.recompute.pinned`).
     pinned: frozenset[int] = frozenset()
     #: Other ways to run a loop than chunk by chunk, tried in order for each loop at its chunk
     #: unless ``same`` (the planner's ``LOOPS``: memsafe.split.strategies.selection's ``top_k`` in
