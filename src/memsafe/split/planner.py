@@ -22,7 +22,7 @@ from memsafe._jax import Var
 from memsafe.graph import Graph, estimate
 from memsafe.primitives import FUSIBLE
 from memsafe.split.emit import LoopStrategy, Split
-from memsafe.split.region import Region, SplitFailure, grow
+from memsafe.split.region import Region, SplitFailure, check_stores, grow
 from memsafe.split.registry import PLAIN, RuleContext
 from memsafe.split.size import ChunkPlan, choose_chunk, smallest_chunk, two_chunks
 from memsafe.split.span import Spanning
@@ -143,6 +143,8 @@ def _option(
     SplitFailure. On one device, the region on a span of :data:`SPANS` comes first
     (:func:`_region`)."""
     region = _region(graph, var, axis, budget, ctx, spans=SPANS if mesh is None else (), held=held)
+    if mesh is None:
+        check_stores(graph, region)
     split = strategy(graph, region)
     if mesh is not None:
         split = mesh.shard(graph, split)

@@ -477,23 +477,26 @@ def _check_saves(g: _Growth, seed: Var, produced: set[Var], surviving: list[Var]
         raise g.stopped_fwd.get(seed) or SplitFailure(
             "the value is needed whole, splitting saves nothing", eqns[users[0]]
         )
-    if all(_streams(eqns[i]) for i in g.maps):
+
+
+def check_stores(graph: Graph, region: Region) -> None:
+    """Raise SplitFailure where XLA fuses every equation of ``region`` into the kernel that
+    reads its results, never storing one: such a region (the layout ops and arithmetic that
+    assemble a stacked parameter's gradient from its slices' into an output) stores nothing
+    the program as written stores, and its chunks add the loop's buffers (deep fuzz seed 520:
+    splits of its gradient's 1 MiB pads took its attempts from 5.15 to 6.9-7.8 MB).
+    Transposes count as fused, as XLA's loop fusions read their operand transposed
+    (``memsafe.graph.estimate``). For one device: sharded over a mesh, such a region still
+    places a share of its results on each device."""
+    eqns = graph.eqns
+    names = {eqns[i].primitive.name for i in region.maps}
+    if names <= {*FUSIBLE, "transpose"}:
         raise SplitFailure(
             "XLA fuses every operation of its region into what reads the results, storing "
             "none of its values: splitting saves nothing",
-            eqns[info.producer or 0],
+            eqns[graph.info(region.seed).producer or 0],
             inherent=True,
         )
-
-
-def _streams(eqn: JaxprEqn) -> bool:
-    """Whether XLA fuses ``eqn`` into the kernel that reads its result, never storing it: a
-    region of such equations alone (the layout ops and arithmetic that assemble a stacked
-    parameter's gradient from its slices' into an output) stores nothing the program as
-    written stores, and its chunks add the loop's buffers (deep fuzz seed 520: such splits of
-    a gradient's 1 MiB pads took the program from 4.92 to 7.4 MiB). Transposes count as such,
-    as XLA's loop fusions read their operand transposed (``memsafe.graph.estimate``)."""
-    return eqn.primitive.name in FUSIBLE or eqn.primitive.name == "transpose"
 
 
 def _hand_back(
