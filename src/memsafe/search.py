@@ -406,6 +406,7 @@ class Tried:
     placed: tuple  # the argument avals compiled for (placed on a mesh)
     what: What
     options: Mapping[str, Any] | None  # the compiler options it runs with (see loop_options)
+    held_declined: bool = False  # a floored split of held values found, not taken
 
 
 @dataclass(frozen=True)
@@ -494,7 +495,16 @@ class Search:
         got = compile_measured(emitted, placed, measure, self.donate, hidden_now, what)
         self.time.compiles.append((what[1], got.seconds))
         return Tried(
-            program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what, options
+            program,
+            emitted,
+            got,
+            attempt_plan,
+            ctx.blockers,
+            scale,
+            placed,
+            what,
+            options,
+            ctx.held_declined,
         )
 
     def _scale_free(self, named: tuple, fixed: int) -> _Start:
@@ -656,7 +666,12 @@ class Search:
         Floored splits of held values (``PassContext.floored_held``) are allowed once an attempt
         at a shrunk chunk scale was over the limit: a GPT training step over at scale 1 fits at
         0.2 without them (with them, 1,024 loops of one row: 6x slower), fuzz seeds 37 and 78
-        need them."""
+        need them. Where that attempt found such a split and did not take it, the next attempt
+        is made at the same scale with them: the floored chunk is sized from the scale
+        (``memsafe.split.program._floor``), and the scale shrunk after an attempt that the
+        missing split left unsplit is far smaller (a graph round under 872.9 KiB, unsplit at
+        4.1 MiB at scale 0.66, took its edges one at a time at the next scale, 0.089, and was
+        refused at 950.7 KiB; at 0.66 with them it fits at 734.8 KiB)."""
         last, closest, previous, over = None, None, None, None
         floored = False
         for index in range(SEARCH.max_attempts):
@@ -679,7 +694,10 @@ class Search:
             # size model can count less than XLA keeps (the 4-block GPT gradient at L=2048:
             # 431 MiB modelled, 803 MiB compiled, nothing split under 497 MiB of budget)
             previous, over = last.plan.records, (scale, after.total - fixed)
-            floored = floored or scale < 1.0
+            if not floored and scale < 1.0:
+                floored = True
+                if last.held_declined:  # the same scale again, with the split it declined
+                    continue
             scale = next_scale(scale, index, after, self.memory_limit, fixed)
         best = None if closest is None else closest.got.footprint
         blockers = [] if closest is None else closest.blockers
