@@ -309,4 +309,5 @@ def test_a_graph_round_splits_along_the_edges_near_its_arguments():
     ms = memsafe.jit(f, memory_limit=limit)
     plan = ms.plan(*args)
     assert {"scatter-add", "scatter-min"} <= _sinks(plan) and plan.after.total <= limit, plan
+    assert max(s.loops for s in plan.splits) < edges, [s.describe() for s in plan.splits]
     assert_like_jit(ms(*args), f, *args)

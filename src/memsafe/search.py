@@ -673,7 +673,7 @@ class Search:
         4.1 MiB at scale 0.66, took its edges one at a time at the next scale, 0.089, and was
         refused at 950.7 KiB; at 0.66 with them it fits at 734.8 KiB)."""
         last, closest, previous, over = None, None, None, None
-        floored = False
+        floored, note = False, ""
         for index in range(SEARCH.max_attempts):
             if index == 0 and first is not None:
                 last = first
@@ -684,7 +684,8 @@ class Search:
                 continue
             after = last.got.footprint
             fits = after.total <= self.memory_limit
-            plan.attempts.append(Attempt(scale, after, fits))
+            plan.attempts.append(Attempt(scale, after, fits, note))
+            note = ""
             if closest is None or after.total < closest.got.footprint.total:
                 closest = last
             if fits:
@@ -697,6 +698,7 @@ class Search:
             if not floored and scale < 1.0:
                 floored = True
                 if last.held_declined:  # the same scale again, with the split it declined
+                    note = "again with the floored split of held values it declined"
                     continue
             scale = next_scale(scale, index, after, self.memory_limit, fixed)
         best = None if closest is None else closest.got.footprint
