@@ -28,7 +28,8 @@ class PassContext:
     at chunks the size model expects over the budget (floored, see
     :func:`memsafe.split.planner.best_split`). Such a split is a guess that can cost a loop per
     position, so the driver allows it only once an attempt at a shrunk chunk scale was over
-    the limit (:meth:`memsafe.search.Search.attempts`).
+    the limit (:meth:`memsafe.search.Search.attempts`); ``held_declined`` says that the split pass
+    found such a split and did not take it (the driver makes the attempt again with them).
     ``held``: the split pass may measure the values a region holds whole against the room
     where the chunk-scaled budget splits a candidate no other way (the retry of
     :func:`memsafe.split.planner.best_split`); ``held_taken`` says that it did (the driver plans
@@ -43,9 +44,15 @@ class PassContext:
     mesh: Any = None
     roll: bool = True
     floored_held: bool = False
+    held_declined: bool = False
     held: bool = True
     held_taken: bool = False
     blockers: list[Blocker] = field(default_factory=list)
+
+    def decline_held(self) -> None:
+        """Note that a floored split of held values was found and not taken
+        (``held_declined``)."""
+        self.held_declined = True
 
     @property
     def temp_budget(self) -> int:

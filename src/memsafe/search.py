@@ -386,8 +386,13 @@ def speculative_fixed(
 
 def _fixed_bytes(closed: _jax.ClosedJaxpr) -> int:
     """The arguments' and outputs' bytes as XLA counts them on this backend (a tuple of outputs
-    adds a pointer each), nothing donated."""
-    arguments = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars)
+    adds a pointer each), nothing donated. Arguments the results do not read are left out, as
+    jax.jit leaves them out of the executable (counted, the speculative first attempt of a
+    program with an unused scalar argument expected 4 bytes more than the original's compile
+    measured, and was made again after it: deep fuzz seed 521)."""
+    _, used = _jax.pruned(closed)
+    invars = closed.jaxpr.invars
+    arguments = sum(_jax.nbytes_of_aval(v.aval) for v, u in zip(invars, used) if u)
     outs = closed.jaxpr.outvars
     table = 8 * len(outs) if len(outs) > 1 else 0
     return arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
@@ -406,6 +411,7 @@ class Tried:
     placed: tuple  # the argument avals compiled for (placed on a mesh)
     what: What
     options: Mapping[str, Any] | None  # the compiler options it runs with (see loop_options)
+    held_declined: bool = False  # a floored split of held values found, not taken
 
 
 @dataclass(frozen=True)
@@ -494,7 +500,16 @@ class Search:
         got = compile_measured(emitted, placed, measure, self.donate, hidden_now, what)
         self.time.compiles.append((what[1], got.seconds))
         return Tried(
-            program, emitted, got, attempt_plan, ctx.blockers, scale, placed, what, options
+            program,
+            emitted,
+            got,
+            attempt_plan,
+            ctx.blockers,
+            scale,
+            placed,
+            what,
+            options,
+            ctx.held_declined,
         )
 
     def _scale_free(self, named: tuple, fixed: int) -> _Start:
@@ -656,9 +671,14 @@ class Search:
         Floored splits of held values (``PassContext.floored_held``) are allowed once an attempt
         at a shrunk chunk scale was over the limit: a GPT training step over at scale 1 fits at
         0.2 without them (with them, 1,024 loops of one row: 6x slower), fuzz seeds 37 and 78
-        need them."""
+        need them. Where that attempt found such a split and did not take it, the next attempt
+        is made at the same scale with them: the floored chunk is sized from the scale
+        (``memsafe.split.program._floor``), and the scale shrunk after an attempt that the
+        missing split left unsplit is far smaller (a graph round under 872.9 KiB, unsplit at
+        4.1 MiB at scale 0.66, took its edges one at a time at the next scale, 0.089, and was
+        refused at 950.7 KiB; at 0.66 with them it fits at 734.8 KiB)."""
         last, closest, previous, over = None, None, None, None
-        floored = False
+        floored, note = False, ""
         for index in range(SEARCH.max_attempts):
             if index == 0 and first is not None:
                 last = first
@@ -669,7 +689,8 @@ class Search:
                 continue
             after = last.got.footprint
             fits = after.total <= self.memory_limit
-            plan.attempts.append(Attempt(scale, after, fits))
+            plan.attempts.append(Attempt(scale, after, fits, note))
+            note = ""
             if closest is None or after.total < closest.got.footprint.total:
                 closest = last
             if fits:
@@ -679,7 +700,11 @@ class Search:
             # size model can count less than XLA keeps (the 4-block GPT gradient at L=2048:
             # 431 MiB modelled, 803 MiB compiled, nothing split under 497 MiB of budget)
             previous, over = last.plan.records, (scale, after.total - fixed)
-            floored = floored or scale < 1.0
+            if not floored and scale < 1.0:
+                floored = True
+                if last.held_declined:  # the same scale again, with the split it declined
+                    note = "again with the floored split of held values it declined"
+                    continue
             scale = next_scale(scale, index, after, self.memory_limit, fixed)
         best = None if closest is None else closest.got.footprint
         blockers = [] if closest is None else closest.blockers

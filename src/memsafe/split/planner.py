@@ -197,6 +197,7 @@ def best_split(
     floor: int = 0,
     room: int = 0,
     floored_held: bool = False,
+    declined: Callable[[], None] | None = None,
 ) -> tuple[Split, ChunkPlan] | list[tuple[int, SplitFailure]]:
     """:func:`cheapest_split`; where no axis splits, the same in each retry of :data:`RETRIES`
     that applies (loops replayed per chunk of an accumulator,
@@ -215,7 +216,8 @@ def best_split(
     position (a GPT training step's attention scores in 1,024 chunks of one row, its step 6x
     slower, where the step fit without them), and the driver allows them only once an
     attempt at a shrunk chunk scale was over the limit (fuzz seeds 37 and 78 fit only with
-    them)."""
+    them). Where such a split is found and not taken, ``declined`` is called: the driver makes
+    that attempt again with them (:meth:`memsafe.search.Search.attempts`)."""
     got = cheapest_split(graph, var, budget, mesh, floor)
     if not isinstance(got, list):
         return got
@@ -226,8 +228,11 @@ def best_split(
                 return retried
     if room > budget:
         held = cheapest_split(graph, var, budget, mesh, floor, held=room)
-        if not isinstance(held, list) and (floored_held or not held[1].floored):
-            return held[0], dataclasses.replace(held[1], held=True)
+        if not isinstance(held, list):
+            if floored_held or not held[1].floored:
+                return held[0], dataclasses.replace(held[1], held=True)
+            if declined is not None:
+                declined()
     return got
 
 

@@ -185,10 +185,12 @@ def _split_bodies(
 
 
 def _block_all(ctx: PassContext, sub: PassContext) -> None:
-    """Report in ``ctx`` what blocked splits in ``sub`` (and whether it took held splits)."""
+    """Report in ``ctx`` what blocked splits in ``sub`` (and whether it took held splits or
+    declined floored ones)."""
     for blocker in sub.blockers:
         ctx.block(blocker)
     ctx.held_taken |= sub.held_taken
+    ctx.held_declined |= sub.held_declined
 
 
 def _is_kept(eqn: Any, kept: dict[int, ClosedJaxpr]) -> bool:
@@ -294,7 +296,9 @@ def _chosen(
         if _key(graph, var) in failed:
             continue
         room = ctx.room if ctx.held else 0
-        got = best_split(graph, var, budget, ctx.mesh, _floor(ctx), room, ctx.floored_held)
+        got = best_split(
+            graph, var, budget, ctx.mesh, _floor(ctx), room, ctx.floored_held, ctx.decline_held
+        )
         if isinstance(got, tuple):
             ctx.held_taken |= got[1].held
             return (var, *got, absorbed(graph, got[0].region, var, budget))
