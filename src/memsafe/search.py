@@ -386,13 +386,8 @@ def speculative_fixed(
 
 def _fixed_bytes(closed: _jax.ClosedJaxpr) -> int:
     """The arguments' and outputs' bytes as XLA counts them on this backend (a tuple of outputs
-    adds a pointer each), nothing donated. Arguments the results do not read are left out, as
-    jax.jit leaves them out of the executable (counted, the speculative first attempt of a
-    program with an unused scalar argument expected 4 bytes more than the original's compile
-    measured, and was made again after it: deep fuzz seed 521)."""
-    _, used = _jax.pruned(closed)
-    invars = closed.jaxpr.invars
-    arguments = sum(_jax.nbytes_of_aval(v.aval) for v, u in zip(invars, used) if u)
+    adds a pointer each), nothing donated."""
+    arguments = sum(_jax.nbytes_of_aval(v.aval) for v in closed.jaxpr.invars)
     outs = closed.jaxpr.outvars
     table = 8 * len(outs) if len(outs) > 1 else 0
     return arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
