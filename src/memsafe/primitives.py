@@ -452,6 +452,9 @@ class _Union(Names):
 ELEMENTWISE = Names(lambda f: f.kind is Kind.ELEMENTWISE)
 #: Primitives XLA fuses into their consumers (elementwise, layout, generators).
 FUSIBLE = Names(lambda f: f.fusible)
+#: Primitives XLA evaluates inside the kernel that reads their result, never storing it: the
+#: fusible ones, and transposes (XLA's loop fusions read their operand transposed).
+STREAMED = FUSIBLE | {"transpose"}
 #: Primitives a split region recomputes per chunk even when their result is small.
 CHEAP = Names(lambda f: f.cheap)
 #: Binary elementwise primitives whose operands may be swapped.

@@ -11,14 +11,14 @@ from dataclasses import dataclass
 
 from memsafe._jax import Var
 from memsafe.graph.graph import Graph
-from memsafe.primitives import FUSIBLE, REDUCTIONS
+from memsafe.primitives import FUSIBLE, REDUCTIONS, STREAMED
 
 __all__ = ["Estimate", "estimate", "materialized_values"]
 
 
 def needs_operands_in_memory(primitive: str) -> bool:
     """Ops whose operands XLA materializes (library calls, layouts it cannot fuse through)."""
-    return primitive not in FUSIBLE and primitive not in REDUCTIONS and primitive != "transpose"
+    return primitive not in STREAMED and primitive not in REDUCTIONS
 
 
 @dataclass(frozen=True)

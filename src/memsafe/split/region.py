@@ -22,7 +22,7 @@ from typing import Any
 from memsafe import policy
 from memsafe._jax import JaxprEqn, Var, is_var, source_line
 from memsafe.graph import Graph
-from memsafe.primitives import CHEAP, FUSIBLE
+from memsafe.primitives import CHEAP, STREAMED
 from memsafe.split.registry import (
     PLAIN,
     Mapping,
@@ -485,12 +485,10 @@ def check_stores(graph: Graph, region: Region) -> None:
     assemble a stacked parameter's gradient from its slices' into an output) stores nothing
     the program as written stores, and its chunks add the loop's buffers (deep fuzz seed 520:
     splits of its gradient's 1 MiB pads took its attempts from 5.15 to 6.9-7.8 MB).
-    Transposes count as fused, as XLA's loop fusions read their operand transposed
-    (``memsafe.graph.estimate``). For one device: sharded over a mesh, such a region still
-    places a share of its results on each device."""
+    Transposes count as fused (``memsafe.primitives.STREAMED``). For one device: sharded over
+    a mesh, such a region still places a share of its results on each device."""
     eqns = graph.eqns
-    names = {eqns[i].primitive.name for i in region.maps}
-    if names <= {*FUSIBLE, "transpose"}:
+    if all(eqns[i].primitive.name in STREAMED for i in region.maps):
         raise SplitFailure(
             "XLA fuses every operation of its region into what reads the results, storing "
             "none of its values: splitting saves nothing",
