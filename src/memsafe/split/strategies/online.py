@@ -596,11 +596,11 @@ class _OnlineBody:
         partials: dict[int, Any] = {}
 
         def bind(i: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any]:
-            if i in plan.chain:  # read whole; results whole (ChunkEnv.define)
+            if i in plan.chain and i not in region.maps:
+                return bind_eqn(eqn, invals)  # read and defined whole (ChunkEnv)
+            if i in plan.chain:  # a generator: whole for the chain, then at chunk shape
                 outs = bind_eqn(eqn, [env.read(a, None) for a in eqn.invars])
-                if i not in region.maps:
-                    return outs
-                env.whole.update(zip(eqn.outvars, outs))  # a generator: the chain's, whole
+                env.whole.update(zip(eqn.outvars, outs))
                 if i in peep.skip:
                     return ()
             m = region.maps[i]
