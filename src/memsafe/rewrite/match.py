@@ -119,6 +119,7 @@ def apply_matches(
         at[m.root_index] = functools.partial(_replace, m)
     for r in rewrites:
         at[r.root_index] = r.compute
+        at.update(r.more)
     env: dict[Any, Any] = {}
 
     def override(index: int, eqn: Any, invals: list[Any]) -> list[Any] | None:
@@ -126,7 +127,8 @@ def apply_matches(
         if compute is None:
             return None
         with eqn_context(eqn):
-            return [compute(env.__getitem__)]
+            out = compute(env.__getitem__)
+        return out if isinstance(out, list) else [out]
 
     def program(*xs: Any) -> list[Any]:
         env.clear()

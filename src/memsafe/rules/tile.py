@@ -34,12 +34,17 @@ NAME = "broadcast_into_dot"
 
 @dataclass
 class Rewrite:
-    """One procedural rewrite found in a program: recompute ``root`` with ``compute``."""
+    """One procedural rewrite found in a program: recompute ``root`` with ``compute`` (and each
+    equation of ``more`` with its own).
+
+    A ``compute`` takes ``read(var) -> value`` and returns the equation's new output, or a list of
+    its outputs for an equation with several."""
 
     root_index: int
     region: frozenset[int]
-    compute: Callable[[Callable[[Any], Any]], Any]  # read(var) -> value, returns the new output
+    compute: Callable[[Callable[[Any], Any]], Any]
     record: RuleRecord
+    more: tuple[tuple[int, Callable[[Callable[[Any], Any]], Any]], ...] = ()
 
 
 def _small_piece(view: View, free: set[int]) -> tuple[Callable[[Callable], Any], tuple] | None:
