@@ -9,7 +9,9 @@ the pieces directly stores only them (and the small slices of the weight).
 Its gradient has the mirror form: the pieces' cotangents are concatenated along the same free axis
 and contracted with the activations, ``concat([dq, dk, dv], -1)^T @ x``; that is the
 concatenation of the three products ``dq^T @ x``, ... (each element is the same contraction), so
-the activation-sized concatenation is not stored, only the weight-sized products.
+the activation-sized concatenation is not stored, only the weight-sized products. So is a graph
+network's node update's weight gradient, ``concat([h, agg])^T @ g``, wherever products are the
+only readers of the concatenation and none contracts it.
 
 Both fire only where the bytes they avoid exceed those they add; which elements are summed with
 which is unchanged (only how XLA blocks each contraction may differ, as for any change of shape).
@@ -17,7 +19,7 @@ which is unchanged (only how XLA blocks each contraction may differ, as for any 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -145,67 +147,85 @@ def _read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
     return Rewrite(first, region, computes(first_spans), record, more)
 
 
-def _concatenated_operand(graph: Graph, index: int) -> Rewrite | None:
-    """A product one of whose operands is a concatenation (read by it alone) along an axis that
-    is not contracted: the concatenation of the products of the pieces."""
-    eqn = graph.eqns[index]
-    found = next(_concatenations(graph, eqn), None)
-    if found is None:
+def _concatenation_read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
+    """A concatenation that only products read, each as one of its operands and along an axis
+    it does not contract: each product is the concatenation of the pieces' products. A layer's
+    weight gradient ``concat([h, agg])^T @ g`` then stores no concatenation. (Where a product
+    contracts the concatenated axis, its pieces' products would be summed in another order
+    than the product sums them: left to :mod:`memsafe.rules.tile`, which does so only for
+    broadcast pieces.)"""
+    cat = graph.eqns[index]
+    operand = cat.outvars[0]
+    info = graph.info(operand)
+    if info.is_output or not info.consumers:
         return None
-    side, cat, out_axis = found
-    operand, out = eqn.invars[side], eqn.outvars[0]
-    saved = nbytes_of_aval(operand.aval) - nbytes_of_aval(out.aval)
+    axis = int(cat.params["dimension"])
+    readers = sorted(set(info.consumers))
+    uses = [_free_use(graph.eqns[r], operand, axis) for r in readers]
+    if any(use is None for use in uses):
+        return None
+    # the pieces' products beside each result
+    added = sum(nbytes_of_aval(graph.eqns[r].outvars[0].aval) for r in readers)
+    saved = nbytes_of_aval(operand.aval) - added
     if saved <= 0:
         return None
 
-    def compute(read: Callable[[Any], Any]) -> Any:
-        other = eqn.invars[1 - side]
-        whole = read(other) if isinstance(other, Var) else other.val
-        parts = []
-        for piece in cat.invars:
-            value = read(piece) if isinstance(piece, Var) else piece.val
-            pair = [value, whole] if side == 0 else [whole, value]
-            parts.append(bind_eqn(eqn, pair)[0])
-        return lax.concatenate(parts, out_axis)
+    def computes(reader: int, use: tuple[int, int]) -> Callable[[Callable[[Any], Any]], Any]:
+        eqn = graph.eqns[reader]
+        side, out_axis = use
+
+        def compute(read: Callable[[Any], Any]) -> Any:
+            other = eqn.invars[1 - side]
+            whole = read(other) if isinstance(other, Var) else other.val
+            parts = []
+            for piece in cat.invars:
+                value = read(piece) if isinstance(piece, Var) else piece.val
+                pair = [value, whole] if side == 0 else [whole, value]
+                parts.append(bind_eqn(eqn, pair)[0])
+            return lax.concatenate(parts, out_axis)
+
+        return compute
 
     detail = (
-        f"concatenation {operand.aval.dtype}{list(operand.aval.shape)} of the product's "
-        "operand is no longer stored"
+        f"concatenation {operand.aval.dtype}{list(operand.aval.shape)} read by "
+        f"{len(readers)} product(s) is no longer stored"
     )
-    record = RuleRecord(NAME, source_line(eqn), int(saved), 0, detail)
-    return Rewrite(index, frozenset({index, graph.info(operand).producer}), compute, record)
+    record = RuleRecord(NAME, source_line(cat), int(saved), 0, detail)
+    (first, *rest), (use, *more_uses) = readers, uses
+    more = tuple((r, computes(r, u)) for r, u in zip(rest, more_uses))
+    return Rewrite(first, frozenset({index, *readers}), computes(first, use), record, more)
 
 
-def _concatenations(graph: Graph, eqn: JaxprEqn) -> Iterator[tuple[int, JaxprEqn, int]]:
-    """(operand side, its concatenation, the result axis it lands on) for each operand of the
-    product ``eqn`` that is a concatenation read by it alone, along a free axis."""
-    owners = _owners(eqn)
-    for side, operand in enumerate(eqn.invars):
-        if not isinstance(operand, Var):
-            continue
-        info = graph.info(operand)
-        if info.producer is None or info.is_output or len(info.consumers) != 1:
-            continue
-        cat = graph.eqns[info.producer]
-        if cat.primitive.name != "concatenate":
-            continue
-        axis = int(cat.params["dimension"])
-        lands = [k for k, pairs in enumerate(owners) if pairs == [(side, axis)]]
-        if lands:  # not contracted, not a batch axis
-            yield side, cat, lands[0]
+def _free_use(eqn: JaxprEqn, operand: Var, axis: int) -> tuple[int, int] | None:
+    """(the side, the result axis) where the product ``eqn`` reads the concatenation
+    ``operand`` along ``axis`` as a free axis of one operand; None for anything else (not a
+    product, the concatenation on both sides, a contracted or batch axis)."""
+    if eqn.primitive.name != "dot_general":
+        return None
+    sides = [k for k, v in enumerate(eqn.invars) if v is operand]
+    if len(sides) != 1:
+        return None
+    (side,) = sides
+    lands = [k for k, pairs in enumerate(_owners(eqn)) if pairs == [(side, axis)]]
+    return (side, lands[0]) if lands else None
 
 
 def find_rewrites(closed: ClosedJaxpr) -> list[Rewrite]:
-    """Products in ``closed`` read only in pieces, or of an operand concatenated along a free
-    axis, latest first, not overlapping."""
+    """Products in ``closed`` read only in pieces, and concatenations only products read,
+    latest first, not overlapping."""
     graph = Graph(closed)
     found: list[Rewrite] = []
     claimed: set[int] = set()
     for index in reversed(range(len(graph.eqns))):
-        eqn = graph.eqns[index]
-        if index in claimed or eqn.primitive.name != "dot_general":
+        name = graph.eqns[index].primitive.name
+        if index in claimed:
             continue
-        rewrite = _read_in_pieces(graph, index) or _concatenated_operand(graph, index)
+        if name == "dot_general":
+            rewrite = _read_in_pieces(graph, index)
+        elif name == "concatenate":
+            rewrite = _concatenation_read_in_pieces(graph, index)
+        else:
+            continue
         if rewrite is not None and not (rewrite.region & claimed):
             claimed |= rewrite.region
             found.append(rewrite)
