@@ -82,19 +82,37 @@ def node_update(h, agg, w):
     return jnp.sum(jnp.tanh(jnp.concatenate([h, agg], axis=-1) @ w) ** 2)
 
 
-def test_a_concatenation_a_product_contracts_is_left_and_its_cotangent_read_in_pieces():
+def test_a_layers_concatenated_input_is_not_held_for_the_backward_pass():
     """A graph network's node update ``concat([h, agg]) @ w``: the forward contracts the
-    concatenated axis, so the concatenation stays (its pieces' products would be summed in
-    another order); the gradient's ``g @ w^T``, read as two slices (the transpose of the
-    concatenation), is computed one product per piece."""
+    concatenated axis, so it still reads the concatenation (its pieces' products would be
+    summed in another order); the weight gradient ``concat^T @ g`` reads the pieces, so the
+    concatenation is not held until the backward pass; the gradient's ``g @ w^T``, read as two
+    slices (the transpose of the concatenation), is computed one product per piece."""
     h, agg, w = _rand((512, 32)), _rand((512, 32), 1), _rand((64, 16), 2)
     grad = jax.value_and_grad(node_update, (0, 2))
-    assert _rules(grad, h, agg, w) == ["product_in_pieces"]
+    assert _rules(grad, h, agg, w) == ["product_in_pieces"] * 2
     eqns = rewritten(grad).jaxpr(h, agg, w).jaxpr.eqns
-    cats = [tuple(e.outvars[0].aval.shape) for e in eqns if e.primitive.name == "concatenate"]
-    assert cats == [(512, 64)]
+    cats = [e for e in eqns if e.primitive.name == "concatenate"]
+    assert [tuple(e.outvars[0].aval.shape) for e in cats] == [(512, 64), (16, 64)]
+    readers = [e for e in eqns if any(v is cats[0].outvars[0] for v in e.invars)]
+    assert len(readers) == 1  # the forward product alone
     assert (512, 64) not in _products(grad, h, agg, w)
     assert _products(grad, h, agg, w).count((512, 32)) == 1  # dh; dagg is not asked for
+    # read last by another operation: it lives as long either way, left as it is
+    late = lambda h, agg, x: (lambda c: (c.T @ x, jnp.sin(c)))(jnp.concatenate([h, agg], -1))
+    assert _rules(late, h, agg, _rand((512, 16), 3)) == []
+
+
+def test_a_node_updates_temps_fall_measured():
+    """``value_and_grad`` of a node update over 65,536 nodes w.r.t. ``h`` and ``w``: XLA holds
+    the concatenation f32[65536, 128] (32 MiB) from the forward product to the weight gradient
+    and stores the gradient's ``g @ w^T`` beside its two slices (64 MiB of temps at jax 0.10.2);
+    rewritten, 32 MiB."""
+    h, agg, w = _rand((65536, 64)), _rand((65536, 64), 1), _rand((128, 64), 2)
+    f = jax.value_and_grad(node_update, (0, 2))
+    before = memsafe_jit(f).lower(h, agg, w).compile().memory_analysis().temp_size_in_bytes
+    after = memsafe_jit(rewritten(f)).lower(h, agg, w).compile().memory_analysis()
+    assert before - after.temp_size_in_bytes >= 65536 * 128 * 4 // 2, (before, after)
 
 
 def test_no_rewrite_where_the_product_is_stored_anyway_or_read_twice():

@@ -148,22 +148,27 @@ def _read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
 
 
 def _concatenation_read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
-    """A concatenation that only products read, each as one of its operands and along an axis
-    it does not contract: each product is the concatenation of the pieces' products. A layer's
-    weight gradient ``concat([h, agg])^T @ g`` then stores no concatenation. (Where a product
-    contracts the concatenated axis, its pieces' products would be summed in another order
-    than the product sums them: left to :mod:`memsafe.rules.tile`, which does so only for
-    broadcast pieces.)"""
+    """A concatenation products read, each as one of its operands and along an axis it does not
+    contract: each such product is the concatenation of the pieces' products. A fused
+    projection's weight gradient ``concat([dq, dk, dv])^T @ x`` then stores no concatenation.
+    A product that contracts the concatenated axis (a layer's ``concat([h, agg]) @ w``) still
+    reads it whole (its pieces' products would be summed in another order than the product
+    sums them; :mod:`memsafe.rules.tile` does so only for broadcast pieces), but where it reads
+    it before the others (the weight gradient ``concat([h, agg])^T @ g``), the concatenation
+    is no longer held from the forward pass to the backward: only its pieces are, which the
+    program mostly holds anyway."""
     cat = graph.eqns[index]
     operand = cat.outvars[0]
     info = graph.info(operand)
     if info.is_output or not info.consumers:
         return None
     axis = int(cat.params["dimension"])
-    readers = sorted(set(info.consumers))
-    uses = [_free_use(graph.eqns[r], operand, axis) for r in readers]
-    if any(use is None for use in uses):
-        return None
+    found = {r: _free_use(graph.eqns[r], operand, axis) for r in sorted(set(info.consumers))}
+    readers = [r for r, use in found.items() if use is not None]
+    uses = [found[r] for r in readers]
+    others = [r for r, use in found.items() if use is None]
+    if not readers or (others and max(others) > max(readers)):
+        return None  # nothing to read from the pieces, or the concatenation lives as long
     # the pieces' products beside each result
     added = sum(nbytes_of_aval(graph.eqns[r].outvars[0].aval) for r in readers)
     saved = nbytes_of_aval(operand.aval) - added
@@ -193,7 +198,8 @@ def _concatenation_read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
     record = RuleRecord(NAME, source_line(cat), int(saved), 0, detail)
     (first, *rest), (use, *more_uses) = readers, uses
     more = tuple((r, computes(r, u)) for r, u in zip(rest, more_uses))
-    return Rewrite(first, frozenset({index, *readers}), computes(first, use), record, more)
+    region = frozenset({*readers, *([] if others else [index])})
+    return Rewrite(first, region, computes(first, use), record, more)
 
 
 def _free_use(eqn: JaxprEqn, operand: Var, axis: int) -> tuple[int, int] | None:
