@@ -125,3 +125,65 @@ def test_an_attempt_that_fits_far_below_the_limit_after_one_over_it_is_refilled(
     assert refill.fits and plan.after.total == refill.footprint.total <= limit, plan.attempts
     assert refill.footprint.total > shrunk.footprint.total, plan.attempts
     assert_like_jit(f(x, ws), grad, x, ws)
+
+
+def _failing_compiles(
+    monkeypatch, how_many: int, text: str = "INTERNAL: RET_CHECK failure"
+) -> list:
+    """The first ``how_many`` attempt compiles raise as XLA does when it fails itself (as its CPU
+    fusion emitter did on a split program: "Failed to translate module to LLVM IR")."""
+    real, calls = search.compile_measured, []
+
+    def compile_measured(fun, avals, options, donate, hidden, what):
+        calls.append(what[1])
+        if what[1].startswith("attempt") and len(calls) <= how_many:
+            raise jax.errors.JaxRuntimeError(f"{text} (external/xla/...) injected")
+        return real(fun, avals, options, donate, hidden, what)
+
+    monkeypatch.setattr(search, "compile_measured", compile_measured)
+    return calls
+
+
+def test_an_attempt_xla_fails_to_compile_is_followed_by_the_next(monkeypatch, caplog):
+    x, ws = _args()
+    grad = jax.grad(_deep, argnums=1)
+    need = Footprint.from_compiled(memsafe_jit(grad).lower(x, ws).compile()).total
+    limit = int(need * 0.6)
+    calls = _failing_compiles(monkeypatch, 1)
+    f = memsafe.jit(grad, memory_limit=limit)
+    with caplog.at_level("WARNING", logger="memsafe"):
+        plan = f.plan(x, ws)
+    assert plan.after.total <= limit, plan
+    assert len(calls) >= 2 and calls[0].startswith("attempt 1"), calls
+    assert "XLA failed to compile attempt 1" in caplog.text
+    assert_like_jit(f(x, ws), grad, x, ws)
+
+
+def test_where_xla_compiles_no_attempt_the_error_says_so(monkeypatch):
+    x, ws = _args()
+    grad = jax.grad(_deep, argnums=1)
+    need = Footprint.from_compiled(memsafe_jit(grad).lower(x, ws).compile()).total
+    _failing_compiles(monkeypatch, 10**6)
+    f = memsafe.jit(grad, memory_limit=int(need * 0.6))
+    try:
+        f.plan(x, ws)
+    except memsafe.MemoryLimitError as err:
+        assert "XLA could not compile any program memsafe planned" in str(err), err
+        assert "RET_CHECK failure" in str(err), err
+    else:
+        raise AssertionError("planned without a compile")
+
+
+def test_an_error_of_the_program_itself_is_not_retried(monkeypatch):
+    x, ws = _args()
+    grad = jax.grad(_deep, argnums=1)
+    need = Footprint.from_compiled(memsafe_jit(grad).lower(x, ws).compile()).total
+    calls = _failing_compiles(monkeypatch, 1, text="INVALID_ARGUMENT: a bad program")
+    f = memsafe.jit(grad, memory_limit=int(need * 0.6))
+    try:
+        f.plan(x, ws)
+    except jax.errors.JaxRuntimeError as err:
+        assert "INVALID_ARGUMENT" in str(err)
+    else:
+        raise AssertionError("an error of the program was swallowed")
+    assert len(calls) == 1, calls

@@ -393,6 +393,21 @@ def _fixed_bytes(closed: _jax.ClosedJaxpr) -> int:
     return arguments + sum(_jax.nbytes_of_aval(v.aval) for v in outs) + table
 
 
+class _Uncompiled(Exception):
+    """An attempt's program that XLA failed to compile (an internal error of the compiler, not
+    of the program: the search plans the next attempt instead of ending the user's call)."""
+
+    def __init__(self, what: str, err: Exception) -> None:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        super().__init__(f"XLA failed to compile {what}: {first[:300]}")
+
+
+def _compiler_failure(err: Exception) -> bool:
+    """Whether a compile's error is the compiler's own failure (an internal error, an
+    unimplemented case), not one a program would raise again however it is planned."""
+    return str(err).lstrip().startswith(("INTERNAL", "UNIMPLEMENTED"))
+
+
 @dataclass(frozen=True)
 class Tried:
     """One attempt: the rewritten program, its compile, its plan and what blocked splits."""
@@ -492,7 +507,12 @@ class Search:
         options = loop_options(self.options, _jax.dtypes_in(program.jaxpr))
         # over the limit or not, this compile allocates nothing of the program's size
         measure = measuring_options(options)
-        got = compile_measured(emitted, placed, measure, self.donate, hidden_now, what)
+        try:
+            got = compile_measured(emitted, placed, measure, self.donate, hidden_now, what)
+        except jax.errors.JaxRuntimeError as err:
+            if not _compiler_failure(err):
+                raise
+            raise _Uncompiled(what[1], err) from err
         self.time.compiles.append((what[1], got.seconds))
         return Tried(
             program,
@@ -618,9 +638,13 @@ class Search:
         for step in range(tries):
             if index + 1 + step >= SEARCH.max_attempts:
                 break
-            bigger = self.attempt(
-                index + 1 + step, up, fixed, tried.plan.records, floored_held=floored_held
-            )
+            try:
+                bigger = self.attempt(
+                    index + 1 + step, up, fixed, tried.plan.records, floored_held=floored_held
+                )
+            except _Uncompiled as err:  # keep the attempt that fits
+                log.note(logging.WARNING, "%s: %s", self.name, err)
+                break
             if bigger is None:  # the passes did the same at the larger scale
                 break
             after = bigger.got.footprint
@@ -674,11 +698,17 @@ class Search:
         refused at 950.7 KiB; at 0.66 with them it fits at 734.8 KiB)."""
         last, closest, previous, over = None, None, None, None
         floored, note = False, ""
+        failed: list[_Uncompiled] = []
         for index in range(SEARCH.max_attempts):
             if index == 0 and first is not None:
                 last = first
             else:
-                last = self.attempt(index, scale, fixed, previous, floored_held=floored)
+                try:
+                    last = self.attempt(index, scale, fixed, previous, floored_held=floored)
+                except _Uncompiled as err:  # planned again at smaller chunks: another program
+                    failed.append(err)
+                    log.note(logging.WARNING, "%s: %s", self.name, err)
+                    last = None
             if last is None:  # the same program as the last compile: shrink further
                 scale *= 0.5
                 continue
@@ -701,6 +731,12 @@ class Search:
                     note = "again with the floored split of held values it declined"
                     continue
             scale = next_scale(scale, index, after, self.memory_limit, fixed)
+        if closest is None and failed:
+            raise MemoryLimitError(
+                f"{self.name}: XLA could not compile any program memsafe planned for this limit "
+                f"({len(failed)} attempts; the first: {failed[0]})",
+                limit=self.memory_limit,
+            )
         best = None if closest is None else closest.got.footprint
         blockers = [] if closest is None else closest.blockers
         raise refusal(self.flat, self.name, self.memory_limit, plan.before, best, blockers)
