@@ -267,6 +267,47 @@ def test_max_pool_gradient_scatters_per_chunk(window, strides, axis):
     _close(got, want)
 
 
+def _max_pool_tangent(x, t, window, strides):
+    """``jax.jvp`` of a max pooling (as in a gradient of a gradient): ``select_and_gather_add``."""
+    return jax.jvp(lambda x: _max_pool(x, window, strides), (x,), (t,))[1]
+
+
+@pytest.mark.parametrize(
+    ("window", "strides", "axis"),
+    [
+        ((1, 3, 3, 1), (1, 2, 2, 1), 1),
+        ((1, 2, 2, 1), (1, 2, 2, 1), 2),
+        ((1, 3, 3, 1), (1, 2, 2, 1), 0),
+        ((1, 3, 3, 1), (1, 2, 2, 1), 3),
+    ],
+)
+def test_max_pool_tangent_gathers_per_chunk(window, strides, axis):
+    """select_and_gather_add: along the batch and channel axes it passes; a chunk of a pooled
+    axis selects over its windows of the whole operands; ties (integer values) picked where
+    jax.jit picks them."""
+    x, t = _arrays((5, 23, 21, 6), (5, 23, 21, 6), seed=5)
+    x = jnp.round(x * 2)  # many ties inside windows
+    got, want = _split_at(
+        lambda x, t: jnp.tanh(_max_pool_tangent(x, t, window, strides)),
+        [x, t],
+        axis,
+        2,
+        name="select_and_gather_add",
+    )
+    _close(got, want)
+
+
+def test_padded_select_and_gather_is_refused():
+    x = jnp.ones((2, 8, 8, 3))
+    pool = lambda x: _max_pool(x, padding="SAME")
+    tangent = lambda x, t: jax.jvp(jax.grad(lambda x: jnp.sum(pool(x) ** 2)), (x,), (t,))[1]
+    closed = inline_calls(jax.make_jaxpr(tangent)(x, x))
+    eqn = next(e for e in closed.jaxpr.eqns if e.primitive.name == "select_and_gather_add")
+    assert axis_map(eqn, ("out", 0), 0, PLAIN) == Mapping(ins=(0, 0), outs=(0,))
+    with pytest.raises(NoRule, match="padded or dilated axis"):
+        axis_map(eqn, ("out", 0), 1, PLAIN)
+
+
 def test_padded_select_and_scatter_is_refused():
     x = jnp.ones((2, 8, 8, 3))
     closed = inline_calls(jax.make_jaxpr(jax.grad(lambda x: _max_pool(x, padding="SAME").sum()))(x))

@@ -314,7 +314,6 @@ TABLE: dict[str, Facts] = {
     **dict.fromkeys(
         [
             "gather",
-            "select_and_scatter_add",
             "scatter",
             "scatter-add",
             "scatter_add",
@@ -326,6 +325,11 @@ TABLE: dict[str, Facts] = {
             "scatter_min",
         ],
         Facts(Kind.OTHER),
+    ),
+    # the gradient of max pooling and its forward-mode derivative: each window's value goes
+    # where comparing the operand's values picks (XLA stores their results)
+    **dict.fromkeys(
+        ["select_and_scatter_add", "select_and_gather_add"], Facts(Kind.OTHER, decides=True)
     ),
     # a key per element of its data (``jax.random.fold_in`` under ``jax.vmap``)
     "random_fold_in": _elementwise(),

@@ -1,5 +1,5 @@
-"""Pooling: ``reduce_window`` (max, min, sum and the general form) and the gradient of max
-pooling, ``select_and_scatter_add``.
+"""Pooling: ``reduce_window`` (max, min, sum and the general form), the gradient of max
+pooling, ``select_and_scatter_add``, and its forward-mode derivative, ``select_and_gather_add``.
 
 An axis whose window is one position wide (the batch and channel axes of a pooling) passes
 unchanged. Along a pooled axis, a chunk of the result is computed from its window of the whole
@@ -148,3 +148,44 @@ split_rule(
     rebind=_rebind_select_and_scatter_add,
     positional=lambda eqn, m: m.ins != (None, None),
 )(_select_and_scatter_add_map)
+
+
+# -- select_and_gather_add -----------------------------------------------------------------------
+
+
+def _select_and_gather_add_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
+    """The forward-mode derivative of max pooling (``jax.jvp`` of its gradient, a gradient of a
+    gradient): each window's tangent at the position its selection picks. A one-wide window
+    passes the axis; along a pooled axis a chunk of the result reads its windows of both whole
+    operands (refused where padded, as ``select_and_scatter_add``)."""
+    win = window(eqn, axis)
+    if win.trivial:
+        return Mapping(ins=(axis, axis), outs=(axis,))
+    if side[0] != "out":
+        raise NoRule("select_and_gather_add reads overlapping windows of the split axis")
+    if (win.pad_lo, win.pad_hi) != (0, 0) or win.base_dilation != 1:
+        raise NoRule(
+            "select_and_gather_add along a padded or dilated axis (what it selects among the "
+            "filled positions is the backend's)"
+        )
+    return Mapping(ins=(None, None), outs=(axis,))
+
+
+def _rebind_select_and_gather_add(
+    eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int
+) -> list:
+    """Result positions ``[start, start + n)``: the selection over the chunk's windows, read
+    from both whole operands."""
+    axis = m.outs[0]
+    if axis is None or m.ins != (None, None):  # passing
+        return bind_eqn(eqn, invals)
+    win = window(eqn, axis)
+    read = [win.read(x, axis, start, n, jnp.zeros((), x.dtype)) for x in invals]
+    return bind_eqn_with(eqn, read, **unpadded(eqn, axis))
+
+
+split_rule(
+    "select_and_gather_add",
+    rebind=_rebind_select_and_gather_add,
+    positional=lambda eqn, m: m.ins != (None, None),
+)(_select_and_gather_add_map)
