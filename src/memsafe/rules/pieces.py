@@ -9,9 +9,10 @@ the pieces directly stores only them (and the small slices of the weight).
 Its gradient has the mirror form: the pieces' cotangents are concatenated along the same free axis
 and contracted with the activations, ``concat([dq, dk, dv], -1)^T @ x``; that is the
 concatenation of the three products ``dq^T @ x``, ... (each element is the same contraction), so
-the activation-sized concatenation is not stored, only the weight-sized products. So is a graph
-network's node update's weight gradient, ``concat([h, agg])^T @ g``, wherever products are the
-only readers of the concatenation and none contracts it.
+the activation-sized concatenation is not stored, only the weight-sized products. A graph
+network's node update ``concat([h, agg]) @ w`` contracts its concatenation; its weight gradient
+``concat([h, agg])^T @ g`` reads it along a free axis: that one reads the pieces, so the
+concatenation is not held from the forward pass to the backward.
 
 Both fire only where the bytes they avoid exceed those they add; which elements are summed with
 which is unchanged (only how XLA blocks each contraction may differ, as for any change of shape).
@@ -191,9 +192,10 @@ def _concatenation_read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
 
         return compute
 
+    kept = f"held only until {len(others)} other reader(s)" if others else "no longer stored"
     detail = (
-        f"concatenation {operand.aval.dtype}{list(operand.aval.shape)} read by "
-        f"{len(readers)} product(s) is no longer stored"
+        f"concatenation {operand.aval.dtype}{list(operand.aval.shape)} read in pieces by "
+        f"{len(readers)} product(s) is {kept}"
     )
     record = RuleRecord(NAME, source_line(cat), int(saved), 0, detail)
     (first, *rest), (use, *more_uses) = readers, uses
@@ -217,8 +219,8 @@ def _free_use(eqn: JaxprEqn, operand: Var, axis: int) -> tuple[int, int] | None:
 
 
 def find_rewrites(closed: ClosedJaxpr) -> list[Rewrite]:
-    """Products in ``closed`` read only in pieces, and concatenations only products read,
-    latest first, not overlapping."""
+    """Products in ``closed`` read only in pieces, and concatenations products read along free
+    axes, latest first, not overlapping."""
     graph = Graph(closed)
     found: list[Rewrite] = []
     claimed: set[int] = set()
