@@ -11,8 +11,9 @@ and contracted with the activations, ``concat([dq, dk, dv], -1)^T @ x``; that is
 concatenation of the three products ``dq^T @ x``, ... (each element is the same contraction), so
 the activation-sized concatenation is not stored, only the weight-sized products. A graph
 network's node update ``concat([h, agg]) @ w`` contracts its concatenation; its weight gradient
-``concat([h, agg])^T @ g`` reads it along a free axis: that one reads the pieces, so the
-concatenation is not held from the forward pass to the backward.
+``concat([h, agg])^T @ g`` reads it along a free axis: where the program holds the pieces until
+then anyway, that one reads them, so the concatenation is not held from the forward pass to the
+backward.
 
 Both fire only where the bytes they avoid exceed those they add; which elements are summed with
 which is unchanged (only how XLA blocks each contraction may differ, as for any change of shape).
@@ -155,9 +156,9 @@ def _concatenation_read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
     A product that contracts the concatenated axis (a layer's ``concat([h, agg]) @ w``) still
     reads it whole (its pieces' products would be summed in another order than the product
     sums them; :mod:`memsafe.rules.tile` does so only for broadcast pieces), but where it reads
-    it before the others (the weight gradient ``concat([h, agg])^T @ g``), the concatenation
-    is no longer held from the forward pass to the backward: only its pieces are, which the
-    program mostly holds anyway."""
+    it before the others (the weight gradient ``concat([h, agg])^T @ g``) and the program holds
+    every piece until then anyway (arguments, values read later), the concatenation is no
+    longer held from the forward pass to the backward."""
     cat = graph.eqns[index]
     operand = cat.outvars[0]
     info = graph.info(operand)
@@ -170,6 +171,8 @@ def _concatenation_read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
     others = [r for r, use in found.items() if use is None]
     if not readers or (others and max(others) > max(readers)):
         return None  # nothing to read from the pieces, or the concatenation lives as long
+    if others and not all(_held_until(graph, p, index, max(readers)) for p in cat.invars):
+        return None  # a piece held longer for it would take the concatenation's place
     # the pieces' products beside each result
     added = sum(nbytes_of_aval(graph.eqns[r].outvars[0].aval) for r in readers)
     saved = nbytes_of_aval(operand.aval) - added
@@ -202,6 +205,16 @@ def _concatenation_read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
     more = tuple((r, computes(r, u)) for r, u in zip(rest, more_uses))
     region = frozenset({*readers, *([] if others else [index])})
     return Rewrite(first, region, computes(first, use), record, more)
+
+
+def _held_until(graph: Graph, atom: Any, cat: int, last: int) -> bool:
+    """Whether the program holds ``atom`` (a piece of the concatenation ``cat``) until equation
+    ``last`` anyway: a literal, an argument or constant, an output, or read at or after it."""
+    if not isinstance(atom, Var):
+        return True
+    info = graph.info(atom)
+    later = any(c >= last for c in info.consumers if c != cat)
+    return info.producer is None or info.is_output or later
 
 
 def _free_use(eqn: JaxprEqn, operand: Var, axis: int) -> tuple[int, int] | None:
