@@ -200,3 +200,40 @@ def test_scans_along_the_split_axis_carry_between_chunks(op, reverse):
     np.testing.assert_array_equal(out[2], want[2])
     for got, ref in zip(out[:2], want[:2]):
         np.testing.assert_allclose(got, ref, rtol=2e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, jnp.int32])
+def test_a_chunk_of_an_iota_is_the_whole_iotas_positions_exactly(dtype):
+    """Positions are counted in integers and converted once, as the whole ``iota`` does: a
+    bfloat16 ``iota`` shifted in its own dtype rounds twice (fuzz seed 3919: an ``argmin`` over
+    ``s + iota * 1e-3`` picked other rows in 2 of 907 columns)."""
+    closed = jax.make_jaxpr(lambda: lax.iota(dtype, 907))()
+    (eqn,) = closed.jaxpr.eqns
+    whole = np.asarray(lax.iota(dtype, 907)).astype(np.float64)
+    for start, size in [(0, 227), (680, 227), (453, 454), (906, 1)]:
+        (got,) = rebind(eqn, [], Mapping(ins=(), outs=(0,)), jnp.int32(start), size)
+        assert got.dtype == dtype
+        np.testing.assert_array_equal(
+            np.asarray(got).astype(np.float64), whole[start : start + size]
+        )
+
+
+def test_argmin_over_a_bfloat16_iota_split_along_it_agrees_with_jax_jit():
+    """Fuzz seed 3919's piece: the columns split, each column's argmin over rows of values
+    shifted by a bfloat16 ``iota`` along the columns."""
+    rng = np.random.default_rng(3919)
+    x = jnp.asarray(rng.standard_normal((60, 4)), jnp.bfloat16)
+    y = jnp.asarray(rng.standard_normal((907, 4)), jnp.bfloat16)
+
+    def f(x, y):
+        s = x[:, :1] - y[:, 0][None, :]
+        s = s + jnp.arange(907, dtype=s.dtype)[None, :] * 1e-3
+        s = (s > 0).astype(s.dtype) * s
+        return jnp.argmin(jnp.where(s < 1.0, s, jnp.sin(s)), 0)
+
+    want = memsafe_jit(f)(x, y)
+    whole = Footprint.from_compiled(memsafe_jit(f).lower(x, y).compile())
+    fixed = whole.arguments + whole.outputs
+    g = memsafe.jit(f, memory_limit=fixed + (whole.total - fixed) // 3)
+    assert g.plan(x, y).splits
+    np.testing.assert_array_equal(np.asarray(g(x, y)), np.asarray(want))

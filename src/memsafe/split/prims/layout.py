@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numpy as np
 from jax import lax
 
 from memsafe._jax import JaxprEqn, bind_eqn_with
@@ -90,10 +91,18 @@ def _transpose(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mappin
 
 
 def _rebind_iota(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
-    (out,) = bind_eqn_with(eqn, invals, shape=with_size(eqn.params["shape"], m.outs[0], size))
-    if eqn.params["dimension"] == m.outs[0]:
-        out = lax.add(out, lax.convert_element_type(start, out.dtype))
-    return [out]
+    """The chunk's positions along the split axis: counted in integers from ``start`` and
+    converted once, as the whole ``iota`` converts each position (a float ``iota`` counted in
+    its own dtype and shifted would round twice: in bfloat16 the chunk's ``26 + 680`` is not
+    always the whole one's ``706``, and an ``argmin`` over it picked another position)."""
+    shape = with_size(eqn.params["shape"], m.outs[0], size)
+    if eqn.params["dimension"] != m.outs[0]:
+        return bind_eqn_with(eqn, invals, shape=shape)
+    dtype = np.dtype(eqn.params["dtype"])
+    count = dtype if np.issubdtype(dtype, np.integer) else np.dtype(np.int32)
+    (out,) = bind_eqn_with(eqn, invals, shape=shape, dtype=count)
+    out = lax.add(out, lax.convert_element_type(start, count))
+    return [lax.convert_element_type(out, dtype)]
 
 
 @split_rule("iota", rebind=_rebind_iota, positional=True)
