@@ -557,3 +557,15 @@ def compares_floats(eqn: Any) -> bool:
     return eqn.primitive.name in DECIDES and any(
         np.issubdtype(getattr(a.aval, "dtype", np.int32), np.inexact) for a in eqn.invars
     )
+
+
+def contraction_axes(eqn: Any) -> list[tuple[int | None, int | None]]:
+    """For each axis of a ``dot_general``'s result, the (lhs, rhs) operand axes it runs along:
+    both for a batch axis, one and None for a free axis (the result's order: batch axes, the
+    lhs's free axes, the rhs's free axes)."""
+    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
+    lrank, rrank = (len(getattr(a.aval, "shape", ())) for a in eqn.invars[:2])
+    axes: list[tuple[int | None, int | None]] = [(int(a), int(b)) for a, b in zip(lb, rb)]
+    axes += [(d, None) for d in range(lrank) if d not in lc and d not in lb]
+    axes += [(None, d) for d in range(rrank) if d not in rc and d not in rb]
+    return axes

@@ -30,25 +30,13 @@ from jax import lax
 from memsafe._jax import ClosedJaxpr, JaxprEqn, Var, bind_eqn, nbytes_of_aval, source_line
 from memsafe.graph import Graph
 from memsafe.plan import RuleRecord
+from memsafe.primitives import contraction_axes
 from memsafe.rules.tile import Rewrite
 
 NAME = "product_in_pieces"
 
 #: A range of one axis, [start, stop).
 Span = tuple[int, int]
-
-
-def _owners(eqn: JaxprEqn) -> list[list[tuple[int, int]]]:
-    """For each axis of a product's result, the (operand, axis) pairs it comes from: both
-    operands for a batch axis, one for a free axis (the result's order: batch, lhs free, rhs
-    free)."""
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    owners = [[(0, int(a)), (1, int(b))] for a, b in zip(lb, rb)]
-    for side, (contract, batch) in enumerate(((lc, lb), (rc, rb))):
-        ndim = eqn.invars[side].aval.ndim
-        taken = {int(a) for a in (*contract, *batch)}
-        owners += [[(side, a)] for a in range(ndim) if a not in taken]
-    return owners
 
 
 def _read_spans(eqn: JaxprEqn) -> list[dict[int, Span]] | None:
@@ -82,12 +70,14 @@ def _cut(x: Any, ranges: dict[int, Span]) -> Any:
     return x
 
 
-def _operand_ranges(owners: list, ranges: dict[int, Span]) -> tuple[dict[int, Span], ...]:
-    """The ranges of each operand a piece of the product (``ranges`` by result axis) reads."""
+def _operand_ranges(axes: list, ranges: dict[int, Span]) -> tuple[dict[int, Span], ...]:
+    """The ranges of each operand a piece of the product (``ranges`` by result axis) reads
+    (``axes``: :func:`memsafe.primitives.contraction_axes`)."""
     per: tuple[dict[int, Span], dict[int, Span]] = ({}, {})
     for axis, span in ranges.items():
-        for side, operand_axis in owners[axis]:
-            per[side][operand_axis] = span
+        for side, operand_axis in enumerate(axes[axis]):
+            if operand_axis is not None:
+                per[side][operand_axis] = span
     return per
 
 
@@ -108,7 +98,7 @@ def _read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
     info = graph.info(out)
     if info.is_output or not info.consumers:
         return None
-    owners = _owners(eqn)
+    axes = contraction_axes(eqn)
     readers: list[tuple[int, list[dict[int, Span]]]] = []
     for reader in sorted(set(info.consumers)):
         spans = _read_spans(graph.eqns[reader])
@@ -120,7 +110,7 @@ def _read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
     added = sum(
         _sliced_bytes(atom, side_ranges)
         for ranges in pieces
-        for atom, side_ranges in zip(eqn.invars, _operand_ranges(owners, ranges))
+        for atom, side_ranges in zip(eqn.invars, _operand_ranges(axes, ranges))
     )
     saved = nbytes_of_aval(out.aval) - added
     if read > nbytes_of_aval(out.aval) or saved <= 0:
@@ -131,7 +121,7 @@ def _read_in_pieces(graph: Graph, index: int) -> Rewrite | None:
             lhs, rhs = (read_var(a) if isinstance(a, Var) else a.val for a in eqn.invars)
             results = []
             for ranges in spans:
-                lr, rr = _operand_ranges(owners, ranges)
+                lr, rr = _operand_ranges(axes, ranges)
                 (piece,) = bind_eqn(eqn, [_cut(lhs, lr), _cut(rhs, rr)])
                 results.append(piece)
             return results
@@ -227,7 +217,8 @@ def _free_use(eqn: JaxprEqn, operand: Var, axis: int) -> tuple[int, int] | None:
     if len(sides) != 1:
         return None
     (side,) = sides
-    lands = [k for k, pairs in enumerate(_owners(eqn)) if pairs == [(side, axis)]]
+    alone = (axis, None) if side == 0 else (None, axis)
+    lands = [k for k, pair in enumerate(contraction_axes(eqn)) if pair == alone]
     return (side, lands[0]) if lands else None
 
 

@@ -106,17 +106,31 @@ REDUCE_WINDOWS = ("reduce_window_sum", "reduce_window_max", "reduce_window_min",
 split_rule(*REDUCE_WINDOWS, rebind=_rebind_reduce_window, positional=_passes)(_reduce_window_map)
 
 
-# -- select_and_scatter_add ----------------------------------------------------------------------
+# -- window selections: select_and_scatter_add, select_and_gather_add ---------------------------
 
 
-def _select_and_scatter_add_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
+#: What each window selection does with the windows that overlap along a pooled axis.
+_OVERLAPPING = {
+    "select_and_scatter_add": "scatters overlapping windows along the split axis",
+    "select_and_gather_add": "reads overlapping windows of the split axis",
+}
+
+
+def _window_selection_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
+    """``select_and_scatter_add`` and ``select_and_gather_add``: a one-wide window passes the
+    axis; along a pooled axis a chunk of the result reads the windows that overlap it, of both
+    whole operands. Refused along a padded or base-dilated axis: which filled position a
+    backend's selection picks differs (the CPU compares padding as a value)."""
+    name = eqn.primitive.name
     win = window(eqn, axis)
     if win.trivial:
         return Mapping(ins=(axis, axis), outs=(axis,))
     if side[0] != "out":
-        raise NoRule("select_and_scatter_add scatters overlapping windows along the split axis")
+        raise NoRule(f"{name} {_OVERLAPPING[name]}")
     if (win.pad_lo, win.pad_hi) != (0, 0):
-        raise NoRule("select_and_scatter_add along a padded axis (backends select padding apart)")
+        raise NoRule(f"{name} along a padded axis (backends select padding apart)")
+    if win.base_dilation != 1:
+        raise NoRule(f"{name} along a dilated axis (backends select filled positions apart)")
     return Mapping(ins=(None, None), outs=(axis,))
 
 
@@ -147,28 +161,10 @@ split_rule(
     "select_and_scatter_add",
     rebind=_rebind_select_and_scatter_add,
     positional=lambda eqn, m: m.ins != (None, None),
-)(_select_and_scatter_add_map)
+)(_window_selection_map)
 
 
 # -- select_and_gather_add -----------------------------------------------------------------------
-
-
-def _select_and_gather_add_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping:
-    """The forward-mode derivative of max pooling (``jax.jvp`` of its gradient, a gradient of a
-    gradient): each window's tangent at the position its selection picks. A one-wide window
-    passes the axis; along a pooled axis a chunk of the result reads its windows of both whole
-    operands (refused where padded, as ``select_and_scatter_add``)."""
-    win = window(eqn, axis)
-    if win.trivial:
-        return Mapping(ins=(axis, axis), outs=(axis,))
-    if side[0] != "out":
-        raise NoRule("select_and_gather_add reads overlapping windows of the split axis")
-    if (win.pad_lo, win.pad_hi) != (0, 0) or win.base_dilation != 1:
-        raise NoRule(
-            "select_and_gather_add along a padded or dilated axis (what it selects among the "
-            "filled positions is the backend's)"
-        )
-    return Mapping(ins=(None, None), outs=(axis,))
 
 
 def _rebind_select_and_gather_add(
@@ -188,4 +184,4 @@ split_rule(
     "select_and_gather_add",
     rebind=_rebind_select_and_gather_add,
     positional=lambda eqn, m: m.ins != (None, None),
-)(_select_and_gather_add_map)
+)(_window_selection_map)

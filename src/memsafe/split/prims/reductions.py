@@ -5,10 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from memsafe._jax import JaxprEqn
-from memsafe.primitives import Kind, facts
+from memsafe.primitives import Kind, contraction_axes, facts
 from memsafe.split import sinks, topk
 from memsafe.split.registry import (
-    Axis,
     Mapping,
     NoRule,
     RuleContext,
@@ -37,31 +36,16 @@ def _reduce(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping |
 
 @split_rule("dot_general")
 def _dot_general(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Mapping | Sink:
-    (lc, rc), (lb, rb) = eqn.params["dimension_numbers"]
-    lrank, rrank = len(shape(eqn.invars[0])), len(shape(eqn.invars[1]))
-    lfree = [d for d in range(lrank) if d not in lc and d not in lb]
-    rfree = [d for d in range(rrank) if d not in rc and d not in rb]
-    nb = len(lb)
+    axes = contraction_axes(eqn)
     if side[0] == "out":
-        if axis < nb:
-            return Mapping(ins=(lb[axis], rb[axis]), outs=(axis,))
-        if axis < nb + len(lfree):
-            return Mapping(ins=(lfree[axis - nb], None), outs=(axis,))
-        return Mapping(ins=(None, rfree[axis - nb - len(lfree)]), outs=(axis,))
+        return Mapping(ins=axes[axis], outs=(axis,))
+    (lc, rc), _ = eqn.params["dimension_numbers"]
     mine, other = (lc, rc) if side[1] == 0 else (rc, lc)
-    mine_b, other_b = (lb, rb) if side[1] == 0 else (rb, lb)
-
-    def pair(a: Axis, b: Axis) -> tuple[Axis, Axis]:
-        return (a, b) if side[1] == 0 else (b, a)
-
     if axis in mine:
-        return Sink(sinks.DOT, ins=pair(axis, other[list(mine).index(axis)]))
-    if axis in mine_b:
-        p = list(mine_b).index(axis)
-        return Mapping(ins=pair(axis, other_b[p]), outs=(p,))
-    if side[1] == 0:
-        return Mapping(ins=(axis, None), outs=(nb + lfree.index(axis),))
-    return Mapping(ins=(None, axis), outs=(nb + len(lfree) + rfree.index(axis),))
+        at = (axis, other[list(mine).index(axis)])
+        return Sink(sinks.DOT, ins=at if side[1] == 0 else at[::-1])
+    out = next(k for k, pair in enumerate(axes) if pair[side[1]] == axis)
+    return Mapping(ins=axes[out], outs=(out,))
 
 
 def _rebind_top_k(eqn: JaxprEqn, invals: list[Any], m: Mapping, start: Any, size: int):
