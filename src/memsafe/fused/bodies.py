@@ -23,7 +23,7 @@ from memsafe.fused.tile import bind_tile
 from memsafe.graph import Graph, evaluate_eqns
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping
-from memsafe.split.sinks import Sink
+from memsafe.split.sinks import Sink, finished
 from memsafe.split.strategies.online import OnlinePlan, Rescale
 
 
@@ -109,7 +109,9 @@ class StagedBody(_Tiles):
             ]
 
         state = stream(self.layout, step)
-        return [r for i, acc in zip(self.sinks, state) for r in maps[i].reducer.finish(acc)]
+        return [
+            r for i, acc in zip(self.sinks, state) for r in finished(maps[i].reducer, eqns[i], acc)
+        ]
 
 
 @dataclass(frozen=True)
@@ -146,7 +148,7 @@ class OnlineBody(_Tiles):
                 if state is not None:
                     part = m.reducer.fold(eqn, state[0][plan.sources.index(i)], part)
                 running[i] = part
-                return m.reducer.finish(part)  # the running maximum, read by the chain
+                return finished(m.reducer, eqn, part)  # the running maximum, read by the chain
 
             evaluate_eqns(eqns, self.order, _TileValues(env, plan.passthrough), bind)
             parts = (

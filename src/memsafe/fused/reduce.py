@@ -49,7 +49,7 @@ def partial(
     """
     if sink.reducer.name in ADDITIVE:
         invals = _zeroed(invals, sink.ins, fresh)
-    return sink.reducer.partial(eqn, invals, sink.axis, start, size)
+    return sink.reducer.lift(sink.reducer.partial(eqn, invals, sink.axis, start, size))
 
 
 def _zeroed(invals: list[Any], ins: tuple[int | None, ...], fresh: Any) -> list[Any]:

@@ -38,7 +38,7 @@ from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord
 from memsafe.split import registry
 from memsafe.split.registry import Mapping, NoRule
-from memsafe.split.sinks import Partial, Reducer, Sink
+from memsafe.split.sinks import Partial, Reducer, Sink, finished
 
 
 @runtime_checkable
@@ -298,12 +298,12 @@ class _Distribute:
         reducer, acc = sink.reducer, None
         operands = self._operands(eqn, invals, held, sink.ins, pieces)
         for ops, start, size in zip(operands, pieces.starts, pieces.sizes):
-            part = piece_partial(reducer, eqn, ops, sink.axis, jnp.int32(start), size)
+            part = reducer.lift(piece_partial(reducer, eqn, ops, sink.axis, jnp.int32(start), size))
             acc = part if acc is None else reducer.fold(eqn, acc, part)
         self.changes.append(
             f"{eqn.primitive.name} reduces {len(pieces.sizes)} pieces ({reducer.name})"
         )
-        return reducer.finish(acc)
+        return finished(reducer, eqn, acc)
 
 
 def _touches(closed: ClosedJaxpr) -> bool:

@@ -32,7 +32,7 @@ from memsafe.graph import Graph
 from memsafe.split import peephole
 from memsafe.split.region import Region
 from memsafe.split.registry import Mapping, Running
-from memsafe.split.sinks import Partial, Sink
+from memsafe.split.sinks import Partial, Sink, finished
 from memsafe.split.span import local_start, scaled
 
 #: A chunk body: (chunk start, chunk length, operands, what it reads of the carry) ->
@@ -113,7 +113,7 @@ class Fold(Carry):
         return folded, parts[1]
 
     def results(self, state: tuple) -> list[Any]:
-        sunk = [r for (_, s), a in zip(self.sinks, state[0]) for r in s.reducer.finish(a)]
+        sunk = [r for (e, s), a in zip(self.sinks, state[0]) for r in finished(s.reducer, e, a)]
         after = [
             run.finals(eqn, state[1][k])[p] for k, eqn, run, positions in self.finals
             for p in positions
@@ -484,7 +484,7 @@ class ChunkEnv:
         sink = self.region.maps[i]
         assert isinstance(sink, Sink)
         eqn = self.graph.eqns[i]
-        return self.region.span.partial(sink, eqn, invals, self.start, self.n)
+        return sink.reducer.lift(self.region.span.partial(sink, eqn, invals, self.start, self.n))
 
     def pinned(self, i: int, outs: Sequence[Any]) -> list[Any]:
         """Equation ``i``'s results ``outs``, those along the axis of a floating-point dtype

@@ -119,7 +119,8 @@ def bytes_model(graph: Graph, region: Region) -> tuple[int, int]:
         read.update(a for i in idx for a in eqns[i].invars if isinstance(a, Var))
     fixed = 0
     for i, sink in region.sinks.items():
-        fixed += 3 * sum(graph.info(o).bytes for o in eqns[i].outvars)  # acc, partial, result
+        for o in eqns[i].outvars:  # the running result and a chunk's partial, the result
+            fixed += 2 * sink.reducer.running_bytes(o.aval) + graph.info(o).bytes
         operand = graph.info(eqns[i].invars[0]).bytes
         per_unit += sink.reducer.extra_bytes_per_unit(operand, region.size)
     for i in region.maps:  # a scan's carry threaded from chunk to chunk: in, out, result

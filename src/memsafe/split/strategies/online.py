@@ -44,7 +44,7 @@ from memsafe.split import sinks as sink_ops
 from memsafe.split.emit import OneDevice
 from memsafe.split.loop import Carry, ChunkEnv, Written
 from memsafe.split.region import Region, region_depends
-from memsafe.split.sinks import Sink
+from memsafe.split.sinks import Sink, finished
 
 
 class NotOnline(Exception):
@@ -503,7 +503,7 @@ class Rescale(Carry):
         eqns = self.graph.eqns
         env: dict[Any, Any] = dict(zip(self.plan.whole, whole))
         for i, part in zip(self.plan.sources, maxes):
-            env.update(zip(eqns[i].outvars, self.region.maps[i].reducer.finish(part)))
+            env.update(zip(eqns[i].outvars, finished(self.region.maps[i].reducer, eqns[i], part)))
         evaluate_eqns(eqns, self.plan.chain, env)
         return [env[u] for u in self.plan.shifts]
 
@@ -511,7 +511,7 @@ class Rescale(Carry):
         finals = dict(zip(self.plan.sources, state[0])) | dict(zip(self.others, state[2]))
         out: list[Any] = []
         for i in sorted(self.region.sinks):
-            got = self.region.maps[i].reducer.finish(finals[i])
+            got = finished(self.region.maps[i].reducer, self.graph.eqns[i], finals[i])
             out.extend([got[0]] if i in self.plan.deferred else got)
         return out
 
@@ -611,7 +611,9 @@ class _OnlineBody:
             if i in plan.sources:
                 part = self._running(i, env.partial(i, invals), old)
                 running[i] = part
-                return m.reducer.finish(part)  # the running maximum, read whole by the chain
+                return finished(
+                    m.reducer, eqn, part
+                )  # the running maximum, read whole by the chain
             partials[i] = env.partial(i, invals)
             return ()
 
