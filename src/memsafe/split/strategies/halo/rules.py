@@ -13,20 +13,25 @@ While a region grows on extended chunks (``RuleContext.extended``):
 - a pooled axis whose operand is ``stride`` times as long as its result maps through as a halo
   (the operand filled with the padding value outside the axis), and so does the gradient of a max
   pooling whose windows tile the axis (:class:`Tiled`): a stack of convolutions and poolings runs
-  in one region.
+  in one region;
+- a reshape that merges the split axis with the axes after it, or splits it into an axis and the
+  axes after it (:class:`Regrouped`: a ``jax.vmap`` of a convolutional network folds its batch
+  into the convolutions' batch axis and unfolds it after), maps the axis through: values of
+  several lengths join the region, which runs over whole groups.
 
 Elsewhere the primitives' own rules (``memsafe.split.prims.conv``, ``.pool``) answer.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from jax import lax
 
-from memsafe._jax import JaxprEqn, bind_eqn
+from memsafe._jax import JaxprEqn, bind_eqn, bind_eqn_with
 from memsafe.split import sinks
 from memsafe.split.prims import conv, pool
 from memsafe.split.registry import (
@@ -207,3 +212,69 @@ extend(
     "select_and_scatter_add",
     extension=Extension(_select_and_scatter_add_map, Tiled, bind_unchanged),
 )
+
+
+# -- reshapes ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Regrouped(Halo):
+    """A reshape that merges the split axis with the axes after it (the operand ``dilation``
+    times shorter along it than the result: a ``jax.vmap`` over a batch folded into a
+    convolution's batch axis) or splits it into an axis and the axes after it (``stride`` times
+    longer): position ``i`` of the shorter is positions ``[k * i, k * (i + 1))`` of the longer.
+    The region's axis runs over the shorter, so a chunk is whole groups of the longer."""
+
+
+def _regroup(src: Sequence[int], axis: int, dst: Sequence[int]) -> int | None:
+    """The axis ``k`` of shape ``dst`` that, with the axes after it, regroups axis ``axis`` of
+    shape ``src`` and the axes after it: ``dst[k]`` merges ``src[axis:j]``, or ``src[axis]``
+    splits into ``dst[k:j]`` (more than one position per group); None where neither."""
+    before = math.prod(src[:axis])
+    for k in range(len(dst)):
+        if math.prod(dst[:k]) != before:
+            continue
+        for j in range(axis + 2, len(src) + 1):
+            if dst[k] == math.prod(src[axis:j]) and math.prod(src[axis + 1 : j]) > 1:
+                return k
+        for j in range(k + 2, len(dst) + 1):
+            if src[axis] == math.prod(dst[k:j]) and math.prod(dst[k + 1 : j]) > 1:
+                return k
+    return None
+
+
+def _reshape_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Regrouped | None:
+    """The split axis merged with the axes after it, or split into an axis and those after it,
+    on extended chunks (where values of several lengths along the axis join one region). A
+    reshape's ``dimensions`` (the operand transposed first, as ``jax.vmap`` of a convolution
+    moves the batch next to the convolution's own) are looked through."""
+    if not ctx.extended or len(eqn.invars) != 1:
+        return None
+    ins, outs = shape(eqn.invars[0]), shape(eqn.outvars[0])
+    perm = tuple(eqn.params.get("dimensions") or range(len(ins)))
+    moved = tuple(ins[d] for d in perm)  # the operand as the reshape reads it
+    if side[0] == "in":
+        k = _regroup(moved, perm.index(axis), outs)
+        a_in, a_out = axis, k
+    else:
+        k = _regroup(outs, axis, moved)
+        a_in, a_out = (None if k is None else perm[k]), axis
+    if a_in is None or a_out is None:
+        return None
+    n_in, n_out = ins[a_in], outs[a_out]
+    if n_in < n_out:  # merges: the operand is shorter
+        return Regrouped((a_in,), (a_out,), dilation=n_out // n_in)
+    return Regrouped((a_in,), (a_out,), stride=n_in // n_out)
+
+
+def _rebind_regrouped(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
+    """The reshape on the chunk: the result's axis as many groups long as the operand's chunk."""
+    assert isinstance(m, Regrouped)
+    (x,), (a_in,), (a_out,) = invals, m.ins, m.outs
+    length = x.shape[a_in] * m.dilation // m.stride
+    sizes = list(eqn.params["new_sizes"])
+    sizes[a_out] = length
+    return bind_eqn_with(eqn, invals, new_sizes=tuple(sizes))
+
+
+extend("reshape", extension=Extension(_reshape_map, Regrouped, _rebind_regrouped, fallback=True))

@@ -1,0 +1,103 @@
+"""Reshapes that regroup the split axis on extended chunks (``Regrouped`` in
+``memsafe.split.strategies.halo.rules``): a convolutional network flattened into a dense head
+(the spatial axis merged with the axes after it), its gradient (split back), and ``jax.vmap``
+of it (the batch folded into the convolutions' batch axis); and broadcasts of broadcasts
+composed (``memsafe.rules.broadcasts``)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+import memsafe
+from memsafe.rewrite.match import apply_rules
+from memsafe.rules import broadcasts
+from memsafe.xla import memsafe_jit
+from tests.agree import assert_like_jit
+
+DN = ("NHWC", "HWIO", "NHWC")
+
+
+def _net(x, w1, w2, wd):
+    h = jax.nn.relu(lax.conv_general_dilated(x, w1, (1, 1), "SAME", dimension_numbers=DN))
+    h = jax.nn.relu(lax.conv_general_dilated(h, w2, (1, 1), "SAME", dimension_numbers=DN))
+    return jnp.tanh(h.reshape(h.shape[0], -1) @ wd)
+
+
+def _loss(params, x):
+    return jnp.sum(jnp.square(_net(x, *params)))
+
+
+def _params(rng, cin=8, c=16, side=32):
+    return (
+        jnp.asarray(rng.standard_normal((3, 3, cin, c)) * 0.2, jnp.float32),
+        jnp.asarray(rng.standard_normal((3, 3, c, c)) * 0.1, jnp.float32),
+        jnp.asarray(rng.standard_normal((side * side * c, 10)) * 0.01, jnp.float32),
+    )
+
+
+def _limit(f, *args, share=3):
+    """Arguments + outputs + a ``share``-th of jax.jit's temporaries."""
+    m = memsafe_jit(f).lower(*args).compile().memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes // share
+
+
+def _fits(f, limit, *args):
+    g = memsafe.jit(f, memory_limit=limit)
+    m = g.lower(*args).compile().memory_analysis()
+    used = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes
+    assert used - m.alias_size_in_bytes <= limit
+    return g
+
+
+def test_a_convolutional_network_with_a_flattened_dense_head_splits_along_its_rows():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 64, 64, 8)), jnp.float32)  # too few to split
+    args = (x, *_params(rng, side=64))
+    limit = _limit(_net, *args)
+    g = _fits(_net, limit, *args)
+    (split,) = g.plan(*args).splits
+    assert split.axis == 1 and {"reshape", "dot_general"} <= set(split.ops)
+    assert_like_jit(g(*args), _net, *args)
+
+
+def test_its_training_gradient_splits_the_flattened_cotangent_back():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 64, 64, 8)), jnp.float32)
+    params = _params(rng, side=64)
+    f = jax.value_and_grad(_loss)
+    limit = _limit(f, params, x)
+    g = _fits(f, limit, params, x)
+    assert g.plan(params, x).splits
+    assert_like_jit(g(params, x), f, params, x)
+
+
+def test_a_vmap_of_it_fits_the_same_share_of_the_batched_temporaries():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((4, 13, 32, 32, 8)), jnp.float32)
+    params = _params(rng)
+    batched = jax.vmap(_net, in_axes=(0, None, None, None))
+    limit = _limit(batched, x, *params)
+    got = jax.vmap(memsafe.jit(_net, memory_limit=limit), in_axes=(0, None, None, None))(x, *params)
+    assert_like_jit(got, batched, x, *params)
+
+
+@pytest.mark.parametrize("literal", [True, False])
+def test_a_broadcast_of_a_broadcast_is_one(literal):
+    def f(s, y):
+        z = jnp.zeros((13, 8)) if literal else jnp.broadcast_to(s, (13, 8))
+        return jax.vmap(lambda y: y + z)(y)  # z broadcast again to the batch
+
+    s, y = jnp.float32(2.0), jnp.ones((3, 13, 8))
+    closed = jax.make_jaxpr(f)(s, y)
+    assert broadcasts.find_rewrites(closed)
+    new, records = apply_rules(closed, [], rewrites=[broadcasts.find_rewrites])
+    assert [r.rule for r in records] == [broadcasts.NAME]
+    shapes = [
+        e.outvars[0].aval.shape for e in new.jaxpr.eqns if e.primitive.name == "broadcast_in_dim"
+    ]
+    assert (13, 8) not in shapes
+    np.testing.assert_array_equal(jax.core.eval_jaxpr(new.jaxpr, new.consts, s, y)[0], f(s, y))
