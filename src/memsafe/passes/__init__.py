@@ -23,6 +23,7 @@ from memsafe.passes import (
     roll,
     schedule,
     split,
+    trips,
     unflatten,
 )
 from memsafe.passes.base import Pass, Rewrite
@@ -38,6 +39,7 @@ PIPELINE: tuple[Pass, ...] = (
     roll,
     remat,
     fission,
+    trips,
     split,
     schedule,
     recompute,
