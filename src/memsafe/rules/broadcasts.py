@@ -1,11 +1,12 @@
-"""Built-in rewrite: a broadcast of a broadcast is one broadcast.
+"""Built-in rewrite: a broadcast of a broadcast of a scalar is one broadcast.
 
 ``jax.vmap`` broadcasts a value the function made without the batch axis (``jnp.zeros`` in a
-layer, a constant fill) to the batch wherever it meets a batched one, and gradients broadcast
-what the forward pass broadcast: ``broadcast_in_dim(broadcast_in_dim(x))``. The inner result is
-a full-size value the split pass must read whole into every chunk of the batch (a 1.7 MB zero
-tensor under a 3.8 MB limit), where one broadcast of ``x`` is regenerated per chunk. XLA fuses
-either form; the composed one leaves nothing large between the two.
+layer, a constant fill) to the batch wherever it meets a batched one:
+``broadcast_in_dim(broadcast_in_dim(0.0))``. The inner result is a full-size value the split
+pass must read whole into every chunk of the batch (a 1.7 MB zero tensor under a 3.8 MB limit),
+where one broadcast of the scalar is regenerated per chunk. XLA fuses either form; the composed
+one leaves nothing large between the two. Broadcasts of arrays are left as they are (the split
+rules read through them, and a chain of them says which axes are new).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def _find_one(graph: Graph, index: int) -> Rewrite | None:
     inner = graph.eqns[info.producer]
     if inner.primitive.name != "broadcast_in_dim" or len(inner.invars) != 1:
         return None
-    if nbytes_of_aval(middle.aval) <= nbytes_of_aval(inner.invars[0].aval):
-        return None  # only unit axes added (``x[:, None]``): nothing large between the two
+    if inner.invars[0].aval.shape != ():
+        return None  # a broadcast of an array: the split rules read it through as it is
     source, shape = inner.invars[0], tuple(outer.params["shape"])
     dims = _composed(inner, outer)
     sharding = outer.params.get("sharding")
@@ -58,7 +59,7 @@ def _find_one(graph: Graph, index: int) -> Rewrite | None:
 
 
 def find_rewrites(closed: ClosedJaxpr) -> list[Rewrite]:
-    """Broadcasts in ``closed`` whose operand is a growing broadcast only they read, latest
+    """Broadcasts in ``closed`` whose operand is a broadcast of a scalar only they read, latest
     first."""
     graph = Graph(closed)
     found = (_find_one(graph, i) for i in reversed(range(len(graph.eqns))))
