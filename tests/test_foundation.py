@@ -166,6 +166,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         roll,
         schedule,
         split,
+        trips,
         unflatten,
     )
 
@@ -179,6 +180,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         roll,
         remat,
         fission,
+        trips,
         split,
         schedule,
         recompute,
@@ -187,7 +189,7 @@ def test_pipeline_is_the_pass_modules_in_order():
     names = [name for name, _ in passes.named_passes()]
     assert names == [
         "match_replace", "reorder", "unflatten", "inplace", "hoist", "distribute", "roll", "remat",
-        "fission", "split",
+        "fission", "trips", "split",
         "schedule", "recompute", "constants",
     ]  # fmt: skip
 
