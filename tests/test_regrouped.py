@@ -1,20 +1,16 @@
 """Reshapes that regroup the split axis on extended chunks (``Regrouped`` in
 ``memsafe.split.strategies.halo.rules``): a convolutional network flattened into a dense head
 (the spatial axis merged with the axes after it), its gradient (split back), and ``jax.vmap``
-of it (the batch folded into the convolutions' batch axis); and broadcasts of broadcasts
-composed (``memsafe.rules.broadcasts``)."""
+of it (the batch folded into the convolutions' batch axis)."""
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from jax import lax
 
 import memsafe
-from memsafe.rewrite.match import apply_rules
-from memsafe.rules import broadcasts
 from memsafe.xla import memsafe_jit
 from tests.agree import assert_like_jit
 
@@ -83,21 +79,3 @@ def test_a_vmap_of_it_fits_the_same_share_of_the_batched_temporaries():
     limit = _limit(batched, x, *params)
     got = jax.vmap(memsafe.jit(_net, memory_limit=limit), in_axes=(0, None, None, None))(x, *params)
     assert_like_jit(got, batched, x, *params)
-
-
-@pytest.mark.parametrize("literal", [True, False])
-def test_a_broadcast_of_a_broadcast_is_one(literal):
-    def f(s, y):
-        z = jnp.zeros((13, 8)) if literal else jnp.broadcast_to(s, (13, 8))
-        return jax.vmap(lambda y: y + z)(y)  # z broadcast again to the batch
-
-    s, y = jnp.float32(2.0), jnp.ones((3, 13, 8))
-    closed = jax.make_jaxpr(f)(s, y)
-    assert broadcasts.find_rewrites(closed)
-    new, records = apply_rules(closed, [], rewrites=[broadcasts.find_rewrites])
-    assert [r.rule for r in records] == [broadcasts.NAME]
-    shapes = [
-        e.outvars[0].aval.shape for e in new.jaxpr.eqns if e.primitive.name == "broadcast_in_dim"
-    ]
-    assert (13, 8) not in shapes
-    np.testing.assert_array_equal(jax.core.eval_jaxpr(new.jaxpr, new.consts, s, y)[0], f(s, y))

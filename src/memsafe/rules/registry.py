@@ -19,13 +19,13 @@ def builtin_rules() -> list[Rule]:
 
 
 def builtin_rewrites() -> list[Callable[[ClosedJaxpr], list[Any]]]:
-    """memsafe's procedural rewrites (broadcasts of broadcasts, broadcasts and tiles feeding
-    products, pads feeding poolings, products read in pieces): functions from a program to a list of
+    """memsafe's procedural rewrites (broadcasts and tiles feeding products, pads feeding
+    poolings, products read in pieces): functions from a program to a list of
     :class:`memsafe.rules.tile.Rewrite`. (The sums of zero pads, :mod:`memsafe.rules.pads`,
     depend on the room: the ``inplace`` pass.)"""
-    from memsafe.rules import broadcasts, pieces, tile, window
+    from memsafe.rules import pieces, tile, window
 
-    return [*broadcasts.REWRITES, *tile.REWRITES, *window.REWRITES, *pieces.REWRITES]
+    return [*tile.REWRITES, *window.REWRITES, *pieces.REWRITES]
 
 
 def register_rule(rule: Rule) -> Rule:
