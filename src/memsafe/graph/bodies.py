@@ -19,6 +19,7 @@ from memsafe._jax import (
     bind_eqn_with,
     call_again,
     inner_jaxpr,
+    is_var,
     programs,
 )
 from memsafe.graph.interpret import evaluate
@@ -85,3 +86,22 @@ def runs_any(closed: ClosedJaxpr, names: Collection[str]) -> bool:
     """Whether ``closed``, or a loop body or cond branch it runs, has an equation of a primitive
     in ``names`` (a pass that rewrites only those can skip the program otherwise)."""
     return any_eqn(closed, lambda eqn: eqn.primitive.name in names)
+
+
+def inputs_under(jaxpr: Any, values: Collection[Any]) -> set[int]:
+    """Positions of the inputs of ``jaxpr`` (a loop's body or predicate) that ``values`` are
+    computed from."""
+    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
+    position = {v: k for k, v in enumerate(jaxpr.invars)}
+    found: set[int] = set()
+    stack, seen = list(values), set()
+    while stack:
+        v = stack.pop()
+        if not is_var(v) or v in seen:
+            continue
+        seen.add(v)
+        if v in position:
+            found.add(position[v])
+        elif (e := producer.get(v)) is not None:
+            stack.extend(e.invars)
+    return found

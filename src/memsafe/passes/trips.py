@@ -33,12 +33,12 @@ from memsafe._jax import (
     ClosedJaxpr,
     JaxprEqn,
     dce,
-    is_var,
     nbytes_of_aval,
     source_line,
     with_outputs,
 )
 from memsafe.context import PassContext
+from memsafe.graph.bodies import inputs_under
 from memsafe.graph.interpret import evaluate, retrace
 from memsafe.plan import PassRecord, format_bytes
 
@@ -50,22 +50,8 @@ def _counts(eqn: JaxprEqn) -> tuple[int, int]:
 def _read(jaxpr: Any, outputs: Sequence[int], skip: int) -> set[int]:
     """Positions (after the first ``skip`` inputs) of the inputs of ``jaxpr`` that its outputs
     at ``outputs`` are computed from."""
-    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
-    position = {v: k for k, v in enumerate(jaxpr.invars)}
-    found: set[int] = set()
-    stack = [jaxpr.outvars[k] for k in outputs]
-    seen: set[Any] = set()
-    while stack:
-        v = stack.pop()
-        if not is_var(v) or v in seen:
-            continue
-        seen.add(v)
-        if v in position:
-            if position[v] >= skip:
-                found.add(position[v] - skip)
-        elif (e := producer.get(v)) is not None:
-            stack.extend(e.invars)
-    return found
+    found = inputs_under(jaxpr, [jaxpr.outvars[k] for k in outputs])
+    return {p - skip for p in found if p >= skip}
 
 
 def counting_carries(eqn: JaxprEqn) -> list[int]:

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from memsafe._jax import ClosedJaxpr, JaxprEqn, Literal, bind_eqn_with, is_var
+from memsafe.graph.bodies import inputs_under
 from memsafe.graph.interpret import inline_calls
 from memsafe.split import body as loop_body
 from memsafe.split.registry import Mapping, NoRule, RuleContext, Running, Side, Through, split_rule
@@ -276,19 +277,7 @@ def _counter(
 
 def _inputs_under(jaxpr: Any, var: Any) -> set[int]:
     """Positions of the inputs of ``jaxpr`` that ``var`` is computed from."""
-    producer = {o: e for e in jaxpr.eqns for o in e.outvars}
-    position = {v: k for k, v in enumerate(jaxpr.invars)}
-    found, stack, seen = set(), [var], set()
-    while stack:
-        v = stack.pop()
-        if not is_var(v) or v in seen:
-            continue
-        seen.add(v)
-        if v in position:
-            found.add(position[v])
-        elif (e := producer.get(v)) is not None:
-            stack.extend(e.invars)
-    return found
+    return inputs_under(jaxpr, [var])
 
 
 def _const_axes(eqn: JaxprEqn, got: loop_body.Reached, body: ClosedJaxpr) -> dict[int, int]:
