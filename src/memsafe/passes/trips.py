@@ -12,8 +12,10 @@ Counting first makes any such loop exact: a first loop runs the same predicate a
 the carries the predicate reads (the smallest set the body computes them from; the rest, often
 the largest, such as a checkpoint buffer, dropped), counting its iterations ``K``; the second runs
 the whole body ``K`` times (``i < K``), a predicate that reads nothing of the state, so every chunk
-runs exactly the whole loop's iterations. The answer is the loop's, bit for bit; the price is the
-first loop's work (its state only).
+runs exactly the whole loop's iterations, and its values are those of the whole loop on its
+positions. The price is the first loop's work (its state only). The two loops are compiled
+apart: where the predicate's quantity lies within rounding of its threshold, the count may
+differ by one from what jax.jit's own loop runs, as any other compilation of the loop may.
 
 The pass rewrites a loop of the program (not one nested in another's body) whose scalar predicate
 reads a carry with axes, whose carries are larger than the temporary budget, and whose counting
