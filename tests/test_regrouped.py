@@ -1,7 +1,8 @@
 """Reshapes that regroup the split axis on extended chunks (``Regrouped`` in
 ``memsafe.split.strategies.halo.rules``): a convolutional network flattened into a dense head
 (the spatial axis merged with the axes after it), its gradient (split back), and ``jax.vmap``
-of it (the batch folded into the convolutions' batch axis)."""
+of it (the batch folded into the convolutions' batch axis); and convolutions split along
+their groups (``Grouped``): an ensemble's, and per-example kernel gradients."""
 
 from __future__ import annotations
 
@@ -79,3 +80,44 @@ def test_a_vmap_of_it_fits_the_same_share_of_the_batched_temporaries():
     limit = _limit(batched, x, *params)
     got = jax.vmap(memsafe.jit(_net, memory_limit=limit), in_axes=(0, None, None, None))(x, *params)
     assert_like_jit(got, batched, x, *params)
+
+
+def _cnn(params, x):
+    w1, w2 = params
+    h = jax.nn.relu(lax.conv_general_dilated(x, w1, (1, 1), "VALID", dimension_numbers=DN))
+    h = jax.nn.relu(lax.conv_general_dilated(h, w2, (1, 1), "VALID", dimension_numbers=DN))
+    return jnp.mean(h, axis=(1, 2, 3))
+
+
+def _cnn_params(rng, members=None):
+    lead = () if members is None else (members,)
+    return (
+        jnp.asarray(rng.standard_normal((*lead, 3, 3, 4, 16)) * 0.3, jnp.float32),
+        jnp.asarray(rng.standard_normal((*lead, 3, 3, 16, 16)) * 0.1, jnp.float32),
+    )
+
+
+def _fits_like_jit(f, args, share=4):
+    limit = _limit(f, *args, share=share)
+    g = _fits(f, limit, *args)
+    assert g.plan(*args).splits
+    assert_like_jit(g(*args), f, *args)
+
+
+def test_an_ensemble_of_convolutional_networks_splits_along_its_members():
+    """``jax.vmap`` over members with their own kernels makes grouped convolutions (the
+    members' kernels side by side along the feature axis): split along the groups."""
+    rng = np.random.default_rng(3)
+    params = _cnn_params(rng, members=4)
+    x = jnp.asarray(rng.standard_normal((4, 1, 30, 30, 4)), jnp.float32)  # one image each
+    _fits_like_jit(jax.vmap(_cnn), (params, x), share=3)  # refused before: best 502 KiB
+
+
+def test_per_example_gradients_of_a_convolutional_network_split_along_the_examples():
+    """Per-example kernel gradients under ``jax.vmap`` are convolutions grouped by example
+    (the batch folded into the feature axis): split along the groups."""
+    rng = np.random.default_rng(4)
+    params = _cnn_params(rng)
+    x = jnp.asarray(rng.standard_normal((4, 6, 30, 30, 4)), jnp.float32)
+    grads = jax.vmap(jax.grad(lambda p, x: jnp.sum(_cnn(p, x) ** 2)), in_axes=(None, 0))
+    _fits_like_jit(grads, (params, x))

@@ -377,9 +377,11 @@ def widen(
 
 
 def _extension(eqn: JaxprEqn, mapping: Mapping) -> Extension | None:
-    """The extension of ``eqn``'s rule whose mappings ``mapping`` is, if any."""
+    """The extension of ``eqn``'s rule whose mappings ``mapping`` is, if any (the one of its
+    own type before one of a base type: a convolution's halos and its groups)."""
     extensions = EXTENSIONS.get(eqn.primitive.name, ())
-    return next((e for e in extensions if isinstance(mapping, e.mapping)), None)
+    exact = next((e for e in extensions if type(mapping) is e.mapping), None)
+    return exact or next((e for e in extensions if isinstance(mapping, e.mapping)), None)
 
 
 def running_along(eqn: JaxprEqn, mapping: Mapping) -> Running | None:

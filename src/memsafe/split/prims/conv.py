@@ -24,8 +24,8 @@ On extended chunks a spatial axis maps through as a halo instead: the halo strat
 rule (``memsafe.split.strategies.halo.rules``). Chunk bodies bind convolutions in XLA's canonical
 layout (:func:`bind`).
 
-Grouped convolutions split along their batch (``batch_group_count == 1``) and spatial axes; the
-feature axes of grouped convolutions are refused.
+Grouped convolutions split along their batch (``batch_group_count == 1``) and spatial axes; along
+their feature axes only over whole groups, on extended chunks (the halo strategy's ``Grouped``).
 """
 
 from __future__ import annotations

@@ -163,6 +163,11 @@ class Halo(registry.Mapping):
         wrong = self.dilation * _most_wrong(ins)
         return -(-(wrong + self.reach) // self.stride)
 
+    def whole_units(self, eqn: JaxprEqn, size: int) -> bool:
+        """Whether a chunk of whole positions of a region axis of length ``size`` is a chunk
+        this equation can run on (a grouped convolution's: whole groups)."""
+        return True
+
     def operand_start(self, start: Any) -> Any:
         """Where the operand's chunk starts along its axis, given where the result's does (both
         whole multiples of the region's chunk positions)."""
@@ -306,6 +311,9 @@ class Extending:
         size: int,
     ) -> tuple[int, Span]:
         size, scale = scales({v: graph.info(v).shape[ax] for v, ax in axis_of.items()})
+        for i, m in maps.items():
+            if isinstance(m, Halo) and not m.whole_units(graph.eqns[i], size):
+                raise SplitFailure("a chunk of the axis would cut a group", graph.eqns[i])
         extend = extension(graph.eqns, maps, surviving, scale)
         return size, (Extended(extend, scale) if extend or scale else PLAIN_SPAN)
 

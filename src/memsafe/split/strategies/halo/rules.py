@@ -17,7 +17,10 @@ While a region grows on extended chunks (``RuleContext.extended``):
 - a reshape that merges the split axis with the axes after it, or splits it into an axis and the
   axes after it (:class:`Regrouped`: a ``jax.vmap`` of a convolutional network folds its batch
   into the convolutions' batch axis and unfolds it after), maps the axis through: values of
-  several lengths join the region, which runs over whole groups.
+  several lengths join the region, which runs over whole groups;
+- a grouped convolution maps its groups through (:class:`Grouped`: the input's features, the
+  kernel's output features and the result's features, each over whole groups): ``jax.vmap`` of
+  an ensemble with its own kernels, and per-example kernel gradients.
 
 Elsewhere the primitives' own rules (``memsafe.split.prims.conv``, ``.pool``) answer.
 """
@@ -278,3 +281,50 @@ def _rebind_regrouped(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: in
 
 
 extend("reshape", extension=Extension(_reshape_map, Regrouped, _rebind_regrouped, fallback=True))
+
+
+# -- grouped convolutions ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Grouped(Halo):
+    """A convolution with ``feature_group_count`` groups split along its groups: the input's
+    feature axis (``groups`` x its features per group), the kernel's output-feature axis and the
+    result's feature axis (``groups`` x the outputs per group) each run over whole groups, a
+    chunk of groups being the convolution of those groups alone. ``jax.vmap`` makes such a
+    convolution of one whose kernel is batched (an ensemble), and of the kernel gradient of
+    one whose input is (the batch folded into the feature axis)."""
+
+    groups: int = 1
+
+    def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
+        return all(n is not None and n % self.groups == 0 for n in (*ins, *outs))
+
+    def wrong_after(self, ins: Sequence[int | None]) -> int:
+        return 0 if not any(ins) else max(w or 0 for w in ins)  # no window along groups
+
+    def whole_units(self, eqn: JaxprEqn, size: int) -> bool:
+        return self.groups % size == 0  # a chunk of the axis is whole groups
+
+
+def _grouped_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Grouped | None:
+    """The groups of a grouped convolution on extended chunks (where values of several lengths
+    along the axis join one region)."""
+    groups = eqn.params["feature_group_count"]
+    if not ctx.extended or groups == 1 or eqn.params["batch_group_count"] != 1:
+        return None
+    lhs, rhs, out = conv.specs(eqn)
+    along = {("in", 0): lhs[1], ("in", 1): rhs[0], ("out", 0): out[1]}.get(side)
+    if along != axis:
+        return None
+    return Grouped((lhs[1], rhs[0]), (out[1],), groups=groups)
+
+
+def _rebind_grouped(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
+    """The convolution of the chunk's groups alone."""
+    assert isinstance(m, Grouped)
+    per_group = shape(eqn.invars[0])[m.ins[0]] // m.groups
+    return conv.bind(eqn, invals, feature_group_count=invals[0].shape[m.ins[0]] // per_group)
+
+
+extend(conv.NAME, extension=Extension(_grouped_map, Grouped, _rebind_grouped, fallback=True))
