@@ -296,12 +296,18 @@ class Grouped(Halo):
     one whose input is (the batch folded into the feature axis)."""
 
     groups: int = 1
+    #: Input features per group, and kernel output features (result features) per group.
+    per_in: int = 1
+    per_out: int = 1
 
     def lengths_agree(self, ins: Sequence[int | None], outs: Sequence[int | None]) -> bool:
         return all(n is not None and n % self.groups == 0 for n in (*ins, *outs))
 
     def wrong_after(self, ins: Sequence[int | None]) -> int:
-        return 0 if not any(ins) else max(w or 0 for w in ins)  # no window along groups
+        """A group with a wrong input or kernel position is wrong in all its results."""
+        w_in, w_kernel = ins
+        groups = max(-(-(w_in or 0) // self.per_in), -(-(w_kernel or 0) // self.per_out))
+        return groups * self.per_out
 
     def whole_units(self, eqn: JaxprEqn, size: int) -> bool:
         return self.groups % size == 0  # a chunk of the axis is whole groups
@@ -317,14 +323,15 @@ def _grouped_map(eqn: JaxprEqn, side: Side, axis: int, ctx: RuleContext) -> Grou
     along = {("in", 0): lhs[1], ("in", 1): rhs[0], ("out", 0): out[1]}.get(side)
     if along != axis:
         return None
-    return Grouped((lhs[1], rhs[0]), (out[1],), groups=groups)
+    per_in = shape(eqn.invars[0])[lhs[1]] // groups
+    per_out = shape(eqn.outvars[0])[out[1]] // groups
+    return Grouped((lhs[1], rhs[0]), (out[1],), groups=groups, per_in=per_in, per_out=per_out)
 
 
 def _rebind_grouped(eqn: JaxprEqn, invals: list, m: Mapping, start: Any, n: int) -> list:
     """The convolution of the chunk's groups alone."""
     assert isinstance(m, Grouped)
-    per_group = shape(eqn.invars[0])[m.ins[0]] // m.groups
-    return conv.bind(eqn, invals, feature_group_count=invals[0].shape[m.ins[0]] // per_group)
+    return conv.bind(eqn, invals, feature_group_count=invals[0].shape[m.ins[0]] // m.per_in)
 
 
 extend(conv.NAME, extension=Extension(_grouped_map, Grouped, _rebind_grouped, fallback=True))
