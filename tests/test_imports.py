@@ -187,8 +187,9 @@ def test_the_split_core_imports_no_strategy():
 
 
 def test_strategies_extend_the_rules_they_change():
-    """The halo strategy's windows and the replay strategy's loops are extensions of the
-    primitives' rules, registered by the strategies (none in ``memsafe.split.prims``)."""
+    """The halo strategy's windows, groups and regrouped reshapes and the replay strategy's
+    loops are extensions of the primitives' rules, registered by the strategies (none in
+    ``memsafe.split.prims``)."""
     from memsafe.split import registry
     from memsafe.split.strategies import replay
     from memsafe.split.strategies.halo import Halo
@@ -196,7 +197,8 @@ def test_strategies_extend_the_rules_they_change():
     by_mapping = {
         name: {e.mapping.__name__ for e in exts} for name, exts in registry.EXTENSIONS.items()
     }
-    assert by_mapping["conv_general_dilated"] == {"Halo"}
+    assert by_mapping["conv_general_dilated"] == {"Halo", "Grouped"}
+    assert by_mapping["reshape"] == {"Regrouped"}
     assert by_mapping["reduce_window_max"] == {"Halo"}
     assert by_mapping["select_and_scatter_add"] == {"Tiled"}
     assert by_mapping["scan"] == {"Replay"}
