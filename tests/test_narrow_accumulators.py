@@ -63,7 +63,7 @@ def test_which_reducers_keep_a_wider_accumulator():
     assert sinks.DOT.accumulator(jnp.float32) == np.float32
     assert sinks.SUM.accumulator(jnp.int8) == np.int8
     (part,) = sinks.DOT.lift(
-        sinks.DOT.partial(eqn, [jnp.ones((4, 8), BF16)] * 1 + [jnp.ones(8, BF16)], 1, 0, 8)
+        sinks.DOT.partial(eqn, [jnp.ones((4, 8), BF16), jnp.ones(8, BF16)], 1, 0, 8)
     )
     assert part.dtype == np.float32  # the chunk's product straight into float32
     (done,) = sinks.finished(sinks.DOT, eqn, (lax.add(part, part),))

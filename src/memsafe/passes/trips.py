@@ -79,18 +79,19 @@ def _couples(eqn: JaxprEqn) -> bool:
     return any(carries[j].aval.shape for j in _read(cond, [0], c))
 
 
-def _bytes(avals: Sequence[Any]) -> int:
-    return sum(nbytes_of_aval(a) for a in avals)
+def _carry_bytes(eqn: JaxprEqn, needed: Sequence[int]) -> tuple[int, int]:
+    """(bytes of the carries at ``needed``, bytes of all the loop's carries)."""
+    c, b = _counts(eqn)
+    sizes = [nbytes_of_aval(v.aval) for v in eqn.invars[c + b :]]
+    return sum(sizes[j] for j in needed), sum(sizes)
 
 
 def worth_counting(eqn: JaxprEqn, budget: int) -> list[int] | None:
     """The counting carries of a while loop the pass rewrites (see the module), else None."""
     if eqn.primitive.name != "while" or not _couples(eqn):
         return None
-    c, b = _counts(eqn)
-    carries = [v.aval for v in eqn.invars[c + b :]]
     needed = counting_carries(eqn)
-    total, counting = _bytes(carries), _bytes([carries[j] for j in needed])
+    counting, total = _carry_bytes(eqn, needed)
     if total <= budget or 2 * counting > total or 2 * counting > budget:
         return None
     return needed
@@ -146,16 +147,14 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     new = dce(retrace(closed, override=override))
     for i, needed in chosen.items():
         eqn = closed.jaxpr.eqns[i]
-        c, b = _counts(eqn)
-        carries = [v.aval for v in eqn.invars[c + b :]]
-        counting = _bytes([carries[j] for j in needed])
+        counting, total = _carry_bytes(eqn, needed)
+        carries = len(eqn.invars) - sum(_counts(eqn))
         ctx.record(
             PassRecord(
                 "trips",
                 f"while loop counts its iterations first on {len(needed)} of its "
-                f"{len(carries)} carries ({format_bytes(counting)} of "
-                f"{format_bytes(_bytes(carries))}), then runs that many: its predicate no "
-                "longer couples the chunks",
+                f"{carries} carries ({format_bytes(counting)} of {format_bytes(total)}), then "
+                "runs that many: its predicate no longer couples the chunks",
                 source_line(eqn),
             )
         )

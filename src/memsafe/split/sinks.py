@@ -70,10 +70,8 @@ class Reducer:
     def lift(self, part: Partial) -> Partial:
         """A chunk's partial in the dtypes its running result is kept in (every runner lifts
         each partial it makes before folding it)."""
-        return tuple(
-            p if p.dtype == self.accumulator(p.dtype) else p.astype(self.accumulator(p.dtype))
-            for p in part
-        )
+        wide = [self.accumulator(p.dtype) for p in part]
+        return tuple(p if p.dtype == w else p.astype(w) for p, w in zip(part, wide))
 
     def running_bytes(self, aval: Any) -> int:
         """Bytes of one running copy of a result of abstract value ``aval``."""

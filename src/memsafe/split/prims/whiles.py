@@ -144,7 +144,7 @@ def _reach(
             "predicate is per position: each chunk's loop runs its own number of iterations, "
             "so the chunks' sums are not the loop's"
         )
-    read = _inputs_under(cond.jaxpr, pred)
+    read = inputs_under(cond.jaxpr, [pred])
     for j in shares:
         if j < n and c + j in read:
             raise NoRule(
@@ -186,7 +186,7 @@ def _masked(
     others = [v for v in leaves if v not in anys]
     if len(masks) != 1 or len(anys) != len([v for v in leaves if v in anys]):
         raise err
-    if any(_inputs_under(cj, v) & set(seeds) for v in others):
+    if any(inputs_under(cj, [v]) & set(seeds) for v in others):
         raise err
     (mask,) = masks
     k = position[mask] - c
@@ -273,11 +273,6 @@ def _counter(
         if len(step) == 1 and isinstance(step[0], Literal) and step[0].val > 0:
             return j
     return None
-
-
-def _inputs_under(jaxpr: Any, var: Any) -> set[int]:
-    """Positions of the inputs of ``jaxpr`` that ``var`` is computed from."""
-    return inputs_under(jaxpr, [var])
 
 
 def _const_axes(eqn: JaxprEqn, got: loop_body.Reached, body: ClosedJaxpr) -> dict[int, int]:

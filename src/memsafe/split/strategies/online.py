@@ -611,9 +611,8 @@ class _OnlineBody:
             if i in plan.sources:
                 part = self._running(i, env.partial(i, invals), old)
                 running[i] = part
-                return finished(
-                    m.reducer, eqn, part
-                )  # the running maximum, read whole by the chain
+                # the running maximum, read whole by the chain
+                return finished(m.reducer, eqn, part)
             partials[i] = env.partial(i, invals)
             return ()
 
