@@ -166,6 +166,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         roll,
         schedule,
         split,
+        tie,
         trips,
         unflatten,
     )
@@ -185,12 +186,13 @@ def test_pipeline_is_the_pass_modules_in_order():
         schedule,
         recompute,
         constants,
+        tie,
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
         "match_replace", "reorder", "unflatten", "inplace", "hoist", "distribute", "roll", "remat",
         "fission", "trips", "split",
-        "schedule", "recompute", "constants",
+        "schedule", "recompute", "constants", "tie",
     ]  # fmt: skip
 
 

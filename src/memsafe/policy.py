@@ -94,6 +94,8 @@ class RewritePolicy:
         hoist_small: values up to this fraction of the temporary budget are left where they are
             (the hoist pass).
         constant_min_bytes: constants smaller than this are left as they are (not worth a fit).
+        tie_min_bytes: values made from no data smaller than this are left where XLA makes
+            them (the tie pass: a loop's or update's buffer made after its operands).
         invariant_min_bytes: loop constants smaller than this are left alone (holding them
             costs nothing worth a rewrite).
         small_leaf_bytes: a generator may read values up to this size from outside (scalars,
@@ -119,6 +121,7 @@ class RewritePolicy:
     share_of_budget: float = 0.5
     hoist_small: float = 1 / 8
     constant_min_bytes: int = 4096
+    tie_min_bytes: int = 4096
     invariant_min_bytes: int = 64 * 1024
     small_leaf_bytes: int = 64 * 1024
     max_cone: int = 256

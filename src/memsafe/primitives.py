@@ -102,6 +102,9 @@ class Facts:
         updates: it writes a piece into its first operand at a position
             (``dynamic_update_slice``): a step of a chain of in-place updates, moved with the
             chain where the roll pass reorders a program (``memsafe.graph.repeats.sunk``).
+        in_place: it writes into a copy of its first operand that XLA makes in that operand's
+            buffer where it can (``dynamic_update_slice``, the scatters): that operand is held
+            as a buffer of its own (``memsafe.passes.tie``).
         replays: a loop its split rule may run once per chunk of a carry that only
             accumulates, where no other split of a value exists
             (``memsafe.split.strategies.replay``).
@@ -133,6 +136,7 @@ class Facts:
     linear: Linear | None = None
     adds: bool = False
     updates: bool = False
+    in_place: bool = False
     replays: bool = False
     control: str | None = None
     shape_free: bool = False
@@ -310,10 +314,12 @@ TABLE: dict[str, Facts] = {
     "dot_general": Facts(
         Kind.OTHER, linear=Linear((0, 1), False), shape_free=True, flops=_contraction_flops
     ),
-    "dynamic_update_slice": Facts(Kind.OTHER, linear=Linear(slice(0, 2)), updates=True),
+    "dynamic_update_slice": Facts(
+        Kind.OTHER, linear=Linear(slice(0, 2)), updates=True, in_place=True
+    ),
+    "gather": Facts(Kind.OTHER),
     **dict.fromkeys(
         [
-            "gather",
             "scatter",
             "scatter-add",
             "scatter_add",
@@ -324,7 +330,7 @@ TABLE: dict[str, Facts] = {
             "scatter-min",
             "scatter_min",
         ],
-        Facts(Kind.OTHER),
+        Facts(Kind.OTHER, in_place=True),
     ),
     # the gradient of max pooling and its forward-mode derivative: each window's value goes
     # where comparing the operand's values picks (XLA stores their results)
@@ -485,6 +491,8 @@ WINDOWED = Names(lambda f: f.windowed)
 ADDS = Names(lambda f: f.adds)
 #: Primitives that write a piece into their first operand (see ``Facts.updates``).
 UPDATES = Names(lambda f: f.updates)
+#: Operations that write into their first operand's buffer.
+IN_PLACE = Names(lambda f: f.in_place)
 #: Loops whose split rule may replay them per chunk of an accumulator carry.
 REPLAYS = Names(lambda f: f.replays)
 #: Loops over a body (``scan``, ``while``).
@@ -515,6 +523,7 @@ DERIVED = {
     "WINDOWED": WINDOWED,
     "ADDS": ADDS,
     "UPDATES": UPDATES,
+    "IN_PLACE": IN_PLACE,
     "REPLAYS": REPLAYS,
     "LOOPS": LOOPS,
     "CONTROL": CONTROL,

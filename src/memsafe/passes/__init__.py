@@ -23,6 +23,7 @@ from memsafe.passes import (
     roll,
     schedule,
     split,
+    tie,
     trips,
     unflatten,
 )
@@ -44,6 +45,7 @@ PIPELINE: tuple[Pass, ...] = (
     schedule,
     recompute,
     constants,
+    tie,
 )
 
 #: The algebraic pipeline: the passes that rewrite the algebra alone, whatever the limit (run on
