@@ -627,6 +627,9 @@ class Search:
         low = (scale, tried.got.footprint.total - fixed)
         if any(s.floored for s in tried.plan.splits) and low[1] < SEARCH.grow_below * room:
             up = scale * min(SEARCH.grow_max, margin * room / max(low[1], 1))
+            floored = _floored_up(tried, int(margin * room) - low[1])
+            if floored is not None:  # no further than the floored splits' chunks allow
+                up = min(up, floored)
             if over is not None:  # no further than the scale measured over the limit says
                 up = min(up, _between(low, over, margin * room))
             note, tries = "grown: the smallest chunks fit", 2
@@ -740,6 +743,30 @@ class Search:
         best = None if closest is None else closest.got.footprint
         blockers = [] if closest is None else closest.blockers
         raise refusal(self.flat, self.name, self.memory_limit, plan.before, best, blockers)
+
+
+def _floored_up(tried: Tried, target: int) -> float | None:
+    """The chunk scale at which the size model sizes the floored splits of ``tried`` (which
+    fits) at chunks whose values take about ``target`` bytes (the smallest such scale over
+    them), from the model's numbers in their records; None where none carries them.
+
+    A floored chunk is sized from a share of the budget (``memsafe.split.program._floor``), not
+    from the budget the model would need, so its temporaries do not grow with the chunk scale:
+    XLA also places a small chunk's values in the outputs' buffers before those are written (an
+    MLP training step's 32-row chunks measured 280 bytes of temporaries, its 5,462-row ones
+    145 MiB, where growth in proportion to the scale took 8 times the scale). A position of
+    the axis is taken to cost all the too-large values the split's region computes
+    (``bytes / size``), or the model's bytes per position where more; at the scale returned,
+    the model's held bytes and that many positions fill the split's budget."""
+    needs = []
+    for split in tried.plan.splits:
+        if not split.floored or split.per_unit <= 0 or split.room <= 0:
+            continue
+        per_position = max(split.per_unit, -(-split.bytes // max(split.size, 1)))
+        positions = min(split.share or split.size, max(split.chunk, target // per_position))
+        width = positions + 2 * split.extend
+        needs.append((split.fixed + split.per_unit * width) / split.room)
+    return min(needs, default=None)
 
 
 def _iterations(tried: Tried) -> int:
