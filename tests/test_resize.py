@@ -82,6 +82,25 @@ def _mlp_step(batch):
 MLP_LIMIT = 4_849_901  # arguments and outputs, and a quarter of jax.jit's temporaries
 
 
+def test_an_mlp_step_at_twice_the_batch_is_re_sized_in_one_compile():
+    """The re-sized attempt starts from the budget in bytes its chunks were sized from at the
+    smaller batch (``Hint.scale_at``), not from the share of the room: at twice the batch the
+    room shrank under the model's held bytes, and the hint's scale floored every chunk (then 3
+    compiles: the floored attempt, 8 times its scale over the limit, and one between)."""
+    step, small = _mlp_step(1024)
+    f = memsafe.jit(step, memory_limit=MLP_LIMIT)
+    f.lower(*small).compile()
+    _, large = _mlp_step(2048)
+    before = Compiles.count
+    got = f(*large)
+    plan = f.plan(*large)
+    assert plan.time.origin == "re-sized"
+    assert Compiles.count - before == len(plan.attempts) == 1
+    assert plan.after.total <= MLP_LIMIT
+    assert plan.splits and not any(s.floored for s in plan.splits)
+    assert_like_jit(got, step, *large)
+
+
 def test_floored_chunks_that_fit_grow_to_chunks_the_room_holds():
     """An attempt that fits with floored chunks grows to the scale at which the size model sizes
     them to the room (``search._floored_up``), not in proportion to its measured temporaries,

@@ -91,18 +91,45 @@ class Hint:
         avals: the shapes it was planned at.
         scale: the chunk scale of the attempt that ran.
         roll: whether the roll pass was on for it.
+        budget: the bytes that attempt's passes sized chunks from (``scale`` times the room
+            for temporaries at those shapes); 0: not known.
+        used: the bytes its temporaries took, as XLA measured them.
     """
 
     avals: tuple[jax.ShapeDtypeStruct, ...]
     scale: float
     roll: bool
+    budget: int = 0
+    used: int = 0
 
     @classmethod
     def of(cls, program: Program) -> Hint | None:
         """The hint a verified program gives (None where it fits unchanged)."""
-        if program.plan.fits_unchanged or program.plan.chunk_scale is None:
+        plan = program.plan
+        if plan.fits_unchanged or plan.chunk_scale is None:
             return None
-        return cls(program.avals, program.plan.chunk_scale, program.plan.rolled)
+        budget = used = 0
+        if plan.after is not None:
+            used = plan.after.temps + plan.after.generated_code
+            room = max(0, plan.memory_limit - (plan.after.total - used))
+            budget = int(plan.chunk_scale * room)
+        return cls(program.avals, plan.chunk_scale, plan.rolled, budget, used)
+
+    def scale_at(self, room: int) -> float:
+        """The chunk scale to start from at new shapes with ``room`` bytes for temporaries:
+        the one that gives the passes the budget in bytes the hint's chunks were sized from,
+        shrunk by the search's margin where the temporaries measured would not fit ``room``.
+
+        A budget in bytes, not a share of the room: the size model sizes a chunk from bytes, and
+        along an axis that grew (the batch) it then chooses the chunks that ran, whose
+        temporaries were measured, while the room shrank by the larger arguments and the bytes
+        the loops hold (accumulators of parameter gradients) stayed as they were (an MLP
+        training step at twice the batch: at the hint's scale its 100 MiB limit left the
+        model no chunk that fit, and its chunks were floored)."""
+        if self.budget <= 0 or room <= 0:
+            return self.scale
+        fits = min(1.0, SEARCH.shrink_margin * room / max(self.used, 1))
+        return self.budget * fits / room
 
     def covers(self, avals: Sequence[jax.ShapeDtypeStruct]) -> bool:
         """Whether ``avals`` are as large as this hint's in every dimension (and as many, of the
@@ -311,8 +338,9 @@ def _resized(
     time.origin = "re-sized"
     plan = Plan(memory_limit=memory_limit, time=time)
     attempts.roll = hint.roll
+    scale = hint.scale_at(memory_limit - fixed - attempts.hidden)
     try:
-        return attempts.attempts(plan, fixed, None, hint.scale)
+        return attempts.attempts(plan, fixed, None, scale)
     except MemoryLimitError:
         time.origin = "planned"
         return None
