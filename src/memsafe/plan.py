@@ -66,6 +66,12 @@ class SplitRecord:
     batch_mesh_axes: tuple[str, ...] = ()  # other mesh axes, splitting inputs read whole
     floored: bool = False  # the size model expected even the smallest chunk over the budget
     extend: int = 0  # positions each chunk is extended by on both sides (halos), 0: none
+    # the size model's numbers behind the chunk (memsafe.split.size.ChunkPlan) and the room,
+    # unscaled, it was sized in (PassContext.room): where an attempt's chunks are floored,
+    # the search reads from them the chunk scale that gives larger ones (search._floored_up)
+    per_unit: int = field(default=0, compare=False, repr=False)
+    fixed: int = field(default=0, compare=False, repr=False)
+    room: int = field(default=0, compare=False, repr=False)
 
     def _staging(self) -> str:
         """``; 3 stages recomputing ~2.1e+09 flops``, with the extension of chunks where they

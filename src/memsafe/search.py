@@ -91,18 +91,45 @@ class Hint:
         avals: the shapes it was planned at.
         scale: the chunk scale of the attempt that ran.
         roll: whether the roll pass was on for it.
+        budget: the bytes that attempt's passes sized chunks from (``scale`` times the room
+            for temporaries at those shapes); 0: not known.
+        used: the bytes its temporaries took, as XLA measured them.
     """
 
     avals: tuple[jax.ShapeDtypeStruct, ...]
     scale: float
     roll: bool
+    budget: int = 0
+    used: int = 0
 
     @classmethod
     def of(cls, program: Program) -> Hint | None:
         """The hint a verified program gives (None where it fits unchanged)."""
-        if program.plan.fits_unchanged or program.plan.chunk_scale is None:
+        plan = program.plan
+        if plan.fits_unchanged or plan.chunk_scale is None:
             return None
-        return cls(program.avals, program.plan.chunk_scale, program.plan.rolled)
+        budget = used = 0
+        if plan.after is not None:
+            used = plan.after.temps + plan.after.generated_code
+            room = max(0, plan.memory_limit - (plan.after.total - used))
+            budget = int(plan.chunk_scale * room)
+        return cls(program.avals, plan.chunk_scale, plan.rolled, budget, used)
+
+    def scale_at(self, room: int) -> float:
+        """The chunk scale to start from at new shapes with ``room`` bytes for temporaries:
+        the one that gives the passes the budget in bytes the hint's chunks were sized from,
+        shrunk by the search's margin where the temporaries measured would not fit ``room``.
+
+        A budget in bytes, not a share of the room: the size model sizes a chunk from bytes, and
+        along an axis that grew (the batch) it then chooses the chunks that ran, whose
+        temporaries were measured, while the room shrank by the larger arguments and the bytes
+        the loops hold (accumulators of parameter gradients) stayed as they were (an MLP
+        training step at twice the batch: at the hint's scale its 100 MiB limit left the
+        model no chunk that fit, and its chunks were floored)."""
+        if self.budget <= 0 or room <= 0:
+            return self.scale
+        fits = min(1.0, SEARCH.shrink_margin * room / max(self.used, 1))
+        return self.budget * fits / room
 
     def covers(self, avals: Sequence[jax.ShapeDtypeStruct]) -> bool:
         """Whether ``avals`` are as large as this hint's in every dimension (and as many, of the
@@ -311,8 +338,9 @@ def _resized(
     time.origin = "re-sized"
     plan = Plan(memory_limit=memory_limit, time=time)
     attempts.roll = hint.roll
+    scale = hint.scale_at(memory_limit - fixed - attempts.hidden)
     try:
-        return attempts.attempts(plan, fixed, None, hint.scale)
+        return attempts.attempts(plan, fixed, None, scale)
     except MemoryLimitError:
         time.origin = "planned"
         return None
@@ -627,6 +655,9 @@ class Search:
         low = (scale, tried.got.footprint.total - fixed)
         if any(s.floored for s in tried.plan.splits) and low[1] < SEARCH.grow_below * room:
             up = scale * min(SEARCH.grow_max, margin * room / max(low[1], 1))
+            floored = _floored_up(tried, int(margin * room) - low[1])
+            if floored is not None:  # no further than the floored splits' chunks allow
+                up = min(up, floored)
             if over is not None:  # no further than the scale measured over the limit says
                 up = min(up, _between(low, over, margin * room))
             note, tries = "grown: the smallest chunks fit", 2
@@ -740,6 +771,30 @@ class Search:
         best = None if closest is None else closest.got.footprint
         blockers = [] if closest is None else closest.blockers
         raise refusal(self.flat, self.name, self.memory_limit, plan.before, best, blockers)
+
+
+def _floored_up(tried: Tried, target: int) -> float | None:
+    """The chunk scale at which the size model sizes the floored splits of ``tried`` (which
+    fits) at chunks whose values take about ``target`` bytes (the smallest such scale over
+    them), from the model's numbers in their records; None where none carries them.
+
+    A floored chunk is sized from a share of the budget (``memsafe.split.program._floor``), not
+    from the budget the model would need, so its temporaries do not grow with the chunk scale:
+    XLA also places a small chunk's values in the outputs' buffers before those are written (an
+    MLP training step's 32-row chunks measured 280 bytes of temporaries, its 5,462-row ones
+    145 MiB, where growth in proportion to the scale took 8 times the scale). A position of
+    the axis is taken to cost all the too-large values the split's region computes
+    (``bytes / size``), or the model's bytes per position where more; at the scale returned,
+    the model's held bytes and that many positions fill the split's budget."""
+    needs = []
+    for split in tried.plan.splits:
+        if not split.floored or split.per_unit <= 0 or split.room <= 0:
+            continue
+        per_position = max(split.per_unit, -(-split.bytes // max(split.size, 1)))
+        positions = min(split.share or split.size, max(split.chunk, target // per_position))
+        width = positions + 2 * split.extend
+        needs.append((split.fixed + split.per_unit * width) / split.room)
+    return min(needs, default=None)
 
 
 def _iterations(tried: Tried) -> int:

@@ -279,7 +279,7 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
         if isinstance(inner, StagedSplit) and inner.same:
             old = _loop_bodies(closed)
             kept |= {k: b for k, b in _loop_bodies(new).items() if k not in old}
-        ctx.record(_record(graph, split, chunk, [var, *merged]))
+        ctx.record(_record(graph, split, chunk, [var, *merged], ctx.room))
         closed = new
     return closed, kept
 
@@ -332,9 +332,11 @@ def _carried_sinks(graph: Graph, region: Region) -> set[str]:
     return kinds
 
 
-def _record(graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var]) -> SplitRecord:
+def _record(
+    graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var], room: int
+) -> SplitRecord:
     """What the plan says of ``split`` at ``chunk``, splitting ``values`` (the candidate first,
-    then those its region absorbed)."""
+    then those its region absorbed), sized in ``room`` (unscaled, ``PassContext.room``)."""
     region, eqns = split.region, graph.eqns
     sinks = sorted({m.kind for m in region.sinks.values()} | _carried_sinks(graph, region))
     if any(graph.info(v).is_output for v in region.surviving):
@@ -357,6 +359,9 @@ def _record(graph: Graph, split: Split, chunk: ChunkPlan, values: list[Var]) -> 
         mesh_axes=getattr(split, "mesh_axes", ()),
         batch_mesh_axes=getattr(split, "batch_mesh_axes", ()),
         floored=chunk.floored,
+        per_unit=chunk.per_unit,
+        fixed=chunk.fixed,
+        room=room,
         ops=tuple(sorted({eqns[i].primitive.name for i in region.maps})),
         sinks=tuple(sinks),
         where=source_line(eqns[graph.info(values[0]).producer]),
