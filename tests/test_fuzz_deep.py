@@ -115,6 +115,23 @@ def test_deep_refusals_since_split(seed):
     assert result.interesting and result.outcome == "split", result.describe()
 
 
+#: Solver seeds (``--families solver``) refused before, since split. Of the sample
+#: 2026-11-29-solver-sample-6000: 6000 (``jax.scipy.sparse.linalg.cg`` under an outer
+#: ``jax.vmap``), 6021 (a fixed point per row under ``jax.vmap``) and 6023 (cg under an inner
+#: ``jax.vmap``): a while loop with a batched predicate reading a kernel matrix or weights built
+#: outside it, which the split pass moves into the loop; bound again through ``lax.while_loop``,
+#: which takes scalar predicates only, the pass failed and was skipped
+#: (tests/test_vmapped_solvers.py).
+SOLVER_REFUSED_BEFORE = (6000, 6021, 6023)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", SOLVER_REFUSED_BEFORE)
+def test_solver_refusals_since_split(seed):
+    result = run_case(forced.case_of(seed, ("solver",)))
+    assert result.interesting and result.outcome == "split", result.describe()
+
+
 def _solver_cases(variant: str) -> list[deep.DeepCase]:
     """Solver cases of ``variant`` (with and without its sub-flag) among the first seeds."""
     cases = (deep.generate_deep(seed, family="solver") for seed in range(40))

@@ -149,6 +149,17 @@ def make_closed_jaxpr(fun: Callable[..., Any], avals: Sequence[Any]) -> tuple[Cl
     return closed, jax.tree_util.tree_structure(out_shape)
 
 
+def closure_hoisted(fun: Callable[..., Any], avals: Sequence[Any]) -> tuple[ClosedJaxpr, list[Any]]:
+    """``fun`` traced at ``avals`` with the values it closes over (tracers of the trace it runs
+    in included) taken as leading inputs instead of constants: the program, with no constants,
+    and those values, to pass as its first operands (how ``lax.while_loop`` binds its bodies,
+    for a loop bound directly as a primitive)."""
+    closed, _ = make_closed_jaxpr(fun, avals)
+    jaxpr = closed.jaxpr
+    hoisted = jaxpr.replace(constvars=[], invars=[*jaxpr.constvars, *jaxpr.invars])
+    return ClosedJaxpr(hoisted, []), list(closed.consts)
+
+
 def is_var(atom: Any) -> bool:
     """Whether ``atom`` (an equation's operand) is a variable, not a literal."""
     return isinstance(atom, Var) and not isinstance(atom, Literal)

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence, Set
 from dataclasses import dataclass
 from typing import Any
 
+import jax
 from jax import lax
 
 from memsafe import policy
@@ -24,6 +25,8 @@ from memsafe._jax import (
     JaxprEqn,
     Literal,
     Var,
+    bind_eqn_with,
+    closure_hoisted,
     scan_counts,
     source_line,
 )
@@ -251,7 +254,37 @@ def _rebind_loop(
         bs = [moved[ncc + k]() if ncc + k in moved else c for k, c in enumerate(bconsts)]
         return list(body(*bs, *carry))
 
+    if bodies["cond_jaxpr"].out_avals[0].shape:
+        return _bind_batched_while(eqn, init, cond_fun, body_fun)
     return list(lax.while_loop(cond_fun, body_fun, list(init)))
+
+
+def _bind_batched_while(
+    eqn: JaxprEqn,
+    init: Sequence[Any],
+    cond_fun: Callable[[list[Any]], Any],
+    body_fun: Callable[[list[Any]], list[Any]],
+) -> list[Any]:
+    """``eqn``, a while loop whose predicate is batched (the form ``jax.vmap`` of a loop with a
+    per-position predicate takes: it runs while any position's predicate holds, and a position
+    whose predicate is false keeps its carries), bound again with the new ``cond_fun`` and
+    ``body_fun`` as the same primitive: ``lax.while_loop`` takes scalar predicates only. What
+    the functions close over (the values a moved constant is recomputed from) becomes the
+    loop's constants, as ``lax.while_loop`` makes them."""
+    avals = [
+        jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype, weak_type=v.aval.weak_type)
+        for v in eqn.outvars
+    ]
+    cond, cond_consts = closure_hoisted(lambda *carry: [cond_fun(list(carry))], avals)
+    body, body_consts = closure_hoisted(lambda *carry: body_fun(list(carry)), avals)
+    return bind_eqn_with(
+        eqn,
+        [*cond_consts, *body_consts, *init],
+        cond_jaxpr=cond,
+        body_jaxpr=body,
+        cond_nconsts=len(cond_consts),
+        body_nconsts=len(body_consts),
+    )
 
 
 def _dead_after(graph: Graph, removed_uses: set[tuple[int, int]], keep: set[Var]) -> set[int]:
