@@ -186,6 +186,17 @@ def bind_eqn_with(eqn: JaxprEqn, invals: Sequence[Any], **params: Any) -> list[A
     return bind_eqn(eqn.replace(params={**eqn.params, **params}), invals)
 
 
+def carry_positions(eqn: JaxprEqn) -> range:
+    """The operand positions of a ``while``'s or ``scan``'s carries (an empty range for any
+    other equation): after a while's predicate and body constants, after a scan's constants."""
+    if eqn.primitive.name == "while":
+        return range(eqn.params["cond_nconsts"] + eqn.params["body_nconsts"], len(eqn.invars))
+    if eqn.primitive.name == "scan":
+        consts, carries = scan_counts(eqn.params)
+        return range(consts, consts + carries)
+    return range(0)
+
+
 def scan_counts(params: dict[str, Any]) -> tuple[int, int]:
     """(constants, carries) among a ``scan`` equation's operands; the scanned inputs follow.
 

@@ -40,8 +40,8 @@ from memsafe._jax import (
     Literal,
     Var,
     bind_eqn,
+    carry_positions,
     nbytes_of_aval,
-    scan_counts,
 )
 from memsafe.context import PassContext
 from memsafe.graph.bodies import bodies, with_bodies
@@ -57,23 +57,14 @@ def _filled(eqn: JaxprEqn) -> bool:
     """Whether ``eqn`` broadcasts a literal scalar: a value made from no data."""
     if eqn.primitive.name != "broadcast_in_dim":
         return False
-    (operand,) = eqn.invars[:1]
+    operand = eqn.invars[0]
     return isinstance(operand, Literal) and np.ndim(operand.val) == 0
 
 
 def _held(eqn: JaxprEqn) -> list[int]:
     """The operand positions of ``eqn`` whose values it holds as a buffer of its own: a loop's
     carries, an in-place update's target."""
-    name = eqn.primitive.name
-    if name == "while":
-        start = eqn.params["cond_nconsts"] + eqn.params["body_nconsts"]
-        return list(range(start, len(eqn.invars)))
-    if name == "scan":
-        consts, carries = scan_counts(eqn.params)
-        return list(range(consts, consts + carries))
-    if name in IN_PLACE:
-        return [0]
-    return []
+    return [0] if eqn.primitive.name in IN_PLACE else list(carry_positions(eqn))
 
 
 def _tieable(dtype: Any) -> bool:
@@ -118,11 +109,10 @@ def _last(
 
 
 def _numeric(dtype: Any) -> bool:
+    """Whether ``dtype`` is a number or a bool (not an extended dtype such as a PRNG key's)."""
     try:
-        return bool(
-            jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_)
-        ) and not jnp.issubdtype(dtype, jnp.dtype("V"))
-    except TypeError:  # extended dtypes (PRNG keys)
+        return bool(jnp.issubdtype(dtype, jnp.number) or jnp.issubdtype(dtype, jnp.bool_))
+    except TypeError:
         return False
 
 
