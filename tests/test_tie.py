@@ -155,3 +155,40 @@ def test_memsafe_fits_the_rounds_under_a_third_of_jax_jit_temporaries():
     assert plan.after.total <= limit
     assert any(getattr(r, "pass_name", "") == "tie" for r in plan.records)
     assert_like_jit(got, f, *args)
+
+
+def _stacking(k: int, reverse: bool):
+    """``k`` rounds, each a ``lax.scan`` over the rows whose stacked outputs the next reads."""
+
+    def f(x):
+        h = x
+        for _ in range(k):
+
+            def body(c, row):
+                y = jnp.tanh(row @ jnp.ones((8, 32)))
+                return c + y[0], (y, c)
+
+            _, (ys, cs) = lax.scan(body, 0.0, h, reverse=reverse)
+            h = h + jnp.tanh(ys @ jnp.ones((32, 8))) + cs[:, None]
+        return h
+
+    return f
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scans_stacked_outputs_are_carried_buffers_made_after_its_operands(reverse):
+    """XLA lowers a scan's stacked outputs into buffers made from no data: six rounds held one
+    per round. Carried and written row by row, made after the scan's operand, they share."""
+    x = _inputs(5)[0]
+    f = _stacking(6, reverse)
+    closed, new, ctx = _tied(f, x)
+    (record,) = ctx.plan.records
+    # both stacked outputs of every round but the first (which reads the input alone)
+    assert record.description.startswith("10 buffers")
+    assert "float32[1686, 32] stacked by scan" in record.description
+    before, after = _temps(_fun(closed), x), _temps(_fun(new), x)
+    assert before > 6 * N * 32 * 4
+    assert after < 3 * N * 32 * 4
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(_fun(new))(x)[0]), np.asarray(jax.jit(_fun(closed))(x)[0])
+    )

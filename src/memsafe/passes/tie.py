@@ -42,10 +42,11 @@ from memsafe._jax import (
     bind_eqn,
     carry_positions,
     nbytes_of_aval,
+    scan_counts,
 )
 from memsafe.context import PassContext
 from memsafe.graph.bodies import bodies, with_bodies
-from memsafe.graph.interpret import retrace
+from memsafe.graph.interpret import evaluate, retrace
 from memsafe.plan import PassRecord
 from memsafe.primitives import IN_PLACE
 
@@ -136,9 +137,23 @@ def _sites(jaxpr: Any) -> tuple[dict[Var, JaxprEqn], dict[int, list[int]]]:
     return made, sites
 
 
+def _stacked(eqn: JaxprEqn) -> list[int]:
+    """The positions, among a ``scan``'s stacked outputs, of those worth tying: the buffers
+    its lowering makes from no data and writes row by row."""
+    if eqn.primitive.name != "scan":
+        return []
+    _, carries = scan_counts(eqn.params)
+    floor = policy.REWRITE.tie_min_bytes
+    return [
+        k
+        for k, v in enumerate(eqn.outvars[carries:])
+        if nbytes_of_aval(v.aval) >= floor and _tieable(v.aval.dtype)
+    ]
+
+
 def _any_site(closed: ClosedJaxpr) -> bool:
     """Whether ``closed``, or a body or branch it runs, holds a value worth tying."""
-    if _sites(closed.jaxpr)[1]:
+    if _sites(closed.jaxpr)[1] or any(_stacked(e) for e in closed.jaxpr.eqns):
         return True
     return any(_any_site(b) for e in closed.jaxpr.eqns for b in bodies(e))
 
@@ -164,6 +179,15 @@ def _tie(closed: ClosedJaxpr, records: list[str]) -> ClosedJaxpr:
             dims = src.params["broadcast_dimensions"]
             new[k] = _tied(src.invars[0].val, aval.shape, dims, aval.dtype, zero)
             records.append(f"{aval.dtype}{list(aval.shape)} into {eqn.primitive.name}")
+        stacked = _stacked(eqn)
+        if stacked:
+            dep = _last(eqn, new, (), made, made_at)
+            if dep is not None:
+                _, carries = scan_counts(eqn.params)
+                for k in stacked:
+                    aval = eqn.outvars[carries + k].aval
+                    records.append(f"{aval.dtype}{list(aval.shape)} stacked by scan")
+                return _carried(eqn, new, _tie(eqn.params["jaxpr"], records), stacked, dep)
         if bodies(eqn):
             got = with_bodies(eqn, new, lambda b: _tie(b, records))
             if got is not None:
@@ -173,6 +197,41 @@ def _tie(closed: ClosedJaxpr, records: list[str]) -> ClosedJaxpr:
         return bind_eqn(eqn, new)
 
     return retrace(closed, override)
+
+
+def _carried(
+    eqn: JaxprEqn, invals: list[Any], body: ClosedJaxpr, stacked: list[int], dep: Any
+) -> list[Any]:
+    """``eqn``, a ``scan``, run again with ``body`` and its stacked outputs at ``stacked``
+    carried as buffers made after ``dep`` (:func:`_tied`) and written row by row
+    (``dynamic_update_slice``, as XLA lowers stacked outputs, whose buffers it makes from no
+    data): the same values."""
+    consts_n, carries = scan_counts(eqn.params)
+    length, reverse = eqn.params["length"], eqn.params["reverse"]
+    consts = invals[:consts_n]
+    init, xs = invals[consts_n : consts_n + carries], invals[consts_n + carries :]
+    ys = [v.aval for v in eqn.outvars[carries:]]
+    zero = _zero(dep)
+    bufs = [_tied(0, ys[k].shape, (), ys[k].dtype, zero) for k in stacked]
+
+    def step(state: tuple, x: list[Any]) -> tuple:
+        i, carry, held = state
+        outs = evaluate(body, [*consts, *carry, *x])
+        at = length - 1 - i if reverse else i
+        rows = outs[carries:]
+        held = [lax.dynamic_update_index_in_dim(b, rows[k], at, 0) for b, k in zip(held, stacked)]
+        rest = [y for k, y in enumerate(rows) if k not in stacked]
+        return (i + 1, outs[:carries], held), rest
+
+    start = (jnp.int32(0), list(init), bufs)
+    unroll = eqn.params.get("unroll", 1)
+    (_, carry, held), rest = lax.scan(
+        step, start, list(xs), length=length, reverse=reverse, unroll=unroll
+    )
+    out, rest = list(carry), list(rest)
+    for k in range(len(ys)):
+        out.append(held[stacked.index(k)] if k in stacked else rest.pop(0))
+    return out
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
