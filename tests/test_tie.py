@@ -192,3 +192,36 @@ def test_a_scans_stacked_outputs_are_carried_buffers_made_after_its_operands(rev
     np.testing.assert_array_equal(
         np.asarray(jax.jit(_fun(new))(x)[0]), np.asarray(jax.jit(_fun(closed))(x)[0])
     )
+
+
+@pytest.mark.parametrize(
+    "reverse, unroll, with_xs", [(False, 1, True), (True, 2, True), (False, 3, False)]
+)
+def test_a_converted_scan_keeps_every_output(reverse, unroll, with_xs):
+    """Carries, small and large stacked outputs, integer ones, a length-only scan: the same
+    values after the conversion, bit for bit."""
+    rng = np.random.default_rng(7)
+    x = jnp.asarray(rng.normal(size=(300, 16)), jnp.float32)
+
+    def f(x):
+        h = jnp.tanh(x) * 2  # made in the program: a dependency worth tying to
+
+        def body(c, row):
+            s, n = c
+            row = h[n % 300] if row is None else row
+            y = jnp.sin(row) * s
+            return (s + jnp.sum(y), n + 1), (y, s, (row * 7).astype(jnp.int32), y[:2])
+
+        xs = h if with_xs else None
+        (s, n), ys = lax.scan(
+            body, (jnp.float32(1), jnp.int32(0)), xs, length=300, reverse=reverse, unroll=unroll
+        )
+        return s, n, *ys
+
+    closed, new, ctx = _tied(f, x)
+    assert "stacked by scan" in ctx.plan.records[0].description
+    got, want = jax.jit(_fun(new))(x), jax.jit(_fun(closed))(x)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
