@@ -372,3 +372,26 @@ def test_rules_skipped_by_needs_leave_matches_alone():
     closed = jax.make_jaxpr(lambda x, y: x @ y.T)(x, y)
     assert find_matches(closed, [rule], measure=False) == []
     assert rule._forms == {}
+
+
+def test_sum_of_product_keeps_what_the_products_sum_to_for_nan_and_inf():
+    """sum(A @ B) factored as sum(A, 0) . sum(B, 1) gave -inf where the products summed to NaN
+    (fuzz seed 7313: a -inf in A against a column of B of both signs); every non-finite kind
+    now comes out as the n x k x m products sum to (float64 reference)."""
+    from memsafe.rules.linalg import sum_of_product
+
+    rng = np.random.default_rng(0)
+    kinds = [np.nan, np.inf, -np.inf, 0.0, 1.5, -2.0]
+    run = jax.jit(sum_of_product)
+    for _ in range(400):
+        a = rng.normal(size=(5, 3)).astype(np.float32)
+        b = rng.normal(size=(3, 4)).astype(np.float32)
+        for _ in range(rng.integers(1, 4)):
+            (a if rng.random() < 0.5 else b).flat[rng.integers(0, 12)] = kinds[rng.integers(6)]
+        with np.errstate(invalid="ignore"):
+            want = np.sum(a.astype(np.float64)[:, :, None] * b.astype(np.float64)[None])
+        got = float(run(a, b))
+        if np.isfinite(want):
+            assert np.isclose(got, want, rtol=1e-4, atol=1e-4), (a, b, got, want)
+        else:
+            assert got == want or (np.isnan(got) and np.isnan(want)), (a, b, got, want)

@@ -17,9 +17,44 @@ def trace_of_product(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     return jnp.sum(a * b.T)
 
 
+def _kinds(x: jnp.ndarray, axis: int) -> dict[str, jnp.ndarray]:
+    """Per position of the other axis of ``x``: whether some element along ``axis`` is NaN,
+    +inf, -inf, zero, finite positive, finite negative."""
+    finite = jnp.isfinite(x)
+    return {
+        "nan": jnp.any(jnp.isnan(x), axis),
+        "pinf": jnp.any(x == jnp.inf, axis),
+        "ninf": jnp.any(x == -jnp.inf, axis),
+        "zero": jnp.any(x == 0, axis),
+        "pos": jnp.any(finite & (x > 0), axis),
+        "neg": jnp.any(finite & (x < 0), axis),
+    }
+
+
 def sum_of_product(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
-    """sum(A @ B) = (1^T A)(B 1): two reductions and a dot of vectors."""
-    return jnp.dot(jnp.sum(a, axis=0), jnp.sum(b, axis=1))
+    """sum(A @ B) = (1^T A)(B 1): two reductions and a dot of vectors.
+
+    Exact for finite inputs. Where an input is not finite, the sum of the products is what
+    IEEE gives the n x k x m products, found from which kinds of values each column of A and
+    row of B hold: NaN where a product is NaN (a NaN, or an infinity times a zero) or where
+    +inf and -inf products meet, else the infinity some product is, else the factored sum. The
+    factored form alone gave -inf where the products summed to NaN (fuzz seed 7313)."""
+    total = jnp.dot(jnp.sum(a, axis=0), jnp.sum(b, axis=1))
+    if not jnp.issubdtype(a.dtype, jnp.floating) or not a.size or not b.size:
+        return total
+    x, y = _kinds(a, 0), _kinds(b, 1)
+    inf_x, inf_y = x["pinf"] | x["ninf"], y["pinf"] | y["ninf"]
+    up_y, down_y = y["pos"] | y["pinf"], y["neg"] | y["ninf"]
+    nan = jnp.any(x["nan"] | y["nan"] | (inf_x & y["zero"]) | (x["zero"] & inf_y))
+    pinf = jnp.any(
+        (x["pinf"] & up_y) | (x["ninf"] & down_y) | (x["pos"] & y["pinf"]) | (x["neg"] & y["ninf"])
+    )
+    ninf = jnp.any(
+        (x["pinf"] & down_y) | (x["ninf"] & up_y) | (x["pos"] & y["ninf"]) | (x["neg"] & y["pinf"])
+    )
+    total = jnp.where(ninf, -jnp.inf, total).astype(total.dtype)
+    total = jnp.where(pinf, jnp.inf, total).astype(total.dtype)
+    return jnp.where(nan | (pinf & ninf), jnp.nan, total).astype(total.dtype)
 
 
 DIAG = Rule(
@@ -49,7 +84,7 @@ SUM = Rule(
     lambda a, b: jnp.sum(a @ b),
     sum_of_product,
     shapes="n k, k m",
-    dtypes=(jnp.floating, jnp.complexfloating),
+    dtypes=(jnp.floating,),  # the non-finite cases are worked out for real numbers only
     description="sum(A @ B) -> sum(A, 0) . sum(B, 1)",
     needs=[("reduce_sum", "dot_general")],
     check_replacement=False,  # checked by tests/test_rules_builtin.py
