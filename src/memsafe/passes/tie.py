@@ -151,21 +151,25 @@ def _stacked(eqn: JaxprEqn) -> list[int]:
     ]
 
 
-def _any_site(closed: ClosedJaxpr) -> bool:
-    """Whether ``closed``, or a body or branch it runs, holds a value worth tying."""
-    if _sites(closed.jaxpr)[1] or any(_stacked(e) for e in closed.jaxpr.eqns):
+def _any_site(closed: ClosedJaxpr, sites: dict[int, list[int]] | None = None) -> bool:
+    """Whether ``closed``, or a body or branch it runs, holds a value worth tying (``sites``:
+    its own, where :func:`_sites` found them already)."""
+    eqns = closed.jaxpr.eqns
+    if sites is None:
+        sites = _sites(closed.jaxpr)[1]
+    if sites or any(_stacked(e) for e in eqns):
         return True
-    return any(_any_site(b) for e in closed.jaxpr.eqns for b in bodies(e))
+    return any(_any_site(b) for e in eqns for b in bodies(e))
 
 
 def _tie(closed: ClosedJaxpr, records: list[str]) -> ClosedJaxpr:
     """``closed`` with its values made from no data tied to the operands of the loops and
     updates that hold them, and so are its loops' bodies and branches (``closed`` itself where
     none is)."""
-    if not _any_site(closed):
-        return closed
     jaxpr = closed.jaxpr
     made, sites = _sites(jaxpr)
+    if not _any_site(closed, sites):
+        return closed
     made_at = {v: i for i, e in enumerate(jaxpr.eqns) for v in e.outvars}
 
     def override(i: int, eqn: JaxprEqn, invals: list[Any]) -> Sequence[Any] | None:

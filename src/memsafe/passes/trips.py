@@ -34,6 +34,7 @@ from jax import lax
 from memsafe._jax import (
     ClosedJaxpr,
     JaxprEqn,
+    carry_positions,
     dce,
     nbytes_of_aval,
     source_line,
@@ -81,8 +82,7 @@ def _couples(eqn: JaxprEqn) -> bool:
 
 def _carry_bytes(eqn: JaxprEqn, needed: Sequence[int]) -> tuple[int, int]:
     """(bytes of the carries at ``needed``, bytes of all the loop's carries)."""
-    c, b = _counts(eqn)
-    sizes = [nbytes_of_aval(v.aval) for v in eqn.invars[c + b :]]
+    sizes = [nbytes_of_aval(eqn.invars[k].aval) for k in carry_positions(eqn)]
     return sum(sizes[j] for j in needed), sum(sizes)
 
 
@@ -148,7 +148,7 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     for i, needed in chosen.items():
         eqn = closed.jaxpr.eqns[i]
         counting, total = _carry_bytes(eqn, needed)
-        carries = len(eqn.invars) - sum(_counts(eqn))
+        carries = len(carry_positions(eqn))
         ctx.record(
             PassRecord(
                 "trips",

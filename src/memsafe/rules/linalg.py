@@ -52,9 +52,9 @@ def sum_of_product(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
     ninf = jnp.any(
         (x["pinf"] & down_y) | (x["ninf"] & up_y) | (x["pos"] & y["ninf"]) | (x["neg"] & y["pinf"])
     )
-    total = jnp.where(ninf, -jnp.inf, total).astype(total.dtype)
-    total = jnp.where(pinf, jnp.inf, total).astype(total.dtype)
-    return jnp.where(nan | (pinf & ninf), jnp.nan, total).astype(total.dtype)
+    total = jnp.where(ninf, -jnp.inf, total)
+    total = jnp.where(pinf, jnp.inf, total)
+    return jnp.where(nan | (pinf & ninf), jnp.nan, total)
 
 
 DIAG = Rule(
