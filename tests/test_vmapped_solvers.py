@@ -110,12 +110,6 @@ def _sinkhorn(x: jax.Array, y: jax.Array, eps: float = 0.5, tol: float = 1e-3) -
     return jnp.dot(u, (k * c) @ v), it
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=memsafe.MemoryLimitError,
-    reason="the split runs the loop once per problem (the kernel passes through it along the "
-    "batch) and one problem's kernel is still too large: no split inside the chunk's loop yet",
-)
 def test_a_vmapped_sinkhorn_recomputes_its_kernels_inside_the_loop():
     """Three transport problems of 512 x 384 points, each stopping at its own tolerance."""
     xs = 0.5 * jax.random.normal(jax.random.key(2), (3, 512, 3))

@@ -32,7 +32,7 @@ from memsafe.graph.bodies import bodies, with_bodies
 from memsafe.graph.interpret import inline_calls, retrace
 from memsafe.plan import PassRecord, SplitRecord
 from memsafe.rewrite import invariants
-from memsafe.split.body import makes_whole
+from memsafe.split.body import makes_whole, mark_makes_whole
 from memsafe.split.emit import Split, emit, unwrapped
 from memsafe.split.planner import absorbed, best_split, candidates
 from memsafe.split.region import Region
@@ -119,7 +119,7 @@ def _largest_inside(eqn: JaxprEqn) -> int:
     replayed loop makes its term whole in each iteration, wherever it sits: in a chunk loop's
     body, or in its first or last chunk, a call under ``jax.checkpoint``."""
     own = eqn.primitive.name in LOOP_BODIES
-    return max((_largest_made(b.jaxpr, own) for b in bodies(eqn)), default=0)
+    return max((_largest_made(b.jaxpr, own or makes_whole(b)) for b in bodies(eqn)), default=0)
 
 
 @functools.lru_cache(maxsize=256)
@@ -140,7 +140,7 @@ def _largest_made(jaxpr: Any, own: bool) -> int:
             inner = inner_jaxpr(eqn)
             largest = max(largest, 0 if inner is None else _largest_made(inner.jaxpr, True))
         elif sub := bodies(eqn):  # a chunk body: what its split sized, but for replays
-            largest = max(largest, _largest_made(sub[0].jaxpr, False))
+            largest = max(largest, _largest_made(sub[0].jaxpr, makes_whole(sub[0])))
     return largest
 
 
@@ -174,7 +174,7 @@ def _split_bodies(
             floored_held=ctx.floored_held,
             held=ctx.held,
         )
-        if eqn.primitive.name in LOOP_BODIES:
+        if eqn.primitive.name in LOOP_BODIES or any(makes_whole(b) for b in bodies(eqn)):
             out = with_bodies(eqn, invals, lambda b: split_program(inline_calls(b), sub))
         else:  # the replayed loops in a call
             out = with_bodies(eqn, invals, lambda b: _split_bodies(inline_calls(b), kept, sub))
@@ -275,6 +275,8 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
         if chunk.floored:
             ctx.block(_floor_blocker(graph, var, split.region.seed_axis, chunk))
         new = emit(closed, graph, split, chunk.chunk)
+        if chunk.floored:
+            _mark_chunk_bodies(closed, new)
         inner = unwrapped(split)
         if isinstance(inner, StagedSplit) and inner.same:
             old = _loop_bodies(closed)
@@ -282,6 +284,27 @@ def _split_top(closed: ClosedJaxpr, ctx: PassContext) -> tuple[ClosedJaxpr, dict
         ctx.record(_record(graph, split, chunk, [var, *merged], ctx.room))
         closed = new
     return closed, kept
+
+
+def _mark_chunk_bodies(old: ClosedJaxpr, new: ClosedJaxpr) -> None:
+    """Mark the chunk bodies a split at a floored chunk emitted (the calls under
+    ``jax.checkpoint`` in its chunk loops' bodies, and its first or last chunk beside them) as
+    making values whole (:func:`memsafe.split.body.mark_makes_whole`): the size model expected
+    even the smallest chunk over the budget, so each is split again as a program of its own (a
+    batch of transport problems taken one by one, each problem's cost matrix still too large
+    to hold: it is made inside the problem's solver loop, in chunks)."""
+    before = _loop_bodies(old)
+    for eqn in new.jaxpr.eqns:
+        for body in bodies(eqn):
+            if id(body.jaxpr) in before:
+                continue
+            if eqn.primitive.name not in LOOP_BODIES:  # a first or last chunk
+                mark_makes_whole(body)
+                continue
+            for inner in body.jaxpr.eqns:  # a chunk loop: its chunk body
+                if inner.primitive.name not in LOOP_BODIES:
+                    for chunk_body in bodies(inner):
+                        mark_makes_whole(chunk_body)
 
 
 def _chosen(
