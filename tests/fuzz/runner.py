@@ -190,10 +190,14 @@ def _run(case: Case | DeepCase, result: Result) -> None:
     problems = accuracy.check(ms_out, jit_out, ref, jit_errors)
     if problems:
         # jax.jit's fused kernels may round a recomputed value differently from JAX's own
-        # semantics (tests/fuzz/unfused.py): then memsafe is held to the unfused answer
+        # semantics (tests/fuzz/unfused.py), or give a NaN another sign (which top_k and sort
+        # order by): then memsafe is held to the unfused answer, its NaN and infinities where
+        # that answer has them and its values within jax.jit's own error of it. The float64
+        # reference follows jax.jit's kernels, not that answer (seed 7374: a top_k whose rows
+        # hold a NaN in the unfused answer and not in jax.jit's compares other entries)
         with _x64(case):  # a float64 case's program, as its arguments were made
             unfused_out = unfused.evaluate(wrapper.ref(ns), args)
-        if not accuracy.check(ms_out, unfused_out, ref, jit_errors):
+        if not accuracy.check(ms_out, unfused_out, unfused_out, jit_errors):
             result.message = "jax.jit differs from its unfused evaluation: " + "; ".join(problems)
             problems = []
     if problems:
