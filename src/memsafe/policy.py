@@ -97,7 +97,11 @@ class RewritePolicy:
         tie_min_bytes: values made from no data smaller than this are left where XLA makes
             them (the tie pass: a loop's or update's buffer made after its operands).
         invariant_min_bytes: loop constants smaller than this are left alone (holding them
-            costs nothing worth a rewrite).
+            costs nothing worth a rewrite), unless they take at least ``invariant_room_share``
+            of the room for temporaries (:meth:`invariant_floor`).
+        invariant_room_share: see ``invariant_min_bytes``: a 16 KiB causal mask a transformer
+            step's attention loops hold is a tenth of a 160 KiB room (fuzz seed 7560 fits with
+            it recomputed, 402.1 KiB under 413.9 KiB; held, the best was 433.5 KiB).
         small_leaf_bytes: a generator may read values up to this size from outside (scalars,
             small vectors).
         max_cone: longest generator chain recomputed per iteration.
@@ -123,6 +127,7 @@ class RewritePolicy:
     constant_min_bytes: int = 4096
     tie_min_bytes: int = 4096
     invariant_min_bytes: int = 64 * 1024
+    invariant_room_share: int = 16
     small_leaf_bytes: int = 64 * 1024
     max_cone: int = 256
     min_peak_gain: float = 0.25
@@ -131,6 +136,14 @@ class RewritePolicy:
     period_min: int = 8
     min_gemm_depth: int = 6
     centre_sample: int = 64
+
+    def invariant_floor(self, room: int) -> int:
+        """Bytes from which a loop constant is recomputed inside its loop, for ``room`` bytes of
+        room for temporaries: ``invariant_min_bytes``, or a ``invariant_room_share``-th of the
+        room where that is less (never under ``constant_min_bytes``), so that a program and its
+        limit scaled down together move the same constants."""
+        share = room // self.invariant_room_share
+        return max(self.constant_min_bytes, min(self.invariant_min_bytes, share))
 
 
 @dataclass(frozen=True)

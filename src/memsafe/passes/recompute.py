@@ -18,22 +18,25 @@ compile options on the CPU, XLA already writes it into the output buffer and rep
 
 from __future__ import annotations
 
+from memsafe import policy
 from memsafe._jax import ClosedJaxpr
 from memsafe.context import PassContext
 from memsafe.plan import PassRecord
-from memsafe.rewrite.invariants import transform
+from memsafe.rewrite.invariants import Moving, transform
 
-#: Its program is a function of the program alone (the search runs it once per program it is
-#: given: attempts whose earlier passes chose alike share it).
+#: Its program is a function of the program and the room for temporaries alone, the same in
+#: every attempt of a search (the search runs it once per program it is given: attempts whose
+#: earlier passes chose alike share it).
 SCALE_FREE = True
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     """Recompute the cheap loop-invariant values of ``closed`` (the defaults of
-    :class:`memsafe.rewrite.invariants.Moving`) inside the bodies of the loops that read them, at
-    every depth; records each move."""
+    :class:`memsafe.rewrite.invariants.Moving`, from
+    :meth:`memsafe.policy.RewritePolicy.invariant_floor` of the room) inside the bodies of the
+    loops that read them, at every depth; records each move."""
     records: list[PassRecord] = []
-    new = transform(closed, records)
+    new = transform(closed, records, moving=Moving(policy.REWRITE.invariant_floor(ctx.room)))
     for rec in records:
         ctx.record(rec)
     return new

@@ -206,7 +206,7 @@ def _invariants_inside(
     ``[batch, heads, L, L]``), so that splitting a body chunks them with the rest; held
     outside, they stay whole beside the split body. Done after the top-level split, which may
     slice them per chunk instead; kept loops stay as they are. Then :func:`_unheld_inside`."""
-    floor = max(policy.REWRITE.invariant_min_bytes, ctx.temp_budget // policy.SPLIT.share)
+    floor = max(policy.REWRITE.invariant_floor(ctx.room), ctx.temp_budget // policy.SPLIT.share)
     skip = lambda e: _is_kept(e, kept)
     closed = _moved(closed, ctx, invariants.Moving(floor, skip=skip))
     return _unheld_inside(closed, ctx, skip=skip)
