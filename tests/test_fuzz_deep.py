@@ -105,8 +105,11 @@ def test_deep_share_of_seeds():
 #: update and its weight gradient (5.16 MB at best for 4.55 MB; from the pieces, 4.42 MB). Of
 #: the campaign 2026-11-28-campaign-3000: 4064, 4135 and 4215, CNN training steps under an outer
 #: ``jax.vmap`` whose convolutions fold the vmapped batch into their batch axis (reshapes that
-#: regroup it, ``Regrouped``) and whose kernel gradients are grouped by it (``Grouped``).
-REFUSED_BEFORE = (142, 347, 521, 527, 4064, 4135, 4215)
+#: regroup it, ``Regrouped``) and whose kernel gradients are grouped by it (``Grouped``). Of the
+#: campaign 2026-11-29-campaign-7000: 7560, a transformer training step whose 16 KiB causal mask
+#: the attention loops held, a tenth of its room (recomputed in them since the floor for loop
+#: constants is relative to the room, ``policy.REWRITE.invariant_floor``).
+REFUSED_BEFORE = (142, 347, 521, 527, 4064, 4135, 4215, 7560)
 
 
 @pytest.mark.parametrize("seed", REFUSED_BEFORE)

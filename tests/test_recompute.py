@@ -145,3 +145,26 @@ def test_the_split_makes_large_invariants_inside_the_bodies_it_splits():
     assert moved and moved[0] < last_split, plan  # moved by the split pass, before its splits
     assert plan.after.total <= 3 * mask_bytes, plan
     np.testing.assert_allclose(f(ws, x), memsafe_jit(_layers_under_a_causal_mask)(ws, x), rtol=2e-5)
+
+
+@pytest.mark.parametrize(("room", "moves"), [(64 << 20, False), (160 << 10, True)])
+def test_the_floor_for_moving_a_constant_follows_the_room(room, moves):
+    """A 16 KiB mask read by a loop: under the 64 KiB floor, it is held where the room is large,
+    and recomputed inside the loop where it is a tenth of the room (a program and its limit
+    scaled down together move the same constants)."""
+
+    def f(x):
+        mask = jnp.broadcast_to(jnp.tril(jnp.ones((128, 128), bool)), (1, 128, 128))
+
+        def body(i, v):
+            return jnp.where(mask, v * 0.5, v)
+
+        return jax.lax.fori_loop(0, 3, body, x)
+
+    x = jnp.ones((1, 128, 128))
+    closed = inline_calls(jax.make_jaxpr(f)(x))
+    ctx = PassContext(memory_limit=room, fixed_bytes=0, plan=Plan(room))
+    new = recompute.run(closed, ctx)
+    assert bool(ctx.plan.records) == moves, ctx.plan.records
+    got = eval_jaxpr(new.jaxpr, new.consts, x)[0]
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(f(x)))
