@@ -395,3 +395,23 @@ def test_sum_of_product_keeps_what_the_products_sum_to_for_nan_and_inf():
             assert np.isclose(got, want, rtol=1e-4, atol=1e-4), (a, b, got, want)
         else:
             assert got == want or (np.isnan(got) and np.isnan(want)), (a, b, got, want)
+
+
+def test_sum_of_product_gradient_is_the_products_sums_for_nan_and_inf():
+    """The non-finite fix-up's selects had a zero derivative wherever the sum was NaN or
+    infinite, so a gradient through the rewrite was zero where jax.jit's is finite (fuzz seed
+    10014: a NaN in B zeroed the whole gradient of A's partner). The gradient is now that of
+    sum(A @ B) for every kind of value, NaN and infinities where jax.jit has them."""
+    from memsafe.rules.linalg import sum_of_product
+
+    rng = np.random.default_rng(1)
+    kinds = [np.nan, np.inf, -np.inf, 0.0, 1.5, -2.0]
+    got_fn = jax.jit(jax.grad(sum_of_product, argnums=(0, 1)))
+    want_fn = jax.jit(jax.grad(lambda a, b: jnp.sum(a @ b), argnums=(0, 1)))
+    for _ in range(200):
+        a = rng.normal(size=(5, 3)).astype(np.float32)
+        b = rng.normal(size=(3, 4)).astype(np.float32)
+        for _ in range(rng.integers(0, 4)):
+            (a if rng.random() < 0.5 else b).flat[rng.integers(0, 12)] = kinds[rng.integers(6)]
+        for got, want in zip(got_fn(a, b), want_fn(a, b)):
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, equal_nan=True)
