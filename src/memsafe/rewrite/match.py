@@ -11,7 +11,7 @@ user's source line) and dead code is dropped; this repeats until no rule fires.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
@@ -80,7 +80,8 @@ def find_matches(
             if match is None or match.region & claimed:
                 continue
             rule = variant.rule
-            record = _record(match, eqn, measure or rule.min_bytes_saved is not None)
+            where = _where(eqns, index, match.region)
+            record = _record(match, where, measure or rule.min_bytes_saved is not None)
             if rule.min_bytes_saved is not None and record.bytes_saved < rule.min_bytes_saved:
                 continue
             claimed |= match.region
@@ -89,7 +90,17 @@ def find_matches(
     return found
 
 
-def _record(match: Match, eqn: Any, measure: bool) -> RuleRecord:
+def _where(eqns: Sequence[Any], root: int, region: Collection[int]) -> str:
+    """The user's source line of a match: its root's, else the latest matched equation's that
+    has one (a root inside a library function, the ``sqrt`` of ``jnp.linalg.norm``, has none)."""
+    for index in (root, *sorted(region, reverse=True)):
+        where = source_line(eqns[index])
+        if where:
+            return where
+    return ""
+
+
+def _record(match: Match, where: str, measure: bool) -> RuleRecord:
     variant = match.variant
     saved_bytes, saved_flops = 0, 0.0
     try:
@@ -102,7 +113,7 @@ def _record(match: Match, eqn: Any, measure: bool) -> RuleRecord:
     detail = f"{variant.label}; inputs {shapes}" + (f" ({sizes})" if sizes else "")
     return RuleRecord(
         rule=variant.rule.name,
-        where=source_line(eqn),
+        where=where,
         bytes_saved=int(saved_bytes),
         flops_saved=int(saved_flops),
         detail=detail,

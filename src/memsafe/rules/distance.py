@@ -53,13 +53,16 @@ def _normalize(v: jnp.ndarray) -> jnp.ndarray:
     return v / jnp.linalg.norm(v, axis=-1, keepdims=True)
 
 
+#: The sums of squares. A squared norm, ``norm(x_i - y_j) ** 2``, is left to :data:`L2DIST`
+#: (its norm becomes ``sqrt`` of the expansion, then squared): its gradient is the norm's, NaN
+#: over the whole of both rows where the distance is NaN, infinite or zero, which the sum of
+#: squares' exact gradient is not (a NaN in one coordinate of ``x_i`` made jax.jit's gradient of
+#: ``x_i`` and of every ``y_j`` NaN, and memsafe's only at that coordinate).
 SQDIST = Rule(
     "pairwise_sqdist",
     [
         lambda x, y: jnp.sum(_diff(x, y) ** 2, axis=-1),
         lambda x, y: jnp.sum(_rdiff(x, y) ** 2, axis=-1),
-        lambda x, y: jnp.linalg.norm(_diff(x, y), axis=-1) ** 2,
-        lambda x, y: jnp.linalg.norm(_rdiff(x, y), axis=-1) ** 2,
     ],
     sqdist_gemm,
     shapes="n d, m d",

@@ -8,14 +8,61 @@ import jax.numpy as jnp
 from memsafe.rules.pattern import Rule
 
 
+@jax.custom_vjp
 def diag_of_product(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
-    """diag(A @ B)_i = sum_k A_ik B_ki: row-wise sums of products, no n x n matrix."""
+    """diag(A @ B)_i = sum_k A_ik B_ki: row-wise sums of products, no n x n matrix; its
+    gradient is the product's, non-finite values included (:func:`_diagonal_cotangents`)."""
     return jnp.sum(a * b.T, axis=1)
 
 
+def _diag_fwd(a: jnp.ndarray, b: jnp.ndarray) -> tuple[jnp.ndarray, tuple]:
+    return diag_of_product(a, b), (a, b)
+
+
+def _diag_bwd(res: tuple, g: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    return _diagonal_cotangents(*res, g)
+
+
+diag_of_product.defvjp(_diag_fwd, _diag_bwd)
+
+
+@jax.custom_vjp
 def trace_of_product(a: jnp.ndarray, b: jnp.ndarray) -> jnp.ndarray:
-    """trace(A @ B) = sum_ik A_ik B_ki."""
+    """trace(A @ B) = sum_ik A_ik B_ki; its gradient is the product's, non-finite values
+    included (:func:`_diagonal_cotangents`)."""
     return jnp.sum(a * b.T)
+
+
+def _trace_fwd(a: jnp.ndarray, b: jnp.ndarray) -> tuple[jnp.ndarray, tuple]:
+    return trace_of_product(a, b), (a, b)
+
+
+def _trace_bwd(res: tuple, g: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    a, _ = res
+    return _diagonal_cotangents(*res, jnp.broadcast_to(g, a.shape[:1]))
+
+
+trace_of_product.defvjp(_trace_fwd, _trace_bwd)
+
+
+def _diagonal_cotangents(
+    a: jnp.ndarray, b: jnp.ndarray, g: jnp.ndarray
+) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """The cotangents of A (n x k) and B (k x n) for the cotangent ``g`` (n) of diag(A @ B), as
+    the product's gradient gives them: ``dA = G @ B.T`` and ``dB = A.T @ G`` with ``G`` the n x n
+    matrix of ``g`` on its diagonal and zeros elsewhere. Its zeros meet every other entry of the
+    row of B (column of A): ``dA_ik = g_i B_ki``, NaN where ``B_kj`` is not finite for some
+    ``j != i`` (``0 * inf``, ``0 * nan``), and likewise for ``dB``. Without them a NaN in B gave
+    a NaN in one entry of dA where jax.jit gives a NaN column."""
+    da = g[:, None] * b.T
+    db = a.T * g[None, :]
+    bad_b = ~jnp.isfinite(b)  # k x n
+    bad_a = ~jnp.isfinite(a)  # n x k
+    # the row k of B has a non-finite entry outside column i (count over the row, less B_ki's)
+    other_b = jnp.sum(bad_b, axis=1)[None, :] - bad_b.T.astype(jnp.int32) > 0  # n x k
+    other_a = jnp.sum(bad_a, axis=0)[:, None] - bad_a.T.astype(jnp.int32) > 0  # k x n
+    nan = jnp.asarray(jnp.nan, da.dtype)
+    return jnp.where(other_b, nan, da), jnp.where(other_a, nan, db)
 
 
 def _kinds(x: jnp.ndarray, axis: int) -> dict[str, jnp.ndarray]:
