@@ -97,6 +97,53 @@ def test_a_batched_while_loop_splits_wherever_it_sits(where):
     _fits(fun, (w, ys, jnp.asarray(1)))
 
 
+@pytest.mark.parametrize("where", ["cond", "jit", "fori", "custom_jvp", "custom_vjp", "named_call"])
+def test_a_matrix_the_loop_reads_is_made_in_chunks_wherever_the_loop_sits(where):
+    """A Sinkhorn loop reading a cost matrix made outside it, the loop inside a cond branch, a
+    nested jit, a fori_loop's body (the matrix read by both loops), a custom_jvp or custom_vjp
+    function, or a named call: the matrix is made in chunks inside the loop, under a quarter of
+    jax.jit's temporaries, with jax.jit's answers."""
+    n, m = 600, 700
+    x, y = iterative._clouds(n, m, 3)
+
+    def solve(c):
+        return iterative.sinkhorn_solve(c, every=5, most=40)
+
+    @jax.custom_jvp
+    def with_jvp(c):
+        return solve(c)
+
+    with_jvp.defjvp(lambda p, t: (with_jvp(*p), (jnp.zeros(n), jnp.zeros(m))))
+
+    @jax.custom_vjp
+    def with_vjp(c):
+        return solve(c)
+
+    with_vjp.defvjp(lambda c: (with_vjp(c), None), lambda r, g: (None,))
+
+    def twice(c):
+        def step(i, fg):
+            return tuple(a * 0.5 + b for a, b in zip(fg, solve(c + i)))
+
+        return lax.fori_loop(0, 2, step, (jnp.zeros(n), jnp.zeros(m)))
+
+    placed = {
+        "cond": lambda c, flag: lax.cond(flag > 0, solve, lambda c: (c[:, 0], c[0]), c),
+        "jit": lambda c, flag: jax.jit(solve)(c),
+        "fori": lambda c, flag: twice(c),
+        "custom_jvp": lambda c, flag: with_jvp(c),
+        "custom_vjp": lambda c, flag: with_vjp(c),
+        "named_call": lambda c, flag: jax.named_call(solve, name="inner")(c),
+    }[where]
+
+    def fun(x, y, flag):
+        c = iterative._sqdist(x, y)
+        return iterative._dual(*placed(c, flag), c)
+
+    plan = _fits(fun, (x, y, jnp.asarray(1)))
+    assert n * m * 4 > plan.memory_limit  # the matrix alone is over the limit: never held whole
+
+
 def _accumulating(stop_on_sum: bool):
     """A fixed-count while loop over a batch that also sums a statistic over the batch into a
     carry (a gradient accumulated over examples); or, with ``stop_on_sum``, stops when that
