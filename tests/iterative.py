@@ -447,9 +447,34 @@ def diffrax_ode(adaptive: bool = False, batch: int = 1024, d: int = 64, h: int =
     return jax.value_and_grad(loss), (_params(d, h), y0)
 
 
+def lineax_cg(n: int = 2000, d: int = 3, batch: int = 0) -> Program:
+    """``b^T K^{-1} b`` through lineax's ``linear_solve`` with its ``CG`` solver (an equinox
+    primitive whose implementation runs the while loop; lineax differentiates it by solving
+    again), the kernel made outside the solve; value and gradient in the points and the length
+    scale. With ``batch``, that many right-hand sides solved under ``jax.vmap``."""
+    import lineax as lx
+
+    def loss(x: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+        k = jnp.exp(-0.5 * _sqdist(x, x) / scale**2) + 2.0 * jnp.eye(x.shape[0])
+        operator = lx.MatrixLinearOperator(k, lx.positive_semidefinite_tag)
+        solver = lx.CG(rtol=1e-3, atol=1e-3, max_steps=2000)
+
+        def solve(rhs: jax.Array) -> jax.Array:
+            return jnp.dot(rhs, lx.linear_solve(operator, rhs, solver=solver).value)
+
+        return jnp.sum(jax.vmap(solve)(b)) if batch else solve(b)
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(k1, (n, d))
+    b = jax.random.normal(k2, (batch, n) if batch else (n,))
+    return jax.value_and_grad(loss, (0, 2)), (x, b, jnp.asarray(0.5))
+
+
 LIBRARY: dict[str, Callable[[], Program]] = {
     "ott_value": ott_sinkhorn,
     "ott_grad": lambda: ott_sinkhorn(grad=True),
     "diffrax_fixed": diffrax_ode,
     "diffrax_adaptive": lambda: diffrax_ode(adaptive=True),
+    "lineax_cg": lineax_cg,
+    "lineax_cg_vmap": lambda: lineax_cg(batch=4),
 }

@@ -8,6 +8,8 @@ JAX upgrade touches this file alone. Other modules import these names from ``mem
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -60,6 +62,46 @@ def inner_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
             if isinstance(sub, Jaxpr):
                 return ClosedJaxpr(sub, ())
     return None
+
+
+def implementation_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """The jaxpr of a primitive defined outside JAX by its implementation, traced at ``eqn``'s
+    operands: equinox's filter primitives (lineax's ``linear_solve``, under ``jax.vmap`` its
+    ``vprim``) define ``impl`` as JAX code and lower by tracing it (``mlir.lower_fun``), so the
+    jaxpr is what XLA compiles for the equation. None for JAX's own primitives (their ``impl``
+    dispatches the primitive itself) and where tracing fails."""
+    impl = getattr(eqn.primitive, "impl", None)
+    fn = impl.func if isinstance(impl, functools.partial) else impl
+    module = getattr(inspect.getmodule(fn), "__name__", "") if fn is not None else ""
+    if not module or module.split(".")[0] in ("jax", "jaxlib"):
+        return None
+    avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
+    params = dict(eqn.params)
+    try:
+        closed = jax.make_jaxpr(lambda *xs: impl(*xs, **params))(*avals)
+    except Exception:  # a rule that needs concrete values, or another JAX version's internals
+        return None
+    outs = closed.out_avals
+    want = [v.aval for v in eqn.outvars]
+    if len(outs) != len(want) or any(
+        (a.shape, a.dtype) != (b.shape, b.dtype) for a, b in zip(outs, want)
+    ):
+        return None
+    return closed
+
+
+def runs_primitive(jaxpr: Any, names: Any) -> bool:
+    """Whether ``jaxpr`` (a Jaxpr or ClosedJaxpr), or a program one of its equations holds in its
+    parameters (a call's body, a loop's, a branch), has an equation of a primitive in ``names``."""
+    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name in names:
+            return True
+        for value in eqn.params.values():
+            for held in value if isinstance(value, tuple | list) else (value,):
+                if isinstance(held, ClosedJaxpr | Jaxpr) and runs_primitive(held, names):
+                    return True
+    return False
 
 
 def checkpointed_like(eqn: JaxprEqn, run: Callable[..., Any]) -> Callable[..., Any]:

@@ -15,6 +15,7 @@ from typing import Any, Protocol, TypeVar
 import jax
 import numpy as np
 
+from memsafe import primitives
 from memsafe._jax import (
     CUSTOM_DIFF_PRIMITIVES,
     ClosedJaxpr,
@@ -22,10 +23,12 @@ from memsafe._jax import (
     Literal,
     bind_eqn,
     cond_branches,
+    implementation_jaxpr,
     inner_jaxpr,
     is_tracer,
     make_closed_jaxpr,
     platform_index_value,
+    runs_primitive,
 )
 
 #: An override receives (equation index, equation, input values) and returns the output values,
@@ -245,11 +248,25 @@ def _inliner(keep_custom_derivatives: bool) -> Override:
         if eqn.primitive.name == "custom_linear_solve" and not keep_custom_derivatives:
             return _linear_solve(eqn, invals, override)
         sub = inner_jaxpr(eqn)
+        if sub is None and not keep_custom_derivatives:
+            sub = _looping_implementation(eqn)
         if sub is None:
             return None
         return evaluate(sub, invals, override)
 
     return override
+
+
+def _looping_implementation(eqn: JaxprEqn) -> ClosedJaxpr | None:
+    """A primitive defined outside JAX by JAX code that runs a loop (lineax's ``linear_solve``:
+    a conjugate gradient's ``while``), as that code (:func:`memsafe._jax.implementation_jaxpr`):
+    like ``custom_linear_solve``, its own rules only tell JAX how to differentiate and batch it,
+    and inlined, its loop is a loop of the program, whose invariants (the operator's matrix) can
+    move into it. Without a loop (equinox's ``unvmap_any``, a select) it stays one equation."""
+    sub = implementation_jaxpr(eqn)
+    if sub is None or not runs_primitive(sub, primitives.LOOPS):
+        return None
+    return sub
 
 
 def _linear_solve(eqn: JaxprEqn, invals: list[Any], override: Override) -> Sequence[Any]:
