@@ -70,11 +70,9 @@ def implementation_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
     ``vprim``) define ``impl`` as JAX code and lower by tracing it (``mlir.lower_fun``), so the
     jaxpr is what XLA compiles for the equation. None for JAX's own primitives (their ``impl``
     dispatches the primitive itself) and where tracing fails."""
-    impl = getattr(eqn.primitive, "impl", None)
-    fn = impl.func if isinstance(impl, functools.partial) else impl
-    module = getattr(inspect.getmodule(fn), "__name__", "") if fn is not None else ""
-    if not module or module.split(".")[0] in ("jax", "jaxlib"):
+    if not _implemented_outside_jax(eqn.primitive):
         return None
+    impl = eqn.primitive.impl
     avals = [jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype) for v in eqn.invars]
     params = dict(eqn.params)
     try:
@@ -88,6 +86,16 @@ def implementation_jaxpr(eqn: JaxprEqn) -> ClosedJaxpr | None:
     ):
         return None
     return closed
+
+
+@functools.cache
+def _implemented_outside_jax(primitive: Any) -> bool:
+    """Whether ``primitive``'s implementation is a function of a module outside JAX (once per
+    primitive: every equation of every program is asked)."""
+    impl = getattr(primitive, "impl", None)
+    fn = impl.func if isinstance(impl, functools.partial) else impl
+    module = getattr(inspect.getmodule(fn), "__name__", "") if fn is not None else ""
+    return bool(module) and module.split(".")[0] not in ("jax", "jaxlib")
 
 
 def runs_primitive(jaxpr: Any, names: Any) -> bool:
