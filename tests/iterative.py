@@ -447,6 +447,23 @@ def diffrax_ode(adaptive: bool = False, batch: int = 1024, d: int = 64, h: int =
     return jax.value_and_grad(loss), (_params(d, h), y0)
 
 
+def lineax_gmres(n: int = 1500, d: int = 3) -> Program:
+    """``b^T K^{-1} b`` for a kernel matrix scaled column by column (not symmetric) through
+    lineax's ``GMRES``: its gradient solves with the transposed matrix, made outside the loop
+    from the same kernel; value and gradient in the points and the length scale."""
+    import lineax as lx
+
+    def loss(x: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+        k = jnp.exp(-0.5 * _sqdist(x, x) / scale**2) * (1.0 + jnp.arange(n)[None, :] / n)
+        operator = lx.MatrixLinearOperator(k + 2.0 * jnp.eye(n))
+        solver = lx.GMRES(rtol=1e-3, atol=1e-3, max_steps=500, restart=20)
+        return jnp.dot(b, lx.linear_solve(operator, b, solver=solver).value)
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x, b = jax.random.normal(k1, (n, d)), jax.random.normal(k2, (n,))
+    return jax.value_and_grad(loss, (0, 2)), (x, b, jnp.asarray(0.5))
+
+
 def lineax_cg(n: int = 2000, d: int = 3, batch: int = 0) -> Program:
     """``b^T K^{-1} b`` through lineax's ``linear_solve`` with its ``CG`` solver (an equinox
     primitive whose implementation runs the while loop; lineax differentiates it by solving
@@ -477,4 +494,5 @@ LIBRARY: dict[str, Callable[[], Program]] = {
     "diffrax_adaptive": lambda: diffrax_ode(adaptive=True),
     "lineax_cg": lineax_cg,
     "lineax_cg_vmap": lambda: lineax_cg(batch=4),
+    "lineax_gmres": lineax_gmres,
 }

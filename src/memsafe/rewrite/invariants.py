@@ -46,9 +46,10 @@ Takes = Callable[[JaxprEqn, int], bool]
 #: Primitives a value that cannot be held at all may be recomputed with per iteration, besides
 #: :data:`IN_LOOP`: reductions and matrix products (a distance matrix ``sum((x[:, None] - y) ** 2,
 #: -1)`` or ``x @ y.T`` read by every iteration of a Sinkhorn loop). KeOps and geomloss recompute
-#: such a matrix in every iteration; holding it is what does not fit. A union of the table's live
-#: sets: it follows ``memsafe.primitives.declare``.
-UNHELD = IN_LOOP | REDUCTIONS | {"dot_general"}
+#: such a matrix in every iteration; holding it is what does not fit. And transposes: the
+#: gradient of a solve with a matrix that is not symmetric solves with its transpose (lineax's
+#: GMRES). A union of the table's live sets: it follows ``memsafe.primitives.declare``.
+UNHELD = IN_LOOP | REDUCTIONS | {"dot_general", "transpose"}
 
 
 def _never(eqn: JaxprEqn) -> bool:
