@@ -447,6 +447,24 @@ def diffrax_ode(adaptive: bool = False, batch: int = 1024, d: int = 64, h: int =
     return jax.value_and_grad(loss), (_params(d, h), y0)
 
 
+def optimistix_fixed_point(n: int = 2000, d: int = 3) -> Program:
+    """The fixed point of ``z = tanh(K z / n) + b`` by optimistix's ``fixed_point`` (its
+    iteration in equinox's while loop), the kernel made outside it; the value only (its
+    gradient factors the dense Jacobian by LU, which needs the whole matrix)."""
+    import optimistix as optx
+
+    def fun(x: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
+        k = jnp.exp(-0.5 * _sqdist(x, x) / scale**2) / x.shape[0]
+        solver = optx.FixedPointIteration(rtol=1e-5, atol=1e-5)
+        step = lambda z, args: jnp.tanh(args[0] @ z) + args[1]
+        sol = optx.fixed_point(step, solver, jnp.zeros_like(b), args=(k, b), max_steps=100)
+        return jnp.sum(sol.value**2)
+
+    k1, k2 = jax.random.split(jax.random.key(0))
+    x, b = jax.random.normal(k1, (n, d)), jax.random.normal(k2, (n,))
+    return fun, (x, b, jnp.asarray(1.3))
+
+
 def lineax_gmres(n: int = 1500, d: int = 3) -> Program:
     """``b^T K^{-1} b`` for a kernel matrix scaled column by column (not symmetric) through
     lineax's ``GMRES``: its gradient solves with the transposed matrix, made outside the loop
@@ -495,4 +513,5 @@ LIBRARY: dict[str, Callable[[], Program]] = {
     "lineax_cg": lineax_cg,
     "lineax_cg_vmap": lambda: lineax_cg(batch=4),
     "lineax_gmres": lineax_gmres,
+    "optimistix_fixed_point": optimistix_fixed_point,
 }

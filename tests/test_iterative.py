@@ -271,9 +271,9 @@ def test_iterative_solvers_fit_a_quarter_of_jax_jits_temporaries(name):
 
 @pytest.mark.parametrize("name", sorted(iterative.LIBRARY))
 def test_library_solvers_fit(name):
-    """ott-jax's Sinkhorn, diffrax's diffeqsolve and lineax's CG and GMRES, called as
-    their users call them."""
-    pytest.importorskip(name.split("_")[0])  # the library's module: ott, diffrax, lineax
+    """ott-jax's Sinkhorn, diffrax's diffeqsolve, lineax's CG and GMRES and optimistix's fixed
+    point, called as their users call them."""
+    pytest.importorskip(name.split("_")[0])  # the library's module: ott, diffrax, lineax, ...
     fun, args = iterative.LIBRARY[name]()
     _fits(fun, args)
 
