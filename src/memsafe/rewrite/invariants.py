@@ -32,7 +32,7 @@ from memsafe._jax import (
 )
 from memsafe.graph import Graph, evaluate, evaluate_eqns, inline_calls, retrace
 from memsafe.plan import PassRecord
-from memsafe.primitives import CONTROL, FUSIBLE, LOOPS, REDUCTIONS
+from memsafe.primitives import CONTROL, FUSIBLE, LOOPS, REDUCTIONS, STREAMED
 
 #: Primitives recomputed inside every loop iteration: those XLA fuses into their consumer (not
 #: :data:`memsafe.primitives.CHEAP`, which says what a split region recomputes per chunk).
@@ -46,10 +46,11 @@ Takes = Callable[[JaxprEqn, int], bool]
 #: Primitives a value that cannot be held at all may be recomputed with per iteration, besides
 #: :data:`IN_LOOP`: reductions and matrix products (a distance matrix ``sum((x[:, None] - y) ** 2,
 #: -1)`` or ``x @ y.T`` read by every iteration of a Sinkhorn loop). KeOps and geomloss recompute
-#: such a matrix in every iteration; holding it is what does not fit. And transposes: the
-#: gradient of a solve with a matrix that is not symmetric solves with its transpose (lineax's
-#: GMRES). A union of the table's live sets: it follows ``memsafe.primitives.declare``.
-UNHELD = IN_LOOP | REDUCTIONS | {"dot_general", "transpose"}
+#: such a matrix in every iteration; holding it is what does not fit. Transposes too (the
+#: table's streamed primitives, :data:`IN_LOOP` and transposes): the gradient of a solve with a
+#: matrix that is not symmetric solves with its transpose (lineax's GMRES). A union of the
+#: table's live sets: it follows ``memsafe.primitives.declare``.
+UNHELD = STREAMED | REDUCTIONS | {"dot_general"}
 
 
 def _never(eqn: JaxprEqn) -> bool:
