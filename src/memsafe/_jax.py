@@ -101,15 +101,10 @@ def _implemented_outside_jax(primitive: Any) -> bool:
 def runs_primitive(jaxpr: Any, names: Any) -> bool:
     """Whether ``jaxpr`` (a Jaxpr or ClosedJaxpr), or a program one of its equations holds in its
     parameters (a call's body, a loop's, a branch), has an equation of a primitive in ``names``."""
-    jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name in names:
-            return True
-        for value in eqn.params.values():
-            for held in value if isinstance(value, tuple | list) else (value,):
-                if isinstance(held, ClosedJaxpr | Jaxpr) and runs_primitive(held, names):
-                    return True
-    return False
+    return any(
+        eqn.primitive.name in names or any(runs_primitive(j, names) for j in jaxprs_in_params(eqn))
+        for eqn in getattr(jaxpr, "jaxpr", jaxpr).eqns
+    )
 
 
 def checkpointed_like(eqn: JaxprEqn, run: Callable[..., Any]) -> Callable[..., Any]:

@@ -36,6 +36,7 @@ from memsafe._jax import (
     lapack_waits_on_its_pool,
     make_closed_jaxpr,
     programs,
+    runs_primitive,
 )
 from memsafe.graph.interpret import evaluate, retrace
 from memsafe.primitives import LAPACK
@@ -64,7 +65,7 @@ def ordered(fun: Callable[..., Any]) -> Callable[..., Any]:
 
 def calls_lapack(jaxpr: Jaxpr) -> bool:
     """Whether ``jaxpr`` or a jaxpr inside one of its equations calls LAPACK."""
-    return any(_eqn_calls_lapack(e) for e in jaxpr.eqns)
+    return runs_primitive(jaxpr, LAPACK)
 
 
 def _eqn_calls_lapack(eqn: JaxprEqn) -> bool:

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 
 from memsafe import log, policy
-from memsafe._jax import ClosedJaxpr, Jaxpr, jaxprs_in_params
+from memsafe._jax import ClosedJaxpr, runs_primitive
 from memsafe.flops import jaxpr_flops
 from memsafe.plan import Plan
 from memsafe.xla import Footprint
@@ -64,17 +64,8 @@ def worth_tuning(program: ClosedJaxpr, options: Mapping[str, Any], user: Mapping
     if jax.default_backend() != "cpu" or YNN_OPTION in user or options.get(YNN_OPTION) != "":
         return False
     return (
-        _has_products(program.jaxpr)
+        runs_primitive(program.jaxpr, {"dot_general"})  # the candidate changes nothing else
         and jaxpr_flops(program.jaxpr.eqns) >= policy.TUNING.above_flops
-    )
-
-
-def _has_products(jaxpr: Jaxpr) -> bool:
-    """Whether ``jaxpr`` or a jaxpr it runs has a ``dot_general`` (the candidate changes
-    nothing else)."""
-    return any(
-        eqn.primitive.name == "dot_general" or any(map(_has_products, jaxprs_in_params(eqn)))
-        for eqn in jaxpr.eqns
     )
 
 
