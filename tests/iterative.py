@@ -447,6 +447,17 @@ def diffrax_ode(adaptive: bool = False, batch: int = 1024, d: int = 64, h: int =
     return jax.value_and_grad(loss), (_params(d, h), y0)
 
 
+def _rbf(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """The Gaussian kernel matrix of the rows of ``x``, made outside the solvers below."""
+    return jnp.exp(-0.5 * _sqdist(x, x) / scale**2)
+
+
+def _points_and_vector(n: int, d: int, batch: int = 0) -> tuple[jax.Array, jax.Array]:
+    """``n`` points in ``d`` dimensions and a right-hand side (``batch`` of them, if given)."""
+    k1, k2 = jax.random.split(jax.random.key(0))
+    return jax.random.normal(k1, (n, d)), jax.random.normal(k2, (batch, n) if batch else (n,))
+
+
 def optimistix_fixed_point(n: int = 2000, d: int = 3) -> Program:
     """The fixed point of ``z = tanh(K z / n) + b`` by optimistix's ``fixed_point`` (its
     iteration in equinox's while loop), the kernel made outside it; the value only (its
@@ -454,15 +465,13 @@ def optimistix_fixed_point(n: int = 2000, d: int = 3) -> Program:
     import optimistix as optx
 
     def fun(x: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
-        k = jnp.exp(-0.5 * _sqdist(x, x) / scale**2) / x.shape[0]
+        k = _rbf(x, scale) / x.shape[0]
         solver = optx.FixedPointIteration(rtol=1e-5, atol=1e-5)
         step = lambda z, args: jnp.tanh(args[0] @ z) + args[1]
         sol = optx.fixed_point(step, solver, jnp.zeros_like(b), args=(k, b), max_steps=100)
         return jnp.sum(sol.value**2)
 
-    k1, k2 = jax.random.split(jax.random.key(0))
-    x, b = jax.random.normal(k1, (n, d)), jax.random.normal(k2, (n,))
-    return fun, (x, b, jnp.asarray(1.3))
+    return fun, (*_points_and_vector(n, d), jnp.asarray(1.3))
 
 
 def lineax_gmres(n: int = 1500, d: int = 3) -> Program:
@@ -472,14 +481,12 @@ def lineax_gmres(n: int = 1500, d: int = 3) -> Program:
     import lineax as lx
 
     def loss(x: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
-        k = jnp.exp(-0.5 * _sqdist(x, x) / scale**2) * (1.0 + jnp.arange(n)[None, :] / n)
+        k = _rbf(x, scale) * (1.0 + jnp.arange(n)[None, :] / n)
         operator = lx.MatrixLinearOperator(k + 2.0 * jnp.eye(n))
         solver = lx.GMRES(rtol=1e-3, atol=1e-3, max_steps=500, restart=20)
         return jnp.dot(b, lx.linear_solve(operator, b, solver=solver).value)
 
-    k1, k2 = jax.random.split(jax.random.key(0))
-    x, b = jax.random.normal(k1, (n, d)), jax.random.normal(k2, (n,))
-    return jax.value_and_grad(loss, (0, 2)), (x, b, jnp.asarray(0.5))
+    return jax.value_and_grad(loss, (0, 2)), (*_points_and_vector(n, d), jnp.asarray(0.5))
 
 
 def lineax_cg(n: int = 2000, d: int = 3, batch: int = 0) -> Program:
@@ -490,7 +497,7 @@ def lineax_cg(n: int = 2000, d: int = 3, batch: int = 0) -> Program:
     import lineax as lx
 
     def loss(x: jax.Array, b: jax.Array, scale: jax.Array) -> jax.Array:
-        k = jnp.exp(-0.5 * _sqdist(x, x) / scale**2) + 2.0 * jnp.eye(x.shape[0])
+        k = _rbf(x, scale) + 2.0 * jnp.eye(x.shape[0])
         operator = lx.MatrixLinearOperator(k, lx.positive_semidefinite_tag)
         solver = lx.CG(rtol=1e-3, atol=1e-3, max_steps=2000)
 
@@ -499,10 +506,7 @@ def lineax_cg(n: int = 2000, d: int = 3, batch: int = 0) -> Program:
 
         return jnp.sum(jax.vmap(solve)(b)) if batch else solve(b)
 
-    k1, k2 = jax.random.split(jax.random.key(0))
-    x = jax.random.normal(k1, (n, d))
-    b = jax.random.normal(k2, (batch, n) if batch else (n,))
-    return jax.value_and_grad(loss, (0, 2)), (x, b, jnp.asarray(0.5))
+    return jax.value_and_grad(loss, (0, 2)), (*_points_and_vector(n, d, batch), jnp.asarray(0.5))
 
 
 LIBRARY: dict[str, Callable[[], Program]] = {
