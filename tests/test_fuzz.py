@@ -37,7 +37,7 @@ def test_random_program(seed):
 
 
 #: Seeds of programs a campaign found answered wrongly, each fixed since (tests/fuzz/FOUND.md).
-FOUND = (258, 448, 501, 716, 1871, 1937, 2548, 3194, 3919, 7313, 7374, 10014)
+FOUND = (258, 448, 501, 716, 1871, 1937, 2548, 3194, 3919, 7313, 7374, 10014, 10468)
 
 
 @pytest.mark.parametrize("seed", FOUND)
@@ -46,16 +46,22 @@ def test_found_by_campaigns(seed):
     assert not result.failed, result.describe()
 
 
-#: Campaign seeds still answered wrongly (tests/fuzz/FOUND.md, open): strict xfails, so that a
-#: fix shows here. 10468: ``top_k`` over a negated NaN whose sign XLA's fusion sets.
-OPEN = (10468,)
+def test_unfused_evaluation_can_give_the_nans_top_k_orders_one_sign():
+    """A NaN's sign is unspecified, and ``top_k`` orders by it (seed 10468; ``lax.sort`` does
+    not): the unfused evaluation gives every NaN it orders the sign asked for, and only those."""
+    from tests.fuzz import unfused
 
+    x = jnp.array([1.0, jnp.nan, 3.0, -jnp.nan, 2.0], jnp.float32)
 
-@pytest.mark.xfail(strict=True, reason="open in tests/fuzz/FOUND.md")
-@pytest.mark.parametrize("seed", OPEN)
-def test_open_wrong_answers_found_by_campaigns(seed):
-    result = run_seed(seed)
-    assert not result.failed, result.describe()
+    def f(x):
+        return jax.lax.top_k(x, 2)[1], jax.lax.top_k(x * 2.0, 5)[0], x * 1.0
+
+    plain, neg, pos = (unfused.evaluate(f, (x,), sign) for sign in (None, True, False))
+    assert plain[0].tolist() == [1, 2]  # +NaN first, -NaN last
+    assert neg[0].tolist() == [2, 4] and np.signbit(neg[1][-2:]).all()
+    assert pos[0].tolist() == [1, 3] and not np.signbit(pos[1][:2]).any()
+    for out in (neg, pos):  # values no top_k orders keep their sign
+        assert np.array_equal(np.signbit(out[2]), np.signbit(np.asarray(x)))
 
 
 #: Campaign seeds memsafe once split and later refused (tests/fuzz/FOUND.md): each must split.
