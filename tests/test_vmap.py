@@ -185,3 +185,43 @@ def test_vmap_runs_unchanged_where_jax_jits_batched_program_fits(mode, times):
     assert plans and all(p.fits_unchanged and p.after.total <= limit for p in plans)
     for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(jitted(params, x, y))):
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_a_batch_no_batched_program_fits_runs_one_element_at_a_time():
+    """A CNN training step under ``jax.vmap`` (batch 3 of 4 images): the batch folds into the
+    convolutions' images, and no rewrite of the batched program fits a limit just above one
+    element's own footprint plus the batch's arguments and outputs (fuzz seed 10193, issue 39);
+    the batch then runs as a ``lax.map`` of the step, verified under the limit, with jax.jit's
+    answers."""
+    from jax import lax
+
+    def model(kernels, x):
+        h = x
+        for i, k in enumerate(kernels):
+            h = lax.conv_general_dilated(h, k, (1, 1), "SAME", dimension_numbers=_NHWC)
+            h = jax.nn.relu(h)
+            if i == 1:
+                h = lax.reduce_window(h, -jnp.inf, lax.max, (1, 3, 3, 1), (1, 2, 2, 1), "VALID")
+        return jnp.mean(h**2)
+
+    step = jax.value_and_grad(model)
+    kk, kx = jax.random.split(jax.random.PRNGKey(0))
+    kernels = [
+        0.2 * jax.random.normal(jax.random.fold_in(kk, i), (3, 3, 2 if i == 0 else 16, 16))
+        for i in range(3)
+    ]
+    x = jax.random.normal(kx, (3, 4, 24, 24, 2))
+    batched = memsafe_jit(jax.vmap(step, (None, 0)))
+    one = Footprint.from_compiled(memsafe_jit(step).lower(kernels, x[0]).compile())
+    limit = 1_750_000  # jax.jit's batched program: 5.3 MB; one step: 1.6 MB
+    assert one.total < limit < Footprint.from_compiled(batched.lower(kernels, x).compile()).total
+    safe = memsafe.jit(step, memory_limit=limit)
+    got = jax.vmap(safe, (None, 0))(kernels, x)
+    (plan,) = batched_plans(safe)
+    assert not plan.fits_unchanged and plan.after.total <= limit
+    assert plan.records[0].pass_name == "one at a time" and "batch of 3" in str(plan)
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(batched(kernels, x))):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.abs(r).max()))
+
+
+_NHWC = ("NHWC", "HWIO", "NHWC")

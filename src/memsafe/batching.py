@@ -5,6 +5,10 @@ is: its chunks grow by the batch size and its footprint by about as much. A
 :class:`BatchedProgram` is instead a ``jax.custom_batching.custom_vmap`` whose batching rule
 re-plans the *original* function, vmapped, at the batched shapes under the same limit (and
 compiles it with memsafe's own options); nested ``vmap`` re-plans again, one level at a time.
+Where no rewrite of the batched program fits, the batch runs one element at a time
+(``lax.map`` of the function, planned and verified under the limit as any program): its footprint
+is the batched arguments and outputs and one element's temporaries, which fits wherever the
+unbatched program's plan leaves room for the batch's arguments and outputs.
 
 It is placed inside the ``custom_vjp`` of :mod:`memsafe.gradient` (in its primal, forward and
 backward functions): a ``custom_vmap`` outside a ``custom_vjp`` cannot be differentiated.
@@ -29,6 +33,9 @@ import jax
 from jax.custom_batching import custom_vmap
 
 from memsafe import _jax
+from memsafe.errors import MemoryLimitError
+from memsafe.limits import format_bytes
+from memsafe.plan import PassRecord, Plan
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -145,7 +152,15 @@ class BatchedProgram:
                 for a, b in zip(self.program.avals, in_batched)
             ]
             name = f"{self.name} under vmap (batch {axis_size})"
-            program = self.build(source, avals, name)
+            try:
+                program = self.build(source, avals, name)
+            except MemoryLimitError as batched_error:
+                one_at_a_time = _one_at_a_time(self.source, in_batched)
+                try:
+                    program = self.build(one_at_a_time, avals, f"{name}, one at a time")
+                except MemoryLimitError:
+                    raise batched_error from None
+                _record_one_at_a_time(program.plan, axis_size, batched_error)
             child = BatchedProgram(source, program, self.build, self.name, self.warned)
             self._children[key] = child
         return child
@@ -165,6 +180,37 @@ def _user_level() -> int:
     while frame is not None and frame.f_code.co_filename.startswith(skip):
         frame, level = frame.f_back, level + 1
     return level
+
+
+def _one_at_a_time(
+    source: Callable[..., list[Any]], in_batched: tuple[bool, ...]
+) -> Callable[..., list[Any]]:
+    """``vmap(source)`` as a sequential ``lax.map`` over the batch axis (first) of the arguments
+    flagged in ``in_batched``; every output gets the batch axis first, as under ``vmap``."""
+
+    def run(*flat: Any) -> list[Any]:
+        def one(batched: list[Any]) -> list[Any]:
+            rows = iter(batched)
+            return list(source(*(next(rows) if b else x for x, b in zip(flat, in_batched))))
+
+        return jax.lax.map(one, [x for x, b in zip(flat, in_batched) if b])
+
+    return run
+
+
+def _record_one_at_a_time(plan: Plan, axis_size: int, batched_error: MemoryLimitError) -> None:
+    """Say in ``plan`` that the batch runs one element at a time, and why."""
+    best = batched_error.footprint
+    reached = f" (best footprint reached {format_bytes(best)})" if best is not None else ""
+    plan.fits_unchanged = False
+    plan.records.insert(
+        0,
+        PassRecord(
+            "one at a time",
+            f"no rewrite of the batched program fits{reached}: the batch of {axis_size} runs "
+            "as a lax.map of the function, one element after another",
+        ),
+    )
 
 
 def _with_batch_axis(aval: jax.ShapeDtypeStruct, size: int) -> jax.ShapeDtypeStruct:
