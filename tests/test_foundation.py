@@ -157,6 +157,7 @@ def test_pipeline_is_the_pass_modules_in_order():
         constants,
         distribute,
         fission,
+        fold,
         hoist,
         inplace,
         match_replace,
@@ -172,6 +173,7 @@ def test_pipeline_is_the_pass_modules_in_order():
     )
 
     assert (
+        fold,
         match_replace,
         reorder,
         unflatten,
@@ -190,8 +192,8 @@ def test_pipeline_is_the_pass_modules_in_order():
     ) == passes.PIPELINE
     names = [name for name, _ in passes.named_passes()]
     assert names == [
-        "match_replace", "reorder", "unflatten", "inplace", "hoist", "distribute", "roll", "remat",
-        "fission", "trips", "split",
+        "fold", "match_replace", "reorder", "unflatten", "inplace", "hoist", "distribute", "roll",
+        "remat", "fission", "trips", "split",
         "schedule", "recompute", "constants", "tie",
     ]  # fmt: skip
 

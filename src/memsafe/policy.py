@@ -120,6 +120,11 @@ class RewritePolicy:
             it, the elementwise form is left to XLA's fusion (and to splitting, for memory).
         centre_sample: rows of each input a distance's centre is estimated from (an evenly
             strided sample).
+        fold_bytes: values computed from no argument up to this size are evaluated while
+            planning and put in the program as constants (the fold pass: XLA folds them in
+            jax.jit's program, and a split loop would compute them at run time otherwise).
+        fold_work_bytes: the largest value the fold pass evaluates to fold what is computed
+            from it (a broadcast of ones summed).
     """
 
     share_of_budget: float = 0.5
@@ -136,6 +141,8 @@ class RewritePolicy:
     period_min: int = 8
     min_gemm_depth: int = 6
     centre_sample: int = 64
+    fold_bytes: int = 4096
+    fold_work_bytes: int = 16 << 20
 
     def invariant_floor(self, room: int) -> int:
         """Bytes from which a loop constant is recomputed inside its loop, for ``room`` bytes of

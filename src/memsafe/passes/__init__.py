@@ -14,6 +14,7 @@ from memsafe.passes import (
     constants,
     distribute,
     fission,
+    fold,
     hoist,
     inplace,
     match_replace,
@@ -31,6 +32,7 @@ from memsafe.passes.base import Pass, Rewrite
 
 #: The full pipeline: every pass, in the order the driver runs them on a program to fit a limit.
 PIPELINE: tuple[Pass, ...] = (
+    fold,
     match_replace,
     reorder,
     unflatten,
