@@ -7,10 +7,13 @@ split axis), where XLA cannot fold it and computes it at run time with its own k
 division by a constant becomes a multiplication by the reciprocal, fused with what follows (fuzz
 seed 11300: ``1 + sum(-ones(8800)) / 8800`` folded is 0, computed in memsafe's loop -6.8e-9, and a
 gradient jax.jit returns as exactly zero came out 2.1e-6). This pass evaluates every equation
-whose operands are all known (literals, the program's constants, values it evaluated) and puts
-each small result (``policy.REWRITE.fold_bytes``) in the program as a constant; larger known
-values stay as the equations that make them (a broadcast the split regenerates per chunk) and
-are evaluated only to fold what is computed from them, up to ``policy.REWRITE.fold_work_bytes``.
+whose operands are all known (literals, the program's constants, values it evaluated) and that
+leads to a small result (``policy.REWRITE.fold_bytes``) computed from a larger argument-free
+value, and puts each such result in the program as a constant. The larger values stay as the
+equations that make them (a broadcast the split regenerates per chunk) and are evaluated only to
+fold what is computed from them, up to ``policy.REWRITE.fold_work_bytes``; a small value made
+from small ones (an ``iota`` of a few positions) stays where XLA makes it, as it would stay out
+of a split's loop.
 
 Each equation is evaluated alone, as XLA's folding evaluates it. Equations with effects, with
 programs in their parameters (loops, calls, custom derivatives) and with values of extended
@@ -35,14 +38,13 @@ SCALE_FREE = True
 
 
 def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
-    """``closed`` with its small argument-free values as constants (unchanged where none)."""
-    known = _known_values(closed)
-    folded = {
-        var
-        for eqn in closed.jaxpr.eqns
-        for var in eqn.outvars
-        if var in known and nbytes_of_aval(var.aval) <= policy.REWRITE.fold_bytes
-    }
+    """``closed`` with its small argument-free values computed from large ones as constants
+    (unchanged where there are none)."""
+    targets, cone = _targets(closed)
+    if not targets:
+        return closed
+    known = _evaluated(closed, cone)
+    folded = {v for v in targets if v in known}
     if not folded:
         return closed
 
@@ -54,20 +56,55 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
     return retrace(closed, override)
 
 
-def _known_values(closed: ClosedJaxpr) -> dict[Any, Any]:
-    """The value of every variable the program computes from no argument, evaluated equation by
-    equation (each result at most ``fold_work_bytes``; larger ones are not known)."""
-    limit = policy.REWRITE.fold_work_bytes
-    known: dict[Any, Any] = {
-        v: c
-        for v, c in zip(closed.jaxpr.constvars, closed.consts)
-        if _plain(v.aval) and nbytes_of_aval(v.aval) <= limit
-    }
-    for eqn in closed.jaxpr.eqns:
-        if not _foldable(eqn, limit):
+def _targets(closed: ClosedJaxpr) -> tuple[set[Any], list[int]]:
+    """The values to fold: small, computed from no argument, and from a value over
+    ``fold_bytes`` (a reduction of a broadcast; a small value made from small ones, an ``iota``
+    of a few positions, stays where XLA makes it); and the equations that compute them, in
+    program order."""
+    small = policy.REWRITE.fold_bytes
+    consts = [v for v in closed.jaxpr.constvars if _plain(v.aval)]
+    free = set(consts)
+    from_large = {v for v in consts if nbytes_of_aval(v.aval) > small}
+    producer: dict[Any, int] = {}
+    eqns = closed.jaxpr.eqns
+    for i, eqn in enumerate(eqns):
+        if not _foldable(eqn):
             continue
+        ins = [a for a in eqn.invars if not isinstance(a, Literal)]
+        if not all(a in free for a in ins):
+            continue
+        large = any(a in from_large for a in ins)
+        for v in eqn.outvars:
+            free.add(v)
+            producer[v] = i
+            if large or nbytes_of_aval(v.aval) > small:
+                from_large.add(v)
+    targets = {v for v in from_large if v in producer and nbytes_of_aval(v.aval) <= small}
+    cone: set[int] = set()
+    stack = [producer[v] for v in targets]
+    while stack:
+        i = stack.pop()
+        if i in cone:
+            continue
+        cone.add(i)
+        stack.extend(
+            producer[a] for a in eqns[i].invars if not isinstance(a, Literal) and a in producer
+        )
+    return targets, sorted(cone)
+
+
+def _evaluated(closed: ClosedJaxpr, cone: list[int]) -> dict[Any, Any]:
+    """The values of the equations ``cone`` (argument-free, in program order), each evaluated
+    alone; an equation whose operands or results exceed ``fold_work_bytes`` is not evaluated,
+    nor is anything computed from it."""
+    limit = policy.REWRITE.fold_work_bytes
+    known: dict[Any, Any] = dict(zip(closed.jaxpr.constvars, closed.consts))
+    for i in cone:
+        eqn = closed.jaxpr.eqns[i]
         invals = [a.val if isinstance(a, Literal) else known.get(a, _MISSING) for a in eqn.invars]
         if any(v is _MISSING for v in invals):
+            continue
+        if any(nbytes_of_aval(v.aval) > limit for v in [*eqn.invars, *eqn.outvars]):
             continue
         with jax.ensure_compile_time_eval():
             outs = bind_eqn(eqn, invals)
@@ -78,15 +115,11 @@ def _known_values(closed: ClosedJaxpr) -> dict[Any, Any]:
 _MISSING = object()
 
 
-def _foldable(eqn: JaxprEqn, limit: int) -> bool:
-    """An equation this pass may evaluate: no effects, no inner programs, plain dtypes, results
-    within ``limit`` bytes each."""
+def _foldable(eqn: JaxprEqn) -> bool:
+    """An equation this pass may evaluate: no effects, no inner programs, plain dtypes."""
     if eqn.effects or inner_jaxpr(eqn) is not None or not eqn.outvars:
         return False
-    atoms = [*eqn.invars, *eqn.outvars]
-    if not all(_plain(a.aval) for a in atoms):
-        return False
-    return all(nbytes_of_aval(v.aval) <= limit for v in eqn.outvars)
+    return all(_plain(a.aval) for a in [*eqn.invars, *eqn.outvars])
 
 
 def _plain(aval: Any) -> bool:
