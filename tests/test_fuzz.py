@@ -37,7 +37,7 @@ def test_random_program(seed):
 
 
 #: Seeds of programs a campaign found answered wrongly, each fixed since (tests/fuzz/FOUND.md).
-FOUND = (258, 448, 501, 716, 1871, 1937, 2548, 3194, 3919, 7313, 7374, 10014, 10468, 11300)
+FOUND = (258, 448, 501, 716, 1871, 1937, 2548, 3194, 3919, 7313, 7374, 10014, 10468, 11300, 11524)
 
 
 @pytest.mark.parametrize("seed", FOUND)

@@ -19,6 +19,10 @@ from memsafe.pipeline import run_pass
 from memsafe.plan import Plan
 from memsafe.program import Program
 
+#: How a backward program gets an output's cotangent: as an argument, or built in as zeros or
+#: as ones (the scalar seed of ``jax.grad``).
+GIVEN, ZERO, ONE = "given", "zero", "one"
+
 
 @dataclass(frozen=True)
 class Backward:
@@ -43,6 +47,7 @@ def backward_program(
     build_options: Mapping[str, Any],
     perturbed: tuple[bool, ...],
     nonzero: tuple[bool, ...],
+    units: tuple[bool, ...] | None = None,
 ) -> Backward:
     """The VJP of ``forward``, itself rewritten and verified under ``memory_limit``.
 
@@ -55,6 +60,9 @@ def backward_program(
             (``compiler_options``, ``progress``).
         perturbed: per primal input, whether its gradient is wanted (float inputs only).
         nonzero: per output, whether its cotangent is given (else zero).
+        units: per output, whether its cotangent is the scalar 1.0, built into the program (the
+            seed of ``jax.grad``: the program is then the one ``jax.jit(jax.grad(f))``
+            compiles) rather than taken as an argument; default none.
 
     Returns:
         The :class:`Backward`.
@@ -64,17 +72,19 @@ def backward_program(
     """
     avals = forward.avals
     outvars = forward.closed.jaxpr.outvars
+    units = units or (False,) * len(nonzero)
+    kinds = [ONE if unit else GIVEN if keep else ZERO for keep, unit in zip(nonzero, units)]
     out_avals = [
         jax.ShapeDtypeStruct(v.aval.shape, v.aval.dtype)
-        for v, keep in zip(outvars, nonzero)
-        if keep
+        for v, kind in zip(outvars, kinds)
+        if kind == GIVEN
     ]
     diff = tuple(
         i
         for i, (a, p) in enumerate(zip(avals, perturbed))
         if p and jax.numpy.issubdtype(a.dtype, jax.numpy.inexact)
     )
-    outs = [(v.aval.shape, v.aval.dtype, keep) for v, keep in zip(outvars, nonzero)]
+    outs = [(v.aval.shape, v.aval.dtype, kind) for v, kind in zip(outvars, kinds)]
     simplified, rewrites = algebraic_forward(rebuild, avals, memory_limit)
     # The original gradient when it fits; the rewritten forward's only where memory needs it.
     program = build.build_program(
@@ -97,16 +107,19 @@ def vjp_of(
     forward: Callable[..., list[Any]],
     n_in: int,
     diff: Sequence[int],
-    outs: Sequence[tuple[tuple[int, ...], Any, bool]],
+    outs: Sequence[tuple[tuple[int, ...], Any, str]],
 ) -> Callable[..., list[Any]]:
     """The flat VJP function of ``forward``: arguments its ``n_in`` primal inputs, then the
-    cotangents of the outputs ``outs`` marks given ((shape, dtype, given) per output; the rest
-    are zero); outputs the gradients of the inputs at ``diff``."""
+    cotangents of the outputs ``outs`` marks given ((shape, dtype, kind) per output: ``GIVEN``,
+    ``ZERO`` or ``ONE``, the last two built in); outputs the gradients of the inputs at
+    ``diff``."""
 
     def vjp_fun(*flat: Any) -> list[Any]:
         primals, given = flat[:n_in], iter(flat[n_in:])
+        made = {ZERO: jax.numpy.zeros, ONE: jax.numpy.ones}
         cts = [
-            next(given) if keep else jax.numpy.zeros(shape, dtype) for shape, dtype, keep in outs
+            next(given) if kind == GIVEN else made[kind](shape, dtype)
+            for shape, dtype, kind in outs
         ]
 
         def of_diff(*d: Any) -> list[Any]:

@@ -196,7 +196,8 @@ class MemsafeFunction:
 
         Args:
             *args: the arguments as for a call; arrays may be ``jax.ShapeDtypeStruct``.
-            argnums: the positional arguments differentiated, as ``jax.grad``'s ``argnums``.
+            argnums: the positional arguments differentiated, as ``jax.grad``'s ``argnums``
+                (the program ``jax.grad`` runs: a scalar output's cotangent is its seed 1.0).
                 Left out: the gradient program that ran last for these arguments (the inputs
                 ``jax.grad`` perturbed, the cotangents it passed), or, before any ran, the
                 gradient w.r.t. every floating-point input.
@@ -214,7 +215,10 @@ class MemsafeFunction:
             ran = self._latest_backward.get(key)
             return (ran or self._backward_program(program, rebuild, key).program).plan
         perturbed = self._spec.flags(args, kwargs, argnums)
-        return self._backward_program(program, rebuild, key, perturbed).program.plan
+        outs = [v.aval for v in program.closed.jaxpr.outvars]
+        seeded = len(outs) == 1 and outs[0].shape == () and _floating(outs[0].dtype)
+        units = (True,) if seeded else None
+        return self._backward_program(program, rebuild, key, perturbed, None, units).program.plan
 
     # -- differentiation ---------------------------------------------------------------------
 
@@ -225,13 +229,16 @@ class MemsafeFunction:
         key: Any,
         perturbed: tuple[bool, ...] | None = None,
         nonzero: tuple[bool, ...] | None = None,
+        units: tuple[bool, ...] | None = None,
     ) -> Backward:
         """The VJP program of ``program`` (memsafe.backward), cached: gradients of the
         ``perturbed`` float inputs (default all) from the ``nonzero`` output cotangents (default
-        all), which are its arguments after the primal inputs."""
+        all), which are its arguments after the primal inputs except the ``units``, the scalar
+        1.0 built in (default none)."""
         perturbed = perturbed or (True,) * len(program.avals)
         nonzero = nonzero or (True,) * len(program.closed.jaxpr.outvars)
-        found = self._backward.get((key, perturbed, nonzero))
+        units = units or (False,) * len(nonzero)
+        found = self._backward.get((key, perturbed, nonzero, units))
         if found is None:
             found = backward_program(
                 program,
@@ -241,8 +248,9 @@ class MemsafeFunction:
                 self._build_options,
                 perturbed,
                 nonzero,
+                units,
             )
-            self._backward[(key, perturbed, nonzero)] = found
+            self._backward[(key, perturbed, nonzero, units)] = found
             self._latest_backward[key] = found.program  # shown by plan()
         return found
 
@@ -265,15 +273,21 @@ class MemsafeFunction:
         whose forward and backward re-plan under ``jax.vmap`` (memsafe.gradient)."""
 
         def backward_for(
-            perturbed: tuple[bool, ...], nonzero: tuple[bool, ...]
+            perturbed: tuple[bool, ...], nonzero: tuple[bool, ...], units: tuple[bool, ...]
         ) -> tuple[BatchedProgram, list[int]]:
-            backward = self._backward_program(program, rebuild, key, perturbed, nonzero)
+            backward = self._backward_program(program, rebuild, key, perturbed, nonzero, units)
             batched = self._batched(
-                backward.program, backward.program.source, ("backward", key, perturbed, nonzero)
+                backward.program,
+                backward.program.source,
+                ("backward", key, perturbed, nonzero, units),
             )
             return batched, list(backward.diff_positions)
 
         return differentiable(self._batched(program, rebuild, key), backward_for)
+
+
+def _floating(dtype: Any) -> bool:
+    return bool(jax.numpy.issubdtype(dtype, jax.numpy.floating))
 
 
 def jit(
