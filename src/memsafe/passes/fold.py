@@ -8,7 +8,7 @@ division by a constant becomes a multiplication by the reciprocal, fused with wh
 seed 11300: ``1 + sum(-ones(8800)) / 8800`` folded is 0, computed in memsafe's loop -6.8e-9, and a
 gradient jax.jit returns as exactly zero came out 2.1e-6). This pass evaluates every equation
 whose operands are all known (literals, the program's constants, values it evaluated) and that
-leads to a small result (``policy.REWRITE.fold_bytes``) computed from a larger argument-free
+leads to a small result (``policy.REWRITE.fold_bytes``) reduced from a larger argument-free
 value, and puts each such result in the program as a constant. The larger values stay as the
 equations that make them (a broadcast the split regenerates per chunk) and are evaluated only to
 fold what is computed from them, up to ``policy.REWRITE.fold_work_bytes``; a small value made
@@ -22,6 +22,7 @@ dtypes (PRNG keys) are left as they are.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -57,15 +58,17 @@ def run(closed: ClosedJaxpr, ctx: PassContext) -> ClosedJaxpr:
 
 
 def _targets(closed: ClosedJaxpr) -> tuple[set[Any], list[int]]:
-    """The values to fold: small, computed from no argument, and from a value over
-    ``fold_bytes`` (a reduction of a broadcast; a small value made from small ones, an ``iota``
-    of a few positions, stays where XLA makes it); and the equations that compute them, in
-    program order."""
+    """The values to fold: small, computed from no argument, and reduced from a larger value
+    that was computed from one over ``fold_bytes`` (a sum of a broadcast: a split would compute
+    it in a loop; a small value made from small ones, an ``iota`` of a few positions, or a mask
+    made elementwise from a large ``iota`` stays where XLA makes it); and the equations that
+    compute them, in program order."""
     small = policy.REWRITE.fold_bytes
     consts = [v for v in closed.jaxpr.constvars if _plain(v.aval)]
     free = set(consts)
     from_large = {v for v in consts if nbytes_of_aval(v.aval) > small}
     producer: dict[Any, int] = {}
+    targets: set[Any] = set()
     eqns = closed.jaxpr.eqns
     for i, eqn in enumerate(eqns):
         if not _foldable(eqn):
@@ -73,13 +76,14 @@ def _targets(closed: ClosedJaxpr) -> tuple[set[Any], list[int]]:
         ins = [a for a in eqn.invars if not isinstance(a, Literal)]
         if not all(a in free for a in ins):
             continue
-        large = any(a in from_large for a in ins)
+        large = [a for a in ins if a in from_large]
         for v in eqn.outvars:
             free.add(v)
             producer[v] = i
             if large or nbytes_of_aval(v.aval) > small:
                 from_large.add(v)
-    targets = {v for v in from_large if v in producer and nbytes_of_aval(v.aval) <= small}
+            if nbytes_of_aval(v.aval) <= small and any(_size(a) > _size(v) for a in large):
+                targets.add(v)
     cone: set[int] = set()
     stack = [producer[v] for v in targets]
     while stack:
@@ -120,6 +124,11 @@ def _foldable(eqn: JaxprEqn) -> bool:
     if eqn.effects or inner_jaxpr(eqn) is not None or not eqn.outvars:
         return False
     return all(_plain(a.aval) for a in [*eqn.invars, *eqn.outvars])
+
+
+def _size(var: Any) -> int:
+    """Elements of a variable's value."""
+    return math.prod(var.aval.shape)
 
 
 def _plain(aval: Any) -> bool:
