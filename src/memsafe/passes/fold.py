@@ -17,7 +17,7 @@ of a split's loop.
 
 Each equation is evaluated alone, as XLA's folding evaluates it. Equations with effects, with
 programs in their parameters (loops, calls, custom derivatives) and with values of extended
-dtypes (PRNG keys) are left as they are.
+dtypes (PRNG keys) are left as they are, and loop bodies are not looked into.
 """
 
 from __future__ import annotations
