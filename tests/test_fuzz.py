@@ -48,8 +48,9 @@ def test_found_by_campaigns(seed):
 
 #: Campaign seeds still answered wrongly (tests/fuzz/FOUND.md, open): strict xfails, so that a
 #: fix shows here. 11307: XLA contracts a product and a sum of memsafe's loop into one rounding;
-#: 12336: a max and the comparison of its gradient compiled into two kernels of one loop body.
-OPEN = (11307, 12336)
+#: 12336: a max and the comparison of its gradient compiled into two kernels of one loop body;
+#: 12527: a NaN input's gradient through max and a fori_loop, NaN spread over the gradient.
+OPEN = (11307, 12336, 12527)
 
 
 @pytest.mark.xfail(strict=True, reason="open in tests/fuzz/FOUND.md")
