@@ -120,9 +120,10 @@ class RewritePolicy:
             it, the elementwise form is left to XLA's fusion (and to splitting, for memory).
         centre_sample: rows of each input a distance's centre is estimated from (an evenly
             strided sample).
-        fold_bytes: values computed from no argument up to this size are evaluated while
-            planning and put in the program as constants (the fold pass: XLA folds them in
-            jax.jit's program, and a split loop would compute them at run time otherwise).
+        fold_bytes: values up to this size reduced from a larger value computed from no
+            argument are evaluated while planning and put in the program as constants (the fold
+            pass: XLA folds them in jax.jit's program, and a split loop would compute them at
+            run time otherwise).
         fold_work_bytes: the largest value the fold pass evaluates to fold what is computed
             from it (a broadcast of ones summed).
     """
